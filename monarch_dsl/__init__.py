@@ -1,0 +1,34 @@
+"""monarch_dsl: drive a mesh of processes (and their GPUs) from one Python program.
+
+``import monarch_dsl as md``; the contract is SPEC.md.
+"""
+
+from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
+from monarch_dsl.errors import ActorError, MonarchError, SpawnError, SupervisionError
+from monarch_dsl.future import Future
+from monarch_dsl.mesh import Mesh
+from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
+from monarch_dsl.runtime.context import Point, current_rank
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Actor",
+    "ActorError",
+    "ActorMesh",
+    "EndpointRef",
+    "Future",
+    "LocalHost",
+    "Mesh",
+    "MonarchError",
+    "Point",
+    "ProcMesh",
+    "RemoteHosts",
+    "SpawnError",
+    "SupervisionError",
+    "ValueMesh",
+    "current_rank",
+    "endpoint",
+    "remote_hosts",
+    "this_host",
+]

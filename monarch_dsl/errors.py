@@ -1,0 +1,53 @@
+"""The exceptions users catch."""
+
+from __future__ import annotations
+
+
+class MonarchError(Exception):
+    """Base class of monarch_dsl's errors."""
+
+
+class ActorError(MonarchError):
+    """An endpoint (or an actor's constructor) raised. The actor survives.
+
+    ``rank``: the flat rank of the failing actor in its actor mesh; ``point``: its coordinates;
+    ``remote_traceback``: the traceback as printed on the worker; ``exception``: the original
+    exception when it could be sent back (else None).
+    """
+
+    def __init__(self, message: str, *, rank=None, point=None, remote_traceback="", exception=None):
+        super().__init__(message)
+        self.rank = rank
+        self.point = point
+        self.remote_traceback = remote_traceback
+        self.exception = exception
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback:
+            text += "\n\nremote traceback:\n" + self.remote_traceback.rstrip()
+        return text
+
+
+class SupervisionError(MonarchError):
+    """A worker process died: every pending and later call that needs it fails with this.
+
+    ``rank``: the dead worker's rank in its process allocation; ``coords``: its coordinates;
+    ``stderr``: the end of what it wrote to stderr (local workers).
+    """
+
+    def __init__(self, message: str, *, rank=None, coords=None, stderr=""):
+        super().__init__(message)
+        self.rank = rank
+        self.coords = coords
+        self.stderr = stderr
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.stderr:
+            text += "\n\nits stderr ended with:\n" + self.stderr.rstrip()
+        return text
+
+
+class SpawnError(SupervisionError):
+    """A worker could not start (its setup raised, it died, or it did not join in time)."""

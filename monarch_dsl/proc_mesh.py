@@ -1,0 +1,229 @@
+"""Process meshes: ``md.this_host().spawn_procs({"gpu": 4})`` and ``md.remote_hosts(...)``."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from monarch_dsl import actor as _actor
+from monarch_dsl.mesh import Mesh
+from monarch_dsl.runtime import controller, serialize, transport
+
+DEFAULT_TIMEOUT = 120.0
+
+atexit.register(controller.stop_all)
+
+
+class ProcMesh(Mesh):
+    """A mesh of worker processes. Every mesh operation (rename, split, slice, flatten) gives a
+    ProcMesh over the same processes; ``stop()`` ends them all."""
+
+    _job: controller.Job
+
+    def _derive(self, dims: tuple[str, ...], ranks: np.ndarray) -> ProcMesh:
+        pm = ProcMesh._from_array(dims, ranks)
+        pm._job = self._job
+        return pm
+
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> _actor.ActorMesh:
+        """Create an instance of ``cls`` (an ``md.Actor``) in every process of this mesh; waits
+        until every constructor has run (raises ``md.ActorError`` if one raised)."""
+        return _actor.spawn(self, name, cls, args, kwargs)
+
+    def stop(self) -> None:
+        """Stop every worker of the allocation this mesh belongs to (slices included)."""
+        self._job.stop()
+
+    @property
+    def stopped(self) -> bool:
+        return self._job.stopped
+
+    def __enter__(self) -> ProcMesh:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ProcMesh({str(self)!r})"
+
+
+def _check_shape(per_host: Mapping[str, int], what: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if not isinstance(per_host, Mapping) or not per_host:
+        raise TypeError(f"{what} takes a non-empty dict of dim name -> size, got {per_host!r}")
+    mesh = Mesh(dict(per_host))  # validates names and sizes
+    return mesh.dims, tuple(mesh.sizes.values())
+
+
+def _progress_printer(label: str, quiet: bool) -> Callable[[int, int], None]:
+    start = time.monotonic()
+    tty = sys.stderr.isatty()
+    state = {"last": -1}
+
+    def progress(ready: int, total: int) -> None:
+        if quiet or ready == state["last"]:
+            return
+        state["last"] = ready
+        elapsed = time.monotonic() - start
+        if ready == total:
+            end = "\n"
+            text = f"monarch_dsl: {label}: {total}/{total} workers ready in {elapsed:.2f} s"
+        elif tty:
+            end = ""
+            text = f"monarch_dsl: {label}: {ready}/{total} workers ready..."
+        else:
+            return
+        sys.stderr.write(("\r" if tty else "") + text + end)
+        sys.stderr.flush()
+
+    return progress
+
+
+def _quiet() -> bool:
+    return os.environ.get("MONARCH_DSL_QUIET", "0") not in ("", "0")
+
+
+class LocalHost:
+    """This machine: ``spawn_procs`` starts worker processes here."""
+
+    def spawn_procs(
+        self,
+        per_host: Mapping[str, int] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        setup: Callable[[], Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> ProcMesh:
+        """Start one worker process per rank of ``per_host`` (e.g. ``{"gpu": 4}``, or
+        ``{"host": 2, "gpu": 4}`` to fake 2 hosts). ``env`` is added to each worker's
+        environment; ``setup()`` runs in each worker before it joins (a raise there is reported
+        as ``md.SpawnError`` with the worker's stderr)."""
+        dims, sizes = _check_shape(per_host if per_host is not None else {"gpu": 1}, "spawn_procs")
+        if env is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise TypeError("env must map str to str")
+        if setup is not None and not callable(setup):
+            raise TypeError(f"setup must be callable, got {type(setup).__name__}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        setup_bytes = None
+        if setup is not None:
+            payload, buffers = serialize.dumps(setup)
+            if buffers:
+                raise TypeError("setup must not close over tensors")
+            setup_bytes = payload
+        label = ",".join(f"{d}={s}" for d, s in zip(dims, sizes))
+        job = controller.Job(dims, sizes)
+        controller.register(job)
+        local = sizes[-1] if dims[0] == "host" and len(dims) > 1 else job.world
+        try:
+            job.start_local(
+                local, dict(env or {}), setup_bytes, timeout, _progress_printer(label, _quiet())
+            )
+        except BaseException:
+            job.stop(raise_errors=False)
+            raise
+        return _root(job)
+
+    def __repr__(self) -> str:
+        return "LocalHost()"
+
+
+def _root(job: controller.Job) -> ProcMesh:
+    pm = ProcMesh._from_array(job.dims, np.arange(job.world).reshape(job.sizes))
+    pm._job = job
+    return pm
+
+
+_this_host = LocalHost()
+
+
+def this_host() -> LocalHost:
+    """The local host. Starting the fork server here (not at the first spawn) lets it fork
+    from a controller that has not yet run a multi-threaded torch op."""
+    controller.fork_server().ensure_started()
+    return _this_host
+
+
+class RemoteHosts:
+    """Workers started by an external launcher (torchrun, SLURM, Kubernetes, Ray) that join this
+    controller over TCP. Start them with ``command()`` and the variables of ``env()``, then call
+    ``spawn_procs`` to wait for them."""
+
+    def __init__(self, hosts: int, listen: str, token: bytes | None):
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+            raise ValueError(f"hosts must be a positive int, got {hosts!r}")
+        self.hosts = hosts
+        self._listen = listen
+        self._token = token or transport.new_token()
+        self._job: controller.Job | None = None
+        self._per_host: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+
+    def _ensure_job(self, dims: tuple[str, ...], sizes: tuple[int, ...]) -> controller.Job:
+        if self._job is None:
+            self._job = controller.Job(
+                ("host", *dims), (self.hosts, *sizes), listen=self._listen, token=self._token
+            )
+            controller.register(self._job)
+            self._per_host = (dims, sizes)
+        elif self._per_host != (dims, sizes):
+            raise ValueError(
+                f"this allocation was set up for {dict(zip(*self._per_host))} per host, "
+                f"not {dict(zip(dims, sizes))}"
+            )
+        return self._job
+
+    def listen(self, per_host: Mapping[str, int]) -> str:
+        """Open the listening socket for ``per_host`` workers per host; returns its address."""
+        dims, sizes = _check_shape(per_host, "listen")
+        if "host" in dims:
+            raise ValueError("'host' is the dim of the hosts; name the per-host dims otherwise")
+        return self._ensure_job(dims, sizes).address
+
+    @property
+    def address(self) -> str:
+        if self._job is None:
+            raise RuntimeError("call listen(per_host) (or spawn_procs) first")
+        return self._job.address
+
+    def env(self) -> dict[str, str]:
+        """Variables every launched worker needs (the job's secret token)."""
+        return {"MONARCH_DSL_TOKEN": self._token.hex()}
+
+    def command(self) -> list[str]:
+        """The command each launched worker runs (it takes its rank from --rank or the
+        launcher's RANK / SLURM_PROCID / OMPI_COMM_WORLD_RANK)."""
+        return [sys.executable, "-m", "monarch_dsl", "worker", "--connect", self.address]
+
+    def spawn_procs(
+        self, per_host: Mapping[str, int], *, timeout: float = DEFAULT_TIMEOUT
+    ) -> ProcMesh:
+        """Wait until every worker (hosts x per_host) has joined; returns their ProcMesh."""
+        self.listen(per_host)
+        job = self._job
+        assert job is not None
+        label = f"{self.hosts} remote host(s) at {job.address}"
+        try:
+            job.wait_joined(timeout, _progress_printer(label, _quiet()))
+        except BaseException:
+            job.stop(raise_errors=False)
+            raise
+        return _root(job)
+
+
+def remote_hosts(
+    hosts: int, *, listen: str = "tcp:127.0.0.1:0", token: bytes | None = None
+) -> RemoteHosts:
+    """An allocation of ``hosts`` hosts whose workers an external launcher starts.
+
+    ``listen``: where the controller accepts workers (loopback unless told otherwise, e.g.
+    ``"tcp:0.0.0.0:29600"`` for other machines)."""
+    transport.parse_address(listen)
+    return RemoteHosts(hosts, listen, token)

@@ -1,0 +1,668 @@
+"""The controller's side of a process allocation (a ``Job``): the workers' connections, the
+receiver thread that completes futures, supervision, and the fork server for local workers."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from monarch_dsl.errors import ActorError, SpawnError, SupervisionError
+from monarch_dsl.future import Future
+from monarch_dsl.runtime import logs, transport
+from monarch_dsl.runtime.context import Point
+from monarch_dsl.runtime.messages import (
+    ChildExited,
+    Configure,
+    ErrorReply,
+    Forked,
+    ForkServerReady,
+    ForkServerUnsafe,
+    ForkWorkers,
+    Hello,
+    Reply,
+    StopWorker,
+)
+
+log = logging.getLogger("monarch_dsl")
+
+_call_ids = itertools.count(1)
+STOP_TIMEOUT = 5.0
+EXIT_STATUS_WAIT = 1.0
+
+
+def describe_status(status: int | None) -> str:
+    if status is None:
+        return "exited (status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"was killed by signal {name}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+# =============================================================================== fork server
+
+
+class ForkServerClient:
+    """The controller's handle on its fork server (one per controller process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chan: socket.socket | None = None
+        self._pid: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._requests: dict[int, Future] = {}
+        self._exit_watchers: dict[int, Callable[[int], None]] = {}
+        self._exited: dict[int, int] = {}
+        self._ids = itertools.count(1)
+        self.mode = ""
+        self._stderr_path = ""
+
+    # ------------------------------------------------------------------ start
+    def ensure_started(self, timeout: float = 120.0) -> None:
+        with self._lock:
+            if self._chan is not None:
+                return
+            want = os.environ.get("MONARCH_DSL_FORK_SERVER", "fork")
+            if want not in ("fork", "fresh"):
+                raise ValueError(f"MONARCH_DSL_FORK_SERVER must be 'fork' or 'fresh', got {want!r}")
+            reason = ""
+            if want == "fork":
+                reason = self._fork_unsafe_reason()
+                if not reason:
+                    ready = self._start_forked(timeout)
+                    if isinstance(ready, ForkServerReady):
+                        self.mode = "forked from the controller"
+                        return self._start_reader()
+                    reason = ready.reason
+            self._start_fresh(timeout)
+            self.mode = "fresh interpreter"
+            if reason:
+                log.info("monarch_dsl: fork server started fresh because %s", reason)
+            self._start_reader()
+
+    @staticmethod
+    def _fork_unsafe_reason() -> str:
+        if not hasattr(os, "fork"):
+            return "this platform cannot fork"
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return "CUDA is initialized in the controller"
+        return ""
+
+    def _start_forked(self, timeout: float):
+        from monarch_dsl.runtime import worker, zygote  # noqa: F401 - imported before the fork
+
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.environ["MONARCH_DSL_ROLE"] = "fork-server"
+                parent.close()
+                os.setsid()
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                zygote.ForkServer(child, forked_from_controller=True).serve()
+            finally:
+                os._exit(1)
+        child.close()
+        msg = self._first_message(parent, timeout, lambda: "")
+        if isinstance(msg, ForkServerUnsafe):
+            os.waitpid(pid, 0)
+            parent.close()
+            return msg
+        self._chan, self._pid = parent, pid
+        return msg
+
+    def _start_fresh(self, timeout: float) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd, self._stderr_path = tempfile.mkstemp(prefix="monarch_dsl-forkserver-", suffix=".err")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_dsl.runtime.zygote", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            stderr=fd,
+            env=env,
+            start_new_session=True,
+        )
+        os.close(fd)
+        child.close()
+        self._first_message(parent, timeout, self._fresh_stderr)
+        self._chan, self._pid = parent, self._proc.pid
+
+    def _fresh_stderr(self) -> str:
+        try:
+            with open(self._stderr_path, errors="replace") as f:
+                return f.read()[-8000:]
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _first_message(chan: socket.socket, timeout: float, stderr: Callable[[], str]):
+        chan.settimeout(timeout)
+        try:
+            data = chan.recv(1 << 20)
+        except TimeoutError:
+            data = None
+        chan.settimeout(None)
+        if not data:
+            what = "did not start in time" if data is None else "exited during startup"
+            raise SpawnError(f"the monarch_dsl fork server {what}", stderr=stderr())
+        return pickle.loads(data)
+
+    def _start_reader(self) -> None:
+        threading.Thread(target=self._read_loop, name="md-forkserver", daemon=True).start()
+
+    # ------------------------------------------------------------------ use
+    def fork(self, request: ForkWorkers, fds: Sequence[int], timeout: float) -> tuple[int, ...]:
+        self.ensure_started()
+        fut: Future = Future()
+        request = request._replace(request_id=next(self._ids))
+        self._requests[request.request_id] = fut
+        assert self._chan is not None
+        socket.send_fds(self._chan, [pickle.dumps(request)], list(fds))
+        return fut.get(timeout)
+
+    def watch_exit(self, pid: int, callback: Callable[[int], None]) -> None:
+        """Call ``callback(status)`` (from the reader thread) when ``pid`` exits."""
+        with self._lock:
+            status = self._exited.pop(pid, None)
+            if status is None:
+                self._exit_watchers[pid] = callback
+                return
+        callback(status)
+
+    def _read_loop(self) -> None:
+        assert self._chan is not None
+        while True:
+            try:
+                data = self._chan.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                self._on_lost()
+                return
+            msg = pickle.loads(data)
+            if isinstance(msg, Forked):
+                fut = self._requests.pop(msg.request_id, None)
+                if fut is not None:
+                    fut.set_result(msg.pids)
+            elif isinstance(msg, ChildExited):
+                with self._lock:
+                    cb = self._exit_watchers.pop(msg.pid, None)
+                    if cb is None:
+                        self._exited[msg.pid] = msg.status
+                if cb is not None:
+                    cb(msg.status)
+
+    def _on_lost(self) -> None:
+        with self._lock:
+            self._chan = None
+            watchers, self._exit_watchers = self._exit_watchers, {}
+            requests, self._requests = self._requests, {}
+        err = SpawnError("the monarch_dsl fork server died", stderr=self._fresh_stderr())
+        for fut in requests.values():
+            fut.set_exception(err)
+        for cb in watchers.values():
+            cb(-1)
+
+
+_fork_server = ForkServerClient()
+
+
+def fork_server() -> ForkServerClient:
+    return _fork_server
+
+
+# =============================================================================== pending calls
+
+
+class Pending:
+    """One call awaiting replies from some ranks of a job."""
+
+    __slots__ = ("future", "ranks", "index", "values", "remaining", "finish", "on_item", "point_of")
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        finish: Callable[[list], Any] | None,
+        on_item: Callable[[int, Any, BaseException | None], None] | None = None,
+        point_of: Callable[[int], Point] | None = None,
+    ):
+        self.future: Future = Future()
+        self.ranks = ranks
+        self.index = {r: i for i, r in enumerate(ranks)} if len(ranks) > 1 else None
+        self.values: list = [None] * len(ranks)
+        self.remaining = len(ranks)
+        self.finish = finish
+        self.on_item = on_item
+        self.point_of = point_of
+
+
+# =============================================================================== job
+
+
+class Job:
+    """A set of worker processes (the root of a ProcMesh) and their connections."""
+
+    def __init__(
+        self,
+        dims: tuple[str, ...],
+        sizes: tuple[int, ...],
+        *,
+        listen: str | None = None,
+        token: bytes | None = None,
+    ):
+        self.dims, self.sizes = dims, sizes
+        self.world = 1
+        for s in sizes:
+            self.world *= s
+        self.token = token or transport.new_token()
+        self._dir = ""
+        if listen is None:
+            self._dir = tempfile.mkdtemp(prefix="monarch_dsl-")  # 0700: private to the user
+            listen = "unix:" + os.path.join(self._dir, "controller.sock")
+        self.listener, self.address = transport.listen(listen)
+        self.conns: dict[int, transport.Connection] = {}
+        self.hellos: dict[int, Hello] = {}
+        self.pids: dict[int, int] = {}  # local workers: rank -> pid
+        self.stderr: dict[int, Any] = {}  # local workers: rank -> log pipe
+        self.dead: dict[int, SupervisionError] = {}
+        self.exit_status: dict[int, int] = {}
+        self.pending: dict[int, Pending] = {}
+        self.pending_by_rank: dict[int, set[int]] = {}
+        self.stopping = False
+        self.stopped = False
+        self._cond = threading.Condition()
+        self._startup_failure: SpawnError | None = None
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._sel.register(self.listener, selectors.EVENT_READ, "listener")
+        self._thread = threading.Thread(target=self._run, name="md-receiver", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ naming
+    def coords(self, rank: int) -> dict[str, int]:
+        return dict(Point.of_index(rank, self.dims, self.sizes))
+
+    def describe(self, rank: int) -> str:
+        coords = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
+        pid = self.pids.get(rank) or (self.hellos[rank].pid if rank in self.hellos else None)
+        where = f", pid {pid}" if pid else ""
+        if rank in self.hellos and self.hellos[rank].hostname != socket.gethostname():
+            where += f" on {self.hellos[rank].hostname}"
+        return f"rank {rank} ({coords}{where})"
+
+    # ------------------------------------------------------------------ startup
+    def start_local(
+        self,
+        local_world_size: int,
+        env: dict[str, str],
+        setup: bytes | None,
+        timeout: float,
+        progress: Callable[[int, int], None],
+    ) -> None:
+        """Fork every worker from the fork server and wait until all have joined."""
+        server = fork_server()
+        server.ensure_started()
+        fds, keep = [], []
+        for rank in range(self.world):
+            label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            logs.forwarder().add(out_r, label, is_err=False)
+            self.stderr[rank] = logs.forwarder().add(err_r, label, is_err=True)
+            fds += [out_w, err_w]
+        request = ForkWorkers(
+            0,
+            self.address,
+            self.token,
+            tuple(range(self.world)),
+            self.world,
+            local_world_size,
+            env,
+            tuple(sys.path),
+            os.getcwd(),
+            setup,
+        )
+        try:
+            pids = server.fork(request, fds, timeout)
+        finally:
+            for fd in fds + keep:
+                os.close(fd)
+        for rank, pid in enumerate(pids):
+            self.pids[rank] = pid
+            server.watch_exit(pid, lambda status, rank=rank: self._on_exit(rank, status))
+        self.wait_joined(timeout, progress)
+
+    def wait_joined(self, timeout: float, progress: Callable[[int, int], None]) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self.hellos) < self.world and self._startup_failure is None:
+                progress(len(self.hellos), self.world)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in range(self.world) if r not in self.hellos]
+                    self._startup_failure = SpawnError(
+                        f"{len(missing)} of {self.world} workers did not join within {timeout} s "
+                        f"(missing: {', '.join(self.describe(r) for r in missing[:8])})",
+                        rank=missing[0],
+                        coords=self.coords(missing[0]),
+                        stderr=self._stderr_of(missing[0]),
+                    )
+                    break
+                self._cond.wait(left)
+            failure = self._startup_failure
+        if failure is not None:
+            self.stop(raise_errors=False)
+            raise failure
+        progress(self.world, self.world)
+        configure = transport.encode(Configure(self.dims, self.sizes))
+        for conn in self.conns.values():
+            conn.send_encoded(configure)
+
+    def _stderr_of(self, rank: int) -> str:
+        return logs.forwarder().stderr_tail(self.stderr.get(rank))
+
+    def _on_exit(self, rank: int, status: int) -> None:
+        """From the fork server's reader: a local worker exited."""
+        with self._cond:
+            self.exit_status[rank] = status
+            self._cond.notify_all()
+            if rank not in self.hellos and not self.stopping and self._startup_failure is None:
+                self._startup_failure = SpawnError(
+                    f"worker {self.describe(rank)} failed to start: it {describe_status(status)}",
+                    rank=rank,
+                    coords=self.coords(rank),
+                    stderr=self._stderr_of(rank),
+                )
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ receiver thread
+    def _run(self) -> None:
+        while not self.stopped:
+            for key, _ in self._sel.select():
+                data = key.data
+                if data is None:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif data == "listener":
+                    self._accept()
+                else:
+                    rank, conn = data
+                    try:
+                        msgs = conn.reader.read()
+                    except (EOFError, OSError, transport.ProtocolError) as e:
+                        self._on_lost(rank, conn, e)
+                        continue
+                    for msg in msgs:
+                        self._dispatch(rank, msg)
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self.listener.accept()
+        except OSError:
+            return
+        threading.Thread(
+            target=self._admit, args=(sock, addr), daemon=True, name="md-handshake"
+        ).start()
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        peer = str(addr) if addr else "a local process"
+        try:
+            transport.handshake_listener(sock, self.token)
+            sock.settimeout(transport.HANDSHAKE_TIMEOUT)
+            conn = transport.Connection(sock, peer)
+            hello = conn.recv()
+            sock.settimeout(None)
+            if not isinstance(hello, Hello):
+                raise transport.ProtocolError(f"expected Hello, got {type(hello).__name__}")
+            with self._cond:
+                if not 0 <= hello.rank < self.world or hello.rank in self.hellos:
+                    raise transport.ProtocolError(
+                        f"rank {hello.rank} is out of range or already joined (world {self.world})"
+                    )
+                if self.stopping:
+                    raise transport.ProtocolError("the mesh is stopping")
+                self.conns[hello.rank] = conn
+                self.hellos[hello.rank] = hello
+                self.pending_by_rank[hello.rank] = set()
+                self._sel.register(conn.sock, selectors.EVENT_READ, (hello.rank, conn))
+                self._cond.notify_all()
+            os.write(self._wake_w, b"x")
+        except (transport.ProtocolError, OSError, EOFError) as e:
+            log.warning(
+                "monarch_dsl: refused a connection to %s from %s: %s", self.address, peer, e
+            )
+            sock.close()
+
+    def _dispatch(self, rank: int, msg: Any) -> None:
+        cls = type(msg)
+        if cls is Reply:
+            self._deliver(rank, msg.call_id, msg.value, None)
+        elif cls is ErrorReply:
+            exc = None
+            if msg.exception is not None:
+                try:
+                    exc = pickle.loads(msg.exception)
+                except Exception:  # noqa: BLE001 - the text is enough
+                    exc = None
+            p = self.pending.get(msg.call_id)
+            point = p.point_of(rank) if p is not None and p.point_of else None
+            where = f"actor {point}" if point is not None else self.describe(rank)
+            first = msg.traceback.strip().splitlines()[-1] if msg.traceback.strip() else "error"
+            err = ActorError(
+                f"{where} raised: {first}",
+                rank=point.rank if point else rank,
+                point=point,
+                remote_traceback=msg.traceback,
+                exception=exc,
+            )
+            self._deliver(rank, msg.call_id, None, err)
+        else:
+            log.warning("monarch_dsl: dropped a message from %s: %r", self.describe(rank), msg)
+
+    def _deliver(self, rank: int, call_id: int, value: Any, exc: BaseException | None) -> None:
+        p = self.pending.get(call_id)
+        if p is None:
+            return
+        if p.on_item is not None:
+            p.on_item(rank, value, exc)
+        if exc is not None and p.on_item is None:
+            self._forget(call_id, p)
+            p.future.set_exception(exc)
+            return
+        i = 0 if p.index is None else p.index[rank]
+        p.values[i] = value
+        p.remaining -= 1
+        self.pending_by_rank[rank].discard(call_id)
+        if p.remaining == 0:
+            del self.pending[call_id]
+            p.future.set_result(p.finish(p.values) if p.finish else None)
+
+    def _forget(self, call_id: int, p: Pending) -> None:
+        self.pending.pop(call_id, None)
+        for r in p.ranks:
+            s = self.pending_by_rank.get(r)
+            if s is not None:
+                s.discard(call_id)
+
+    def _on_lost(self, rank: int, conn: transport.Connection, why: BaseException) -> None:
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        if self.stopping:
+            with self._cond:
+                self.conns.pop(rank, None)
+                self._cond.notify_all()
+            return
+        if rank in self.pids:  # a local worker: give the fork server a moment to report why
+            with self._cond:
+                self._cond.wait_for(lambda: rank in self.exit_status, EXIT_STATUS_WAIT)
+        status = self.exit_status.get(rank)
+        how = describe_status(status) if rank in self.pids else f"lost its connection ({why})"
+        err = SupervisionError(
+            f"worker {self.describe(rank)} {how}",
+            rank=rank,
+            coords=self.coords(rank),
+            stderr=self._stderr_of(rank),
+        )
+        log.warning("monarch_dsl: %s", err.args[0])
+        with self._cond:
+            self.dead[rank] = err
+            self.conns.pop(rank, None)
+            call_ids = self.pending_by_rank.pop(rank, set())
+            self._cond.notify_all()
+        for call_id in call_ids:
+            p = self.pending.get(call_id)
+            if p is None:
+                continue
+            if p.on_item is not None:
+                p.on_item(rank, None, err)
+                p.remaining -= 1
+                if p.remaining == 0:
+                    self._forget(call_id, p)
+                    p.future.set_result(None)
+                continue
+            self._forget(call_id, p)
+            p.future.set_exception(err)
+
+    # ------------------------------------------------------------------ sending
+    def check_alive(self, ranks: Sequence[int]) -> None:
+        if self.stopped or self.stopping:
+            raise SupervisionError("this process mesh has been stopped")
+        if self.dead:
+            for r in ranks:
+                err = self.dead.get(r)
+                if err is not None:
+                    raise err
+
+    def request(
+        self,
+        ranks: Sequence[int],
+        msg_for: Callable[[int], Any],
+        finish: Callable[[list], Any] | None = None,
+        on_item: Callable[[int, Any, BaseException | None], None] | None = None,
+        point_of: Callable[[int], Point] | None = None,
+    ) -> Future:
+        """Send ``msg_for(call_id)`` to every rank; the future completes with
+        ``finish(values)`` once all have replied, or with the first error."""
+        self.check_alive(ranks)
+        call_id = next(_call_ids)
+        p = Pending(ranks, finish, on_item, point_of)
+        parts = transport.encode(msg_for(call_id))
+        with self._cond:
+            self.pending[call_id] = p
+            for r in ranks:
+                waiting = self.pending_by_rank.get(r)
+                if waiting is None:  # died (or never joined) since check_alive
+                    self._forget(call_id, p)
+                    self.check_alive([r])
+                    raise SupervisionError(f"worker {self.describe(r)} is not connected")
+                waiting.add(call_id)
+        self._send_all(ranks, parts)
+        return p.future
+
+    def post(self, ranks: Sequence[int], msg: Any) -> None:
+        """Send without expecting a reply."""
+        self.check_alive(ranks)
+        self._send_all(ranks, transport.encode(msg))
+
+    def _send_all(self, ranks: Sequence[int], parts: list) -> None:
+        for r in ranks:
+            conn = self.conns.get(r)
+            if conn is None:
+                self.check_alive([r])
+                raise SupervisionError(f"worker {self.describe(r)} is not connected")
+            try:
+                conn.send_encoded(parts)
+            except OSError as e:
+                # The receiver thread reports the death; wait for its verdict briefly.
+                with self._cond:
+                    self._cond.wait_for(lambda r=r: r in self.dead, EXIT_STATUS_WAIT + 1)
+                self.check_alive([r])
+                raise SupervisionError(
+                    f"worker {self.describe(r)} stopped accepting messages: {e}"
+                ) from None
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, raise_errors: bool = True, timeout: float = STOP_TIMEOUT) -> None:
+        with self._cond:
+            if self.stopped:
+                return
+            self.stopping = True
+            conns = dict(self.conns)
+        stop = transport.encode(StopWorker())
+        for conn in conns.values():
+            try:
+                conn.send_encoded(stop)
+            except OSError:
+                pass
+        with self._cond:
+            self._cond.wait_for(lambda: not self.conns, timeout)
+            leftover = dict(self.conns)
+        for conn in leftover.values():
+            conn.close()
+        for rank, pid in self.pids.items():
+            if rank not in self.exit_status:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # only our own workers, by pid
+                except ProcessLookupError:
+                    pass
+        self.stopped = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self.listener.close()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        err = SupervisionError("the process mesh was stopped")
+        for call_id, p in list(self.pending.items()):
+            self._forget(call_id, p)
+            p.future.set_exception(err)
+        _jobs.discard(self)
+
+
+_jobs: set[Job] = set()
+
+
+def register(job: Job) -> None:
+    _jobs.add(job)
+
+
+def stop_all() -> None:
+    """atexit: stop every job this controller started."""
+    for job in list(_jobs):
+        try:
+            job.stop(raise_errors=False, timeout=2.0)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

@@ -1,0 +1,120 @@
+"""Every message of the control plane, in one place.
+
+Messages are ``typing.NamedTuple`` classes: immutable, typed, and the cheapest thing to pickle
+(a tuple plus a class reference), which matters on the per-call hot path. Three channels:
+
+- controller <-> worker: the framed, authenticated connection of ``transport.py``;
+- controller <-> fork server: a private ``socketpair`` (SOCK_SEQPACKET) that can carry file
+  descriptors (the workers' stdout/stderr pipes);
+- worker -> controller replies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# --------------------------------------------------------------------------- worker -> controller
+
+
+class Hello(NamedTuple):
+    """First message of a worker after the handshake: who it is."""
+
+    rank: int  # rank in its allocation (the root mesh of the ProcMesh)
+    pid: int
+    hostname: str
+
+
+class Reply(NamedTuple):
+    """The value returned by an endpoint (or None for a spawn acknowledgement)."""
+
+    call_id: int
+    rank: int
+    value: Any
+
+
+class ErrorReply(NamedTuple):
+    """An endpoint (or actor constructor) raised: the traceback as text, the exception if it
+    could be pickled."""
+
+    call_id: int
+    rank: int
+    traceback: str
+    exception: bytes | None
+
+
+# --------------------------------------------------------------------------- controller -> worker
+
+
+class SpawnActor(NamedTuple):
+    """Create one actor on every worker in ``ranks``; each finds its own point in the mesh."""
+
+    call_id: int
+    actor_id: int
+    name: str
+    cls: Any  # the Actor subclass (cloudpickled by value when defined in __main__)
+    args: tuple
+    kwargs: dict
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]  # allocation ranks of the actor mesh, row-major
+
+
+class CallEndpoint(NamedTuple):
+    """Call ``method`` on actor ``actor_id``; ``call_id`` < 0 means no reply is wanted."""
+
+    call_id: int
+    actor_id: int
+    method: str
+    args: tuple
+    kwargs: dict
+
+
+class Configure(NamedTuple):
+    """Sent once every worker has joined: the shape of the process mesh (for current_rank)."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+
+class StopWorker(NamedTuple):
+    """Finish and exit."""
+
+
+# --------------------------------------------------------------------------- fork server
+
+
+class ForkWorkers(NamedTuple):
+    """Ask the fork server for one worker per entry of ``ranks``. Sent with 2 file descriptors
+    per worker (stdout and stderr write ends, in order)."""
+
+    request_id: int
+    address: str
+    token: bytes
+    ranks: tuple[int, ...]
+    world_size: int
+    local_world_size: int
+    env: dict[str, str]
+    sys_path: tuple[str, ...]
+    cwd: str
+    setup: bytes | None  # cloudpickled callable run in each worker before it connects
+
+
+class Forked(NamedTuple):
+    request_id: int
+    pids: tuple[int, ...]
+
+
+class ForkServerReady(NamedTuple):
+    pid: int
+    forked_from_controller: bool
+
+
+class ForkServerUnsafe(NamedTuple):
+    """The fork server found it cannot fork safely (see zygote.py) and is exiting."""
+
+    reason: str
+
+
+class ChildExited(NamedTuple):
+    pid: int
+    status: int  # as from os.waitpid

@@ -1,0 +1,111 @@
+"""Pickling for the control plane.
+
+cloudpickle, so that classes and functions defined in ``__main__``, inside a function or in a
+notebook cell travel by value. Pickle protocol 5 with out-of-band buffers, so a CPU tensor's
+bytes are sent straight from its memory (no copy into the pickle stream) and land in a buffer of
+their own on the other side.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+import sys
+from typing import Any
+
+import cloudpickle
+
+# Plain dicts, not ChainMaps: the C pickler looks the type of every object up in its
+# dispatch_table, and a ChainMap lookup runs Python code (it made pickling 4x slower).
+_fast_table: dict = dict(copyreg.dispatch_table)
+_cloud_table: dict = {**copyreg.dispatch_table, **cloudpickle.Pickler.dispatch_table}
+
+
+def _rebuild_tensor(buf, dtype, shape, requires_grad):
+    import torch
+
+    flat = (
+        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    )
+    t = flat.view(dtype).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(t):
+    import torch
+
+    if (
+        t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+    ):
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return _rebuild_tensor, (
+        pickle.PickleBuffer(data.numpy()),
+        t.dtype,
+        tuple(t.shape),
+        t.requires_grad,
+    )
+
+
+def _ensure_tensor_reducer() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.Tensor not in _fast_table:
+        _fast_table[torch.Tensor] = _reduce_tensor
+        _cloud_table[torch.Tensor] = _reduce_tensor
+
+
+class _CloudPickler(cloudpickle.Pickler):
+    dispatch_table = _cloud_table
+
+
+class _FastPickler(pickle.Pickler):
+    dispatch_table = _fast_table
+
+
+class _Sink:
+    """A minimal file for the pickler: collects written chunks."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, b) -> int:
+        self.parts.append(b)
+        return len(b)
+
+
+def _dump(pickler_cls, obj) -> tuple[bytes, list[memoryview]]:
+    buffers: list[memoryview] = []
+    sink = _Sink()
+    pickler_cls(sink, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    payload = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
+    return payload, buffers
+
+
+def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """Serialize ``obj``; returns the pickle bytes and the out-of-band buffers.
+
+    The C pickler is tried first (about 4x faster than cloudpickle for a small message). It
+    pickles classes and functions by reference, which the receiver cannot resolve for objects
+    of ``__main__`` or of a function's locals: those fail here or leave ``__main__`` in the
+    stream, and then the message is pickled again with cloudpickle, which sends them by value.
+    """
+    _ensure_tensor_reducer()
+    try:
+        payload, buffers = _dump(_FastPickler, obj)
+        if b"__main__" not in payload:
+            return payload, buffers
+    except (pickle.PicklingError, AttributeError, TypeError):
+        pass
+    return _dump(_CloudPickler, obj)
+
+
+def loads(payload, buffers=()) -> Any:
+    return pickle.loads(payload, buffers=buffers)

@@ -1,0 +1,189 @@
+"""The worker process: receives messages from the controller and runs them.
+
+A blocking loop on the controller connection runs each message in order. Sync endpoints run
+inline on that thread; async endpoints run on an asyncio loop in a second thread and reply when
+they finish. The worker exits when the controller says so, or as soon as the connection drops
+(so a dead controller leaves no orphans).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import pickle
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from monarch_dsl.runtime import context, transport
+from monarch_dsl.runtime.messages import (
+    CallEndpoint,
+    Configure,
+    ErrorReply,
+    Hello,
+    Reply,
+    SpawnActor,
+    StopWorker,
+)
+
+
+class Worker:
+    def __init__(self, conn: transport.Connection, rank: int):
+        self.conn = conn
+        self.rank = rank
+        self.actors: dict[int, tuple[Any, context.Point]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.handlers = {
+            SpawnActor: self.spawn_actor,
+            CallEndpoint: self.call_endpoint,
+            Configure: self.configure,
+            StopWorker: self.stop,
+        }
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                _exit(0)  # the controller is gone: so are we
+            except transport.ProtocolError as e:
+                print(f"monarch_dsl worker {self.rank}: {e}; closing", file=sys.stderr)
+                _exit(1)
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                print(
+                    f"monarch_dsl worker {self.rank}: dropped a message it cannot run: {msg!r}",
+                    file=sys.stderr,
+                )
+                continue
+            handler(msg)
+
+    def reply(self, msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            # The endpoint returned something that cannot be pickled: say so instead.
+            self.conn.send(
+                ErrorReply(
+                    msg.call_id,
+                    self.rank,
+                    f"the endpoint's return value cannot be sent to the controller: "
+                    f"{type(e).__name__}: {e}",
+                    None,
+                )
+            )
+        except OSError:
+            _exit(0)
+
+    def error(self, call_id: int, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if call_id < 0:  # nobody waits for this one: at least the user sees it
+            print(tb, file=sys.stderr, flush=True)
+            return
+        try:
+            exc_bytes = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+            exc_bytes = None
+        self.reply(ErrorReply(call_id, self.rank, tb, exc_bytes))
+
+    # ------------------------------------------------------------------ handlers
+    def spawn_actor(self, msg: SpawnActor) -> None:
+        index = msg.ranks.index(self.rank)
+        point = context.Point.of_index(index, msg.dims, msg.sizes)
+        token = context._current.set(point)
+        try:
+            instance = msg.cls(*msg.args, **msg.kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            self.error(msg.call_id, e)
+            return
+        finally:
+            context._current.reset(token)
+        self.actors[msg.actor_id] = (instance, point)
+        self.reply(Reply(msg.call_id, self.rank, None))
+
+    def call_endpoint(self, msg: CallEndpoint) -> None:
+        try:
+            instance, point = self.actors[msg.actor_id]
+            fn = getattr(type(instance), msg.method, None)
+            if not getattr(fn, "__md_endpoint__", False):
+                raise AttributeError(f"{type(instance).__name__}.{msg.method} is not an endpoint")
+        except BaseException as e:  # noqa: BLE001
+            self.error(msg.call_id, e)
+            return
+        if inspect.iscoroutinefunction(fn):
+            asyncio.run_coroutine_threadsafe(self._run_async(msg, fn, instance, point), self.loop())
+            return
+        token = context._current.set(point)
+        try:
+            value = fn(instance, *msg.args, **msg.kwargs)
+        except BaseException as e:  # noqa: BLE001
+            self.error(msg.call_id, e)
+            return
+        finally:
+            context._current.reset(token)
+        if msg.call_id >= 0:
+            self.reply(Reply(msg.call_id, self.rank, value))
+
+    async def _run_async(self, msg: CallEndpoint, fn, instance, point) -> None:
+        context._current.set(point)
+        try:
+            value = await fn(instance, *msg.args, **msg.kwargs)
+        except BaseException as e:  # noqa: BLE001
+            self.error(msg.call_id, e)
+            return
+        if msg.call_id >= 0:
+            self.reply(Reply(msg.call_id, self.rank, value))
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="md-async", daemon=True).start()
+        return self._loop
+
+    def configure(self, msg: Configure) -> None:
+        context.set_process_point(context.Point.of_index(self.rank, msg.dims, msg.sizes))
+
+    def stop(self, msg: StopWorker) -> None:
+        _exit(0)
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _limit_threads(local_world_size: int) -> None:
+    """Share the host's cores between its workers, unless the user chose."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+def connect_and_serve(
+    address: str, token: bytes, rank: int, world_size: int, local_world_size: int
+) -> None:
+    """Runs in the worker process; never returns."""
+    os.environ.update(
+        MONARCH_DSL_ROLE="worker",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+    )
+    _limit_threads(local_world_size)
+    import torch  # noqa: F401 - a worker always has torch, whatever the endpoints need
+
+    sock = transport.dial(address)
+    transport.handshake_dialer(sock, token)
+    conn = transport.Connection(sock, peer=address)
+    conn.send(Hello(rank, os.getpid(), socket.gethostname()))
+    Worker(conn, rank).run()
