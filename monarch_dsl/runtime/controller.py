@@ -575,7 +575,7 @@ class Job:
         self.check_alive(ranks)
         call_id = next(_call_ids)
         p = Pending(ranks, finish, on_item, point_of)
-        parts = transport.encode(msg_for(call_id))
+        parts = _encode_call(msg_for(call_id))
         with self._cond:
             self.pending[call_id] = p
             for r in ranks:
@@ -591,7 +591,7 @@ class Job:
     def post(self, ranks: Sequence[int], msg: Any) -> None:
         """Send without expecting a reply."""
         self.check_alive(ranks)
-        self._send_all(ranks, transport.encode(msg))
+        self._send_all(ranks, _encode_call(msg))
 
     def _send_all(self, ranks: Sequence[int], parts: list) -> None:
         for r in ranks:
@@ -650,6 +650,15 @@ class Job:
             self._forget(call_id, p)
             p.future.set_exception(err)
         _jobs.discard(self)
+
+
+def _encode_call(msg: Any) -> list:
+    try:
+        return transport.encode(msg)
+    except Exception as e:  # noqa: BLE001 - whatever pickling raises, say what could not go
+        raise TypeError(
+            f"cannot send this call's arguments to the workers: {type(e).__name__}: {e}"
+        ) from e
 
 
 _jobs: set[Job] = set()

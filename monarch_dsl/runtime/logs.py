@@ -56,7 +56,7 @@ class LogForwarder:
         with self._lock:
             self._read(pipe)
 
-    def stderr_tail(self, pipe: _Pipe | None, max_lines: int = 40) -> str:
+    def stderr_tail(self, pipe: _Pipe | None, max_lines: int = 60) -> str:
         if pipe is None:
             return ""
         self.drain(pipe)

@@ -9,6 +9,7 @@ they finish. The worker exits when the controller says so, or as soon as the con
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import os
 import pickle
@@ -179,6 +180,7 @@ def connect_and_serve(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(local_world_size),
     )
+    faulthandler.enable()  # a segfault prints the Python stack to stderr (which we forward)
     _limit_threads(local_world_size)
     import torch  # noqa: F401 - a worker always has torch, whatever the endpoints need
 

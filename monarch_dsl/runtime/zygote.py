@@ -169,8 +169,10 @@ class ForkServer:
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.close(devnull)
-            for stream in (sys.stdout, sys.stderr):
-                stream.reconfigure(line_buffering=True)
+            # Fresh text streams on fds 1 and 2: the inherited sys.stdout/sys.stderr may not
+            # write to those fds at all (e.g. pytest's capture in a forked controller).
+            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             os.environ.update(msg.env)
             os.environ["LOCAL_RANK"] = str(msg.ranks.index(rank))
             sys.path[:] = list(msg.sys_path)

@@ -1,0 +1,89 @@
+"""Actors used by the tests (importable by the workers, so pickled by reference)."""
+
+import asyncio
+import ctypes
+import os
+import signal
+import threading
+
+import monarch_dsl as md
+
+
+class Counter(md.Actor):
+    def __init__(self, start=0):
+        self.value = start
+        self.gate = None
+
+    @md.endpoint
+    def incr(self, by=1):
+        self.value += by
+        return self.value
+
+    @md.endpoint
+    def get(self):
+        return self.value
+
+    @md.endpoint
+    def where(self):
+        p = md.current_rank()
+        return p.rank, dict(p)
+
+    @md.endpoint
+    def pid(self):
+        return os.getpid()
+
+    @md.endpoint
+    def ppid(self):
+        return os.getppid()
+
+    @md.endpoint
+    def fail(self, message="boom"):
+        raise ValueError(message)
+
+    @md.endpoint
+    async def adouble(self):
+        await asyncio.sleep(0)
+        return 2 * self.value
+
+    @md.endpoint
+    async def wait_gate(self):
+        self.gate = self.gate or asyncio.Event()
+        await self.gate.wait()
+        return "opened"
+
+    @md.endpoint
+    async def open_gate(self):
+        self.gate = self.gate or asyncio.Event()
+        self.gate.set()
+
+    @md.endpoint
+    def echo(self, x):
+        return x
+
+    @md.endpoint
+    def a_lambda(self):
+        return lambda: 42  # the C pickler refuses it; cloudpickle sends it by value
+
+    @md.endpoint
+    def a_lock(self):
+        return threading.Lock()
+
+    @md.endpoint
+    def exit_now(self, code=7):
+        os._exit(code)
+
+    @md.endpoint
+    def segfault(self):
+        ctypes.string_at(0)
+
+    @md.endpoint
+    def sigkill_self(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def not_an_endpoint(self):
+        return 1
+
+
+class BadInit(md.Actor):
+    def __init__(self):
+        raise RuntimeError("constructor failed")

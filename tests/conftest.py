@@ -1,0 +1,37 @@
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("MONARCH_DSL_QUIET", "1")
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    """Poll ``predicate`` until true; fail after ``timeout`` s (for facts with no event to wait on,
+    such as a process of someone else's disappearing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def mesh4():
+    import monarch_dsl as md
+
+    pm = md.this_host().spawn_procs({"host": 2, "gpu": 2})
+    try:
+        yield pm
+    finally:
+        pm.stop()
