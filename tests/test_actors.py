@@ -115,9 +115,9 @@ def test_constructor_error_raises_at_spawn(mesh4):
 
 def test_bad_calls_are_rejected_on_the_controller(counters, mesh4):
     with pytest.raises(AttributeError, match="not an endpoint"):
-        counters.not_an_endpoint
+        _ = counters.not_an_endpoint
     with pytest.raises(AttributeError, match="no endpoint 'nope'.*incr"):
-        counters.nope
+        _ = counters.nope
     with pytest.raises(TypeError, match="incr"):
         counters.incr.call(1, 2, 3)
     with pytest.raises(TypeError, match="unexpected keyword"):
