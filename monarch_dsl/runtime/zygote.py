@@ -41,7 +41,7 @@ from monarch_dsl.runtime.messages import (
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 2048
-PROBE_SECONDS = 5
+PROBE_SECONDS = 2  # a sound probe takes milliseconds; a hung one is killed by the alarm
 
 
 def _set_parent_death_signal() -> None:
