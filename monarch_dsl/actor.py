@@ -175,6 +175,9 @@ class EndpointRef:
 
     def _check(self, args: tuple, kwargs: dict) -> None:
         """Reject bad arguments here, before anything is sent."""
+        lo, hi = _positional_range(self._fn)
+        if not kwargs and lo <= len(args) + 1 <= hi:
+            return  # the common case, without the cost of Signature.bind
         sig = _signature(self._fn)
         try:
             sig.bind(None, *args, **kwargs)
@@ -276,6 +279,25 @@ def _signature(fn: Callable) -> inspect.Signature:
     if sig is None:
         sig = _signatures[fn] = inspect.signature(fn)
     return sig
+
+
+_ranges: dict[Callable, tuple[int, int]] = {}
+
+
+def _positional_range(fn: Callable) -> tuple[int, int]:
+    """How many positional arguments (self included) ``fn`` accepts, as (min, max); (1, 0)
+    (never true) when a keyword-only parameter is required."""
+    r = _ranges.get(fn)
+    if r is None:
+        P = inspect.Parameter
+        params = list(_signature(fn).parameters.values())
+        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        lo = sum(p.default is P.empty for p in positional)
+        hi = 1 << 30 if any(p.kind is P.VAR_POSITIONAL for p in params) else len(positional)
+        if any(p.kind is P.KEYWORD_ONLY and p.default is P.empty for p in params):
+            lo, hi = 1, 0
+        r = _ranges[fn] = (lo, hi)
+    return r
 
 
 def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:

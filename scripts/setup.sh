@@ -38,4 +38,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c 'import m
     "${PIP[@]}" install --no-build-isolation -e ".[dev]"
     echo "$want" > "$stamp"
 fi
-"$PY" -c 'import torch, monarch_dsl; print(f"setup: ok (python {__import__(\"sys\").version.split()[0]}, torch {torch.__version__}, monarch_dsl {monarch_dsl.__version__})")'
+"$PY" -c 'import platform, torch, monarch_dsl
+print(f"setup: ok (python {platform.python_version()}, torch {torch.__version__}, monarch_dsl {monarch_dsl.__version__})")'

@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from monarch_dsl.runtime import serialize
@@ -344,11 +345,18 @@ class Connection:
         with self._send_lock:
             send_parts(self.sock, parts)
 
-    def recv(self) -> Any:
-        """Blocking: the next message (raises EOFError when the peer is gone)."""
+    def recv(self, before_block: Callable[[], None] | None = None) -> Any:
+        """Blocking: the next message (raises EOFError when the peer is gone).
+        ``before_block()`` runs whenever no message is at hand and we are about to wait."""
         while not self._inbox:
+            if before_block is not None:
+                before_block()
             self._inbox.extend(reversed(self.reader.read()))
         return self._inbox.pop()
+
+    def has_buffered(self) -> bool:
+        """True if a message has been received but not yet taken by ``recv``."""
+        return bool(self._inbox)
 
     def close(self) -> None:
         try:

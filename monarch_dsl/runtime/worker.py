@@ -16,7 +16,9 @@ import pickle
 import socket
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from monarch_dsl.runtime import context, transport
@@ -30,6 +32,8 @@ from monarch_dsl.runtime.messages import (
     StopWorker,
 )
 
+FLUSH_AFTER = 0.0005  # seconds a finished reply may wait for the ones after it
+
 
 class Worker:
     def __init__(self, conn: transport.Connection, rank: int):
@@ -37,6 +41,12 @@ class Worker:
         self.rank = rank
         self.actors: dict[int, tuple[Any, context.Point]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._methods: dict[tuple[type, str], tuple[Callable, bool]] = {}
+        # Replies made while more requests are already queued go out together (one syscall,
+        # one wake-up of the controller) -- but never held longer than FLUSH_AFTER seconds.
+        self._outbox: list = []
+        self._outbox_since = 0.0
+        self._io_thread = threading.get_ident()
         self.handlers = {
             SpawnActor: self.spawn_actor,
             CallEndpoint: self.call_endpoint,
@@ -48,7 +58,7 @@ class Worker:
     def run(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                msg = self.conn.recv(self.flush)
             except (EOFError, OSError):
                 _exit(0)  # the controller is gone: so are we
             except transport.ProtocolError as e:
@@ -63,9 +73,28 @@ class Worker:
                 continue
             handler(msg)
 
+    def flush(self) -> None:
+        if self._outbox:
+            parts, self._outbox = self._outbox, []
+            try:
+                self.conn.send_encoded(parts)
+            except OSError:
+                _exit(0)
+
     def reply(self, msg: Any) -> None:
         try:
-            self.conn.send(msg)
+            parts = transport.encode(msg)
+            if threading.get_ident() != self._io_thread:
+                self.conn.send_encoded(parts)
+                return
+            if not self._outbox:
+                self._outbox_since = time.perf_counter()
+            self._outbox += parts
+            if (
+                not self.conn.has_buffered()
+                or time.perf_counter() - self._outbox_since > FLUSH_AFTER
+            ):
+                self.flush()
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             # The endpoint returned something that cannot be pickled: say so instead.
             self.conn.send(
@@ -106,16 +135,25 @@ class Worker:
         self.actors[msg.actor_id] = (instance, point)
         self.reply(Reply(msg.call_id, self.rank, None))
 
+    def endpoint(self, cls: type, name: str) -> tuple[Callable, bool]:
+        """The endpoint function ``name`` of ``cls``, and whether it is async."""
+        key = (cls, name)
+        found = self._methods.get(key)
+        if found is None:
+            fn = getattr(cls, name, None)
+            if not getattr(fn, "__md_endpoint__", False):
+                raise AttributeError(f"{cls.__name__}.{name} is not an endpoint")
+            found = self._methods[key] = (fn, inspect.iscoroutinefunction(fn))
+        return found
+
     def call_endpoint(self, msg: CallEndpoint) -> None:
         try:
             instance, point = self.actors[msg.actor_id]
-            fn = getattr(type(instance), msg.method, None)
-            if not getattr(fn, "__md_endpoint__", False):
-                raise AttributeError(f"{type(instance).__name__}.{msg.method} is not an endpoint")
+            fn, is_async = self.endpoint(type(instance), msg.method)
         except BaseException as e:  # noqa: BLE001
             self.error(msg.call_id, e)
             return
-        if inspect.iscoroutinefunction(fn):
+        if is_async:
             asyncio.run_coroutine_threadsafe(self._run_async(msg, fn, instance, point), self.loop())
             return
         token = context._current.set(point)
