@@ -367,7 +367,6 @@ def run_child(code: str, timeout: float = CHILD_TIMEOUT) -> dict:
 MD_COLD_CHILD = """
 import json, time
 import monarch_dsl as md
-t_import = time.perf_counter()
 
 class Echo(md.Actor):
     @md.endpoint
@@ -379,18 +378,18 @@ try:
     t0 = time.perf_counter()
     host = md.this_host()
     t1 = time.perf_counter()
-    pm = host.spawn_procs({"gpu": %d})
+    pm = host.spawn_procs({"gpu": WORLD})
     t2 = time.perf_counter()
     am = pm.spawn("echo", Echo)
     t3 = time.perf_counter()
-    assert am.ping.call(7).get().values() == [7] * %d
+    assert am.ping.call(7).get().values() == [7] * WORLD
     t4 = time.perf_counter()
     print(json.dumps(dict(total=t4 - t0, this_host=t1 - t0, spawn_procs=t2 - t1,
                           spawn=t3 - t2, first_call=t4 - t3)), flush=True)
 finally:
     if pm is not None:
         pm.stop()
-""" % (WORLD, WORLD)
+""".replace("WORLD", str(WORLD))
 
 RAY_COLD_CHILD = """
 import json, time
@@ -404,12 +403,12 @@ class Echo:
 try:
     t0 = time.perf_counter()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    actors = [Echo.remote() for _ in range(%d)]
-    assert ray.get([a.ping.remote(7) for a in actors]) == [7] * %d
+    actors = [Echo.remote() for _ in range(WORLD)]
+    assert ray.get([a.ping.remote(7) for a in actors]) == [7] * WORLD
     print(json.dumps(dict(total=time.perf_counter() - t0)), flush=True)
 finally:
     ray.shutdown()
-""" % (WORLD, WORLD)
+""".replace("WORLD", str(WORLD))
 
 
 def naive_spawn() -> float:
@@ -467,7 +466,8 @@ def bench_monarch(results: dict, notes: list[str]) -> None:
     notes.append(
         "cold start breakdown (median s): "
         + ", ".join(f"{k} {med([c[k] for c in md_cold]):.3f}" for k in parts)
-        + f"; runs (s): {', '.join(f'{c["total"]:.2f}' for c in md_cold)}"
+        + "; runs (s): "
+        + ", ".join(f"{c['total']:.2f}" for c in md_cold)
     )
 
     host = md.this_host()  # before any torch op here: the fork server is forked from us

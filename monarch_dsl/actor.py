@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch_dsl.errors import SupervisionError
-from monarch_dsl.future import Future
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime.context import Point, current_rank
+from monarch_dsl.runtime.future import Future, flush_before_blocking
 from monarch_dsl.runtime.messages import CallEndpoint, SpawnActor
 
 if TYPE_CHECKING:
@@ -252,6 +252,7 @@ class ReplyStream:
     def __next__(self) -> Any:
         if self._left == 0:
             raise StopIteration
+        flush_before_blocking()
         value, exc = self._replies.get()  # every reply, error or death arrives here
         self._left -= 1
         if exc is not None:
@@ -264,6 +265,7 @@ class ReplyStream:
     async def __anext__(self) -> Any:
         if self._left == 0:
             raise StopAsyncIteration
+        flush_before_blocking()
         value, exc = await asyncio.get_running_loop().run_in_executor(None, self._replies.get)
         self._left -= 1
         if exc is not None:

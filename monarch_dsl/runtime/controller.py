@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_dsl.errors import ActorError, SpawnError, SupervisionError
-from monarch_dsl.future import Future
 from monarch_dsl.runtime import logs, transport
 from monarch_dsl.runtime.context import Point
+from monarch_dsl.runtime.future import Future, before_block
 from monarch_dsl.runtime.messages import (
     ChildExited,
     Configure,
@@ -231,6 +231,53 @@ _fork_server = ForkServerClient()
 
 def fork_server() -> ForkServerClient:
     return _fork_server
+
+
+# =============================================================================== batching
+
+
+FLUSH_DELAY = 0.001  # longest time a held-back call waits before it is sent
+
+
+class Flusher:
+    """Sends what connections hold back during a burst of calls (``send_batched``): at once
+    when a caller is about to wait for a result, else at most ``FLUSH_DELAY`` later."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held: set[transport.Connection] = set()
+        self._thread: threading.Thread | None = None
+        before_block.append(self.flush_all)
+
+    def hold(self, conn: transport.Connection) -> None:
+        with self._cond:
+            self._held.add(conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="md-flusher", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def flush_all(self) -> None:
+        if not self._held:
+            return
+        with self._cond:
+            held, self._held = self._held, set()
+        for conn in held:
+            try:
+                conn.flush()
+            except OSError:
+                pass  # a dead worker: the receiver thread reports it and fails its calls
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._held:
+                    self._cond.wait()
+                self._cond.wait(FLUSH_DELAY)  # the burst goes on a moment; then send its calls
+            self.flush_all()
+
+
+_flusher = Flusher()
 
 
 # =============================================================================== pending calls
@@ -600,7 +647,7 @@ class Job:
                 self.check_alive([r])
                 raise SupervisionError(f"worker {self.describe(r)} is not connected")
             try:
-                conn.send_encoded(parts)
+                conn.send_batched(parts, _flusher.hold)
             except OSError as e:
                 # The receiver thread reports the death; wait for its verdict briefly.
                 with self._cond:

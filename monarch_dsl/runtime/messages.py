@@ -80,6 +80,21 @@ class StopWorker(NamedTuple):
     """Finish and exit."""
 
 
+# The messages of worker connections, in wire order: a frame carries ``(index, *fields)``, a
+# plain tuple, which pickles ~4x faster than the NamedTuple itself (no class lookup, no
+# __reduce_ex__ call). Append new types at the end.
+WIRE_TYPES: tuple[type, ...] = (
+    Hello,
+    Reply,
+    ErrorReply,
+    SpawnActor,
+    CallEndpoint,
+    Configure,
+    StopWorker,
+)
+WIRE_INDEX: dict[type, int] = {cls: i for i, cls in enumerate(WIRE_TYPES)}
+
+
 # --------------------------------------------------------------------------- fork server
 
 

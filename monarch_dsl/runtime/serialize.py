@@ -55,11 +55,16 @@ def _reduce_tensor(t):
     )
 
 
+_have_tensor_reducer = False
+
+
 def _ensure_tensor_reducer() -> None:
+    global _have_tensor_reducer
     torch = sys.modules.get("torch")
-    if torch is not None and torch.Tensor not in _fast_table:
+    if torch is not None:
         _fast_table[torch.Tensor] = _reduce_tensor
         _cloud_table[torch.Tensor] = _reduce_tensor
+        _have_tensor_reducer = True
 
 
 class _CloudPickler(cloudpickle.Pickler):
@@ -121,7 +126,8 @@ def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
     of ``__main__`` or of a function's locals: those fail here or leave ``__main__`` in the
     stream, and then the message is pickled again with cloudpickle, which sends them by value.
     """
-    _ensure_tensor_reducer()
+    if not _have_tensor_reducer:
+        _ensure_tensor_reducer()
     try:
         payload, buffers = _reusable.dump(obj)
         if b"__main__" not in payload:

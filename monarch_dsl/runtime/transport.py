@@ -26,10 +26,12 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from monarch_dsl.runtime import serialize
+from monarch_dsl.runtime.messages import WIRE_INDEX, WIRE_TYPES
 
 log = logging.getLogger("monarch_dsl.transport")
 
@@ -42,6 +44,12 @@ _MAX_BUFFERS = 4096
 _MAX_FRAME = 1 << 40
 _SMALL = 64 * 1024  # parts smaller than this are read through the shared buffer
 HANDSHAKE_TIMEOUT = 10.0
+BURST_GAP = 50e-6  # a send this soon after the previous one is part of a burst: batch it
+HOLD_BYTES = 256 * 1024
+
+
+def _nbytes(parts: list) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class ProtocolError(Exception):
@@ -157,8 +165,8 @@ def handshake_dialer(sock: socket.socket, token: bytes, timeout: float = HANDSHA
 
 
 def encode(msg: Any) -> list:
-    """The parts of one frame, ready for ``sendmsg``."""
-    payload, buffers = serialize.dumps(msg)
+    """The parts of one frame, ready for ``sendmsg``. ``msg`` is one of ``WIRE_TYPES``."""
+    payload, buffers = serialize.dumps((WIRE_INDEX[type(msg)], *msg))
     header = _HEADER.pack(_MAGIC, len(buffers), len(payload))
     if not buffers:
         return [header + payload] if len(payload) < _SMALL else [header, payload]
@@ -310,8 +318,9 @@ class FrameReader:
 
 def _loads(payload, buffers) -> Any:
     try:
-        return serialize.loads(payload, buffers)
-    except Exception as e:  # noqa: BLE001 - anything a bad pickle raises
+        wire = serialize.loads(payload, buffers)
+        return WIRE_TYPES[wire[0]](*wire[1:])
+    except Exception as e:  # noqa: BLE001 - anything a bad pickle (or tuple) raises
         return UndecodableMessage(f"{type(e).__name__}: {e}")
 
 
@@ -334,6 +343,9 @@ class Connection:
         self.reader = FrameReader(sock)
         self._send_lock = threading.Lock()
         self._inbox: list[Any] = []
+        self._held: list = []
+        self._held_bytes = 0
+        self._last_send = 0.0
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -342,8 +354,44 @@ class Connection:
         self.send_encoded(encode(msg))
 
     def send_encoded(self, parts: list) -> None:
+        """Send now (after anything held back, so the order on the wire is the call order)."""
         with self._send_lock:
+            if self._held:
+                parts = self._take_held() + parts
             send_parts(self.sock, parts)
+
+    def send_batched(self, parts: list, on_hold: Callable[[Connection], None]) -> None:
+        """Send ``parts`` now, or -- when messages are coming in a burst (the previous one left
+        less than ``BURST_GAP`` s ago) -- hold them back to go out with the next ones: one
+        syscall and one wake-up of the peer for many messages. Held messages go out when
+        ``HOLD_BYTES`` are held, before any immediate send, when a caller is about to wait
+        for a result (``future.before_block``), and at the latest when the controller's
+        flusher runs ``flush()`` (``on_hold(self)`` is called when holding starts)."""
+        now = time.perf_counter()
+        with self._send_lock:
+            burst = now - self._last_send < BURST_GAP
+            self._last_send = now
+            if not self._held and not burst:
+                send_parts(self.sock, parts)
+                return
+            start = not self._held
+            self._held += parts
+            self._held_bytes += sum(map(len, parts)) if len(parts) == 1 else _nbytes(parts)
+            if self._held_bytes >= HOLD_BYTES or len(self._held) >= 1000:
+                send_parts(self.sock, self._take_held())
+                return
+        if start:
+            on_hold(self)
+
+    def flush(self) -> None:
+        """Send whatever is held back."""
+        with self._send_lock:
+            if self._held:
+                send_parts(self.sock, self._take_held())
+
+    def _take_held(self) -> list:
+        held, self._held, self._held_bytes = self._held, [], 0
+        return held
 
     def recv(self, before_block: Callable[[], None] | None = None) -> Any:
         """Blocking: the next message (raises EOFError when the peer is gone).

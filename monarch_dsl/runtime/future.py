@@ -12,6 +12,15 @@ T = TypeVar("T")
 _complete_lock = threading.Lock()  # completing a future is rare and short: one lock for all
 _PENDING = object()
 
+# Called before any thread blocks waiting for a result: the controller sends the calls it is
+# still holding back for batching (see transport.Connection.send_batched).
+before_block: list[Callable[[], None]] = []
+
+
+def flush_before_blocking() -> None:
+    for hook in before_block:
+        hook()
+
 
 class Future(Generic[T]):
     """``.get(timeout=None)`` blocks for the value (or raises the remote error); ``await fut``
@@ -51,6 +60,7 @@ class Future(Generic[T]):
 
     def get(self, timeout: float | None = None) -> T:
         if not self.done():
+            flush_before_blocking()
             if not self._waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
                 raise TimeoutError(f"no result within {timeout} s (the call is still pending)")
             self._waiter.release()
@@ -80,6 +90,7 @@ class Future(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if not self.done():
+            flush_before_blocking()
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
