@@ -3,6 +3,10 @@
 ``import monarch_dsl as md``; the contract is SPEC.md.
 """
 
+# torch first: every part of monarch_dsl works on torch tensors, and a controller that has
+# imported torch lets the fork server (forked from it) start workers without importing it again.
+import torch  # noqa: F401, I001
+
 from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
 from monarch_dsl.errors import ActorError, MonarchError, SpawnError, SupervisionError
 from monarch_dsl.mesh import Mesh

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import pickle
-import selectors
+import select
 import shutil
 import signal
 import socket
@@ -40,6 +41,7 @@ log = logging.getLogger("monarch_dsl")
 
 _call_ids = itertools.count(1)
 STOP_TIMEOUT = 5.0
+CALLER_PARK = 0.005  # after a caller read replies itself, the background reader waits this long
 EXIT_STATUS_WAIT = 1.0
 
 
@@ -146,7 +148,11 @@ class ForkServerClient:
         )
         os.close(fd)
         child.close()
-        self._first_message(parent, timeout, self._fresh_stderr)
+        try:
+            self._first_message(parent, timeout, self._fresh_stderr)
+        finally:
+            # The fork server keeps its fd; the name is only needed to report a failed start.
+            os.unlink(self._stderr_path)
         self._chan, self._pid = parent, self._proc.pid
 
     def _fresh_stderr(self) -> str:
@@ -219,7 +225,7 @@ class ForkServerClient:
             self._chan = None
             watchers, self._exit_watchers = self._exit_watchers, {}
             requests, self._requests = self._requests, {}
-        err = SpawnError("the monarch_dsl fork server died", stderr=self._fresh_stderr())
+        err = SpawnError("the monarch_dsl fork server died")
         for fut in requests.values():
             fut.set_exception(err)
         for cb in watchers.values():
@@ -294,8 +300,9 @@ class Pending:
         finish: Callable[[list], Any] | None,
         on_item: Callable[[int, Any, BaseException | None], None] | None = None,
         point_of: Callable[[int], Point] | None = None,
+        reader: Any = None,
     ):
-        self.future: Future = Future()
+        self.future: Future = Future(reader)
         self.ranks = ranks
         self.index = {r: i for i, r in enumerate(ranks)} if len(ranks) > 1 else None
         self.values: list = [None] * len(ranks)
@@ -306,6 +313,31 @@ class Pending:
 
 
 # =============================================================================== job
+
+
+class _Poller:
+    """``select.poll`` with a payload per fd: the least Python between a reply and its reader
+    (``selectors`` costs a few microseconds more per wake-up, on every round trip)."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._data: dict[int, Any] = {}
+
+    def register(self, fileobj: Any, data: Any) -> None:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        self._data[fd] = data
+        self._poll.register(fd, select.POLLIN)
+
+    def unregister(self, fileobj: Any) -> None:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        if fd in self._data:
+            del self._data[fd]
+            self._poll.unregister(fd)
+
+    def select(self, timeout: float | None = None) -> list:
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        data = self._data
+        return [data[fd] for fd, _ in self._poll.poll(ms) if fd in data]
 
 
 class Job:
@@ -339,13 +371,20 @@ class Job:
         self.pending_by_rank: dict[int, set[int]] = {}
         self.stopping = False
         self.stopped = False
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # `with self._lock` where no wait follows
         self._startup_failure: SpawnError | None = None
-        self._sel = selectors.DefaultSelector()
+        self._sel = _Poller()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._sel.register(self.listener, selectors.EVENT_READ, "listener")
+        self._sel.register(self._wake_r, None)
+        self._sel.register(self.listener, "listener")
+        self._read_lock = threading.Lock()  # held by whoever reads the sockets (see read_until)
+        self._handoff_lock = threading.Lock()
+        self._handoff = threading.Condition(self._handoff_lock)
+        self._callers_reading = 0
+        self._caller_read_at = 0.0
+        self._bg_selecting = False
         self._thread = threading.Thread(target=self._run, name="md-receiver", daemon=True)
         self._thread.start()
 
@@ -448,25 +487,83 @@ class Job:
 
     # ------------------------------------------------------------------ receiver thread
     def _run(self) -> None:
+        """The background reader: reads whenever no caller is reading for itself, and stays
+        out of the way for ``CALLER_PARK`` s after a caller read (it will likely read again:
+        a loop of calls) -- so a caller rarely has to wake it to take over."""
         while not self.stopped:
-            for key, _ in self._sel.select():
-                data = key.data
-                if data is None:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif data == "listener":
-                    self._accept()
-                else:
-                    rank, conn = data
-                    try:
-                        msgs = conn.reader.read()
-                    except (EOFError, OSError, transport.ProtocolError) as e:
-                        self._on_lost(rank, conn, e)
-                        continue
-                    for msg in msgs:
-                        self._dispatch(rank, msg)
+            with self._handoff:
+                idle = time.monotonic() - self._caller_read_at
+                if self._callers_reading or idle < CALLER_PARK:
+                    self._handoff.wait(CALLER_PARK)
+                    continue
+            with self._read_lock:
+                self._bg_selecting = True
+                if self._callers_reading or self.stopped:
+                    self._bg_selecting = False
+                    continue
+                events = self._sel.select()
+                self._bg_selecting = False
+                self._process(events)
+
+    def _process(self, events) -> None:
+        """Caller holds ``_read_lock``."""
+        for data in events:
+            if data is None:
+                try:
+                    os.read(self._wake_r, 4096)
+                except (BlockingIOError, OSError):
+                    pass
+            elif data == "listener":
+                self._accept()
+            else:
+                rank, conn = data
+                try:
+                    msgs = conn.reader.read()
+                except (EOFError, OSError, transport.ProtocolError) as e:
+                    self._on_lost(rank, conn, e)
+                    continue
+                for msg in msgs:
+                    self._dispatch(rank, msg)
+
+    def read_until(self, fut: Future, timeout: float | None) -> None:
+        """Wait for ``fut`` by reading replies in the calling thread.
+
+        Handing each reply from the background reader to the waiting thread cost about as much
+        as the rest of a round trip (two thread wake-ups and GIL hand-offs), so a lone waiter
+        reads for itself: it asks the background reader to step aside (its wake-up overlaps the
+        worker's work on the request), reads and dispatches every message until its own
+        result is in, then hands reading back. With another waiter already reading, or from
+        the reader thread itself, it just waits for the future."""
+        if threading.get_ident() == self._thread.ident or self.stopped:
+            fut._wait(timeout)
+            return
+        with self._handoff_lock:
+            if self._callers_reading:
+                solo = False
+            else:
+                solo = True
+                self._callers_reading = 1
+        if not solo:
+            fut._wait(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            if self._bg_selecting:
+                os.write(self._wake_w, b"x")  # the background reader is in select(): step aside
+            if not self._read_lock.acquire(timeout=-1 if timeout is None else timeout):
+                return
+            try:
+                while not fut.done() and not self.stopped:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    self._process(self._sel.select(left))
+            finally:
+                self._read_lock.release()
+        finally:
+            with self._handoff_lock:
+                self._callers_reading = 0
+                self._caller_read_at = time.monotonic()
 
     def _accept(self) -> None:
         try:
@@ -497,7 +594,7 @@ class Job:
                 self.conns[hello.rank] = conn
                 self.hellos[hello.rank] = hello
                 self.pending_by_rank[hello.rank] = set()
-                self._sel.register(conn.sock, selectors.EVENT_READ, (hello.rank, conn))
+                self._sel.register(conn.sock, (hello.rank, conn))
                 self._cond.notify_all()
             os.write(self._wake_w, b"x")
         except (transport.ProtocolError, OSError, EOFError) as e:
@@ -558,10 +655,7 @@ class Job:
                 s.discard(call_id)
 
     def _on_lost(self, rank: int, conn: transport.Connection, why: BaseException) -> None:
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+        self._sel.unregister(conn.sock)
         conn.close()
         if self.stopping:
             with self._cond:
@@ -621,9 +715,9 @@ class Job:
         ``finish(values)`` once all have replied, or with the first error."""
         self.check_alive(ranks)
         call_id = next(_call_ids)
-        p = Pending(ranks, finish, on_item, point_of)
+        p = Pending(ranks, finish, on_item, point_of, self)
         parts = _encode_call(msg_for(call_id))
-        with self._cond:
+        with self._lock:
             self.pending[call_id] = p
             for r in ranks:
                 waiting = self.pending_by_rank.get(r)
@@ -686,6 +780,8 @@ class Job:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
+        with self._handoff:
+            self._handoff.notify_all()
         self._thread.join(timeout)
         self.listener.close()
         if self._dir:

@@ -26,9 +26,12 @@ class Future(Generic[T]):
     """``.get(timeout=None)`` blocks for the value (or raises the remote error); ``await fut``
     works in asyncio code. Completed by the controller's receiver thread."""
 
-    __slots__ = ("_waiter", "_value", "_exc", "_callbacks")
+    __slots__ = ("_waiter", "_value", "_exc", "_callbacks", "_reader")
 
-    def __init__(self) -> None:
+    def __init__(self, reader: Any = None) -> None:
+        # ``reader``: an object whose ``read_until(future, timeout)`` can make progress on this
+        # future in the waiting thread (the controller's Job); None: just wait.
+        self._reader = reader
         self._waiter = threading.Lock()
         self._waiter.acquire()
         self._value: Any = _PENDING
@@ -58,12 +61,19 @@ class Future(Generic[T]):
     def done(self) -> bool:
         return self._value is not _PENDING or self._exc is not None
 
+    def _wait(self, timeout: float | None) -> None:
+        if self._waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._waiter.release()
+
     def get(self, timeout: float | None = None) -> T:
         if not self.done():
             flush_before_blocking()
-            if not self._waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            if self._reader is not None:
+                self._reader.read_until(self, timeout)
+            else:
+                self._wait(timeout)
+            if not self.done():
                 raise TimeoutError(f"no result within {timeout} s (the call is still pending)")
-            self._waiter.release()
         if self._exc is not None:
             raise self._exc
         return self._value

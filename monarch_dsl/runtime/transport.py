@@ -238,6 +238,16 @@ class FrameReader:
                 raise ProtocolError(
                     f"bad frame header {bytes(self.buf[self.start : self.start + 12])!r}"
                 )
+            if not nbuf and _HEADER.size + plen <= len(self.buf):  # the common small frame
+                total = _HEADER.size + plen
+                if avail < total:
+                    if self.start + total > len(self.buf):
+                        self._compact()
+                    break
+                p0 = self.start + _HEADER.size
+                self.start += total
+                out.append(_loads(bytes(self.view[p0 : p0 + plen]), ()))
+                continue
             head = _HEADER.size + nbuf * _LEN.size
             if avail < head:
                 break
@@ -248,16 +258,6 @@ class FrameReader:
             if any(n > _MAX_FRAME for n in lens):
                 raise ProtocolError("bad frame header: buffer too large")
             total = head + plen + sum(lens)
-            if total <= len(self.buf) and not nbuf:
-                if avail < total:
-                    if self.start + total > len(self.buf):
-                        self._compact()
-                    break
-                p0 = self.start + head
-                payload = bytes(self.view[p0 : p0 + plen])
-                self.start += total
-                out.append(_loads(payload, ()))
-                continue
             # A frame with out-of-band buffers or larger than the shared buffer: give every
             # part a buffer of its own and copy what has arrived already.
             parts = [(bytearray(plen), 0)] + [(bytearray(n), 0) for n in lens]
