@@ -519,7 +519,7 @@ class Job:
                 rank, conn = data
                 try:
                     msgs = conn.reader.read()
-                except (EOFError, OSError, transport.ProtocolError) as e:
+                except (EOFError, OSError, transport.ProtocolError, MemoryError) as e:
                     self._on_lost(rank, conn, e)
                     continue
                 for msg in msgs:
@@ -597,6 +597,8 @@ class Job:
                 self._sel.register(conn.sock, (hello.rank, conn))
                 self._cond.notify_all()
             os.write(self._wake_w, b"x")
+            while conn.has_buffered():  # sent in the same packet as the Hello
+                self._dispatch(hello.rank, conn.recv())
         except (transport.ProtocolError, OSError, EOFError) as e:
             log.warning(
                 "monarch_dsl: refused a connection to %s from %s: %s", self.address, peer, e

@@ -39,9 +39,13 @@ _HEADER = struct.Struct("<2sHQ")
 _LEN = struct.Struct("<Q")
 _MAGIC = b"MD"
 _HELLO_MAGIC = b"MDv1"
+_REFUSED = b"MDno"  # the listener's last words to a dialer whose MAC was wrong
 _NONCE = 32
 _MAX_BUFFERS = 4096
-_MAX_FRAME = 1 << 40
+# A bound on any one part of a frame, so that a corrupt header is an error rather than a wait
+# for terabytes. MONARCH_DSL_MAX_MESSAGE_GB raises it.
+_MAX_FRAME = int(float(os.environ.get("MONARCH_DSL_MAX_MESSAGE_GB", "64")) * (1 << 30))
+_GROW = 1 << 20
 _SMALL = 64 * 1024  # parts smaller than this are read through the shared buffer
 HANDSHAKE_TIMEOUT = 10.0
 BURST_GAP = 50e-6  # a send this soon after the previous one is part of a burst: batch it
@@ -122,6 +126,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
+            if bytes(data) == _REFUSED:
+                raise ProtocolError(_REFUSED)
             raise ProtocolError(f"connection closed during handshake ({len(data)}/{n} bytes)")
         data += chunk
     return bytes(data)
@@ -141,6 +147,10 @@ def handshake_listener(sock: socket.socket, token: bytes, timeout: float = HANDS
         raise AuthError(f"not a monarch_dsl peer (first bytes {answer[:4]!r})")
     theirs, mac = answer[4 : 4 + _NONCE], answer[4 + _NONCE :]
     if not hmac.compare_digest(mac, _mac(token, b"dialer", ours, theirs)):
+        try:
+            sock.sendall(_REFUSED)  # say why, so the dialer's error is clear
+        except OSError:
+            pass
         raise AuthError("the peer does not hold this job's token")
     sock.sendall(_mac(token, b"listener", theirs, ours))
     sock.settimeout(None)
@@ -155,7 +165,12 @@ def handshake_dialer(sock: socket.socket, token: bytes, timeout: float = HANDSHA
     theirs = hello[4:]
     ours = secrets.token_bytes(_NONCE)
     sock.sendall(_HELLO_MAGIC + ours + _mac(token, b"dialer", theirs, ours))
-    proof = _recv_exact(sock, 32)
+    try:
+        proof = _recv_exact(sock, 32)
+    except ProtocolError as e:
+        if e.args and e.args[0] == _REFUSED:
+            raise AuthError("the controller refused this connection: wrong token") from None
+        raise
     if not hmac.compare_digest(proof, _mac(token, b"listener", ours, theirs)):
         raise AuthError("the listener does not hold this job's token")
     sock.settimeout(None)
@@ -208,8 +223,7 @@ class FrameReader:
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0
-        self.pending: list[tuple[bytearray, int]] | None = None  # big frame being filled
-        self.pending_meta: tuple[int, int] | None = None
+        self.pending: list[list] | None = None  # [buffer, bytes filled, size] per frame part
 
     def read(self) -> list[Any]:
         if self.pending is not None:
@@ -256,13 +270,15 @@ class FrameReader:
                 for i in range(nbuf)
             ]
             if any(n > _MAX_FRAME for n in lens):
-                raise ProtocolError("bad frame header: buffer too large")
+                raise ProtocolError(
+                    f"bad frame header: a buffer of {max(lens)} bytes (the limit is {_MAX_FRAME})"
+                )
             total = head + plen + sum(lens)
             # A frame with out-of-band buffers or larger than the shared buffer: give every
-            # part a buffer of its own and copy what has arrived already.
-            parts = [(bytearray(plen), 0)] + [(bytearray(n), 0) for n in lens]
+            # part a buffer of its own, grown as its bytes arrive (a corrupt header must not
+            # make us allocate what it claims), and copy what has arrived already.
+            self.pending = [[bytearray(), 0, n] for n in (plen, *lens)]
             self.start += head
-            self.pending, self.pending_meta = parts, (nbuf, plen)
             self._take_from_buffer()
             if self._pending_done():
                 out.append(self._finish_pending())
@@ -274,35 +290,37 @@ class FrameReader:
 
     def _take_from_buffer(self) -> None:
         assert self.pending is not None
-        for i, (part, filled) in enumerate(self.pending):
-            if filled == len(part):
-                continue
-            take = min(len(part) - filled, self.end - self.start)
+        for part in self.pending:
+            buf, filled, size = part
+            take = min(size - filled, self.end - self.start)
             if take:
-                part[filled : filled + take] = self.view[self.start : self.start + take]
+                buf += self.view[self.start : self.start + take]
                 self.start += take
-                self.pending[i] = (part, filled + take)
-            if self.pending[i][1] < len(part):
+                part[1] = filled + take
+            if part[1] < size:
                 return
 
     def _pending_done(self) -> bool:
-        return all(filled == len(part) for part, filled in self.pending)  # type: ignore[union-attr]
+        return all(filled == size for _, filled, size in self.pending)  # type: ignore[union-attr]
 
     def _finish_pending(self) -> Any:
-        parts = [part for part, _ in self.pending]  # type: ignore[union-attr]
-        self.pending = self.pending_meta = None
+        parts = [buf for buf, _, _ in self.pending]  # type: ignore[union-attr]
+        self.pending = None
         return _loads(parts[0], parts[1:])
 
     def _fill_pending(self) -> list[Any]:
         assert self.pending is not None
-        i = next(i for i, (part, filled) in enumerate(self.pending) if filled < len(part))
-        part, filled = self.pending[i]
-        remaining = len(part) - filled
-        if remaining >= _SMALL:
-            n = self.sock.recv_into(memoryview(part)[filled:])
+        part = next(p for p in self.pending if p[1] < p[2])
+        buf, filled, size = part
+        if size - filled >= _SMALL:
+            # Receive straight into the part, growing it geometrically (realloc of a big block
+            # remaps pages rather than copying them).
+            if len(buf) == filled:
+                buf.extend(bytes(min(size - filled, max(filled, _GROW))))
+            n = self.sock.recv_into(memoryview(buf)[filled:])
             if n == 0:
                 raise EOFError("connection closed in the middle of a frame")
-            self.pending[i] = (part, filled + n)
+            part[1] = filled + n
         else:
             self.start = self.end = 0
             n = self.sock.recv_into(self.view)

@@ -61,8 +61,8 @@ class Worker:
                 msg = self.conn.recv(self.flush)
             except (EOFError, OSError):
                 _exit(0)  # the controller is gone: so are we
-            except transport.ProtocolError as e:
-                print(f"monarch_dsl worker {self.rank}: {e}; closing", file=sys.stderr)
+            except (transport.ProtocolError, MemoryError) as e:
+                print(f"monarch_dsl worker {self.rank}: {e!r}; closing", file=sys.stderr)
                 _exit(1)
             handler = self.handlers.get(type(msg))
             if handler is None:
