@@ -907,3 +907,26 @@ def test_worker_without_a_usable_token_says_so():
             if proc.poll() is None:
                 os.kill(proc.pid, 9)
                 proc.wait(timeout=10)
+
+
+def test_big_part_grown_ahead_then_finished_through_the_shared_buffer():
+    """A big part is received straight into its own buffer, grown ahead of its bytes; when the
+    rest is small it comes through the shared buffer and must land right after the bytes
+    already received (not after the growth)."""
+    t = torch.arange(50_000, dtype=torch.float32)  # 200 KB: one out-of-band buffer
+    wire = _wire(_r(t))
+    head = len(wire) - t.numel() * 4  # header, lengths and pickle: everything but the tensor
+    with _pair() as (a, b):
+        reader = transport.FrameReader(b)
+        got = []
+        a.sendall(wire[:head])
+        while reader.pending is None:
+            got += reader.read()
+        a.sendall(wire[head : head + 170_000])
+        while reader.pending[1][1] < 170_000:
+            got += reader.read()
+        assert not got and len(reader.pending[1][0]) > reader.pending[1][1]  # grown ahead
+        a.sendall(wire[head + 170_000 :])  # 30 KB: below the direct-receive threshold
+        while not got:
+            got += reader.read()
+    assert torch.equal(got[0].value, t)

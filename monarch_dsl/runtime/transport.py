@@ -293,8 +293,8 @@ class FrameReader:
         for part in self.pending:
             buf, filled, size = part
             take = min(size - filled, self.end - self.start)
-            if take:
-                buf += self.view[self.start : self.start + take]
+            if take:  # (a slice assignment: buf may already be grown past `filled`)
+                buf[filled : filled + take] = self.view[self.start : self.start + take]
                 self.start += take
                 part[1] = filled + take
             if part[1] < size:
