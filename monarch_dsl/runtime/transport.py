@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy
+
 from monarch_dsl.runtime import serialize
 from monarch_dsl.runtime.messages import WIRE_INDEX, WIRE_TYPES
 
@@ -45,7 +47,17 @@ _MAX_BUFFERS = 4096
 # A bound on any one part of a frame, so that a corrupt header is an error rather than a wait
 # for terabytes. MONARCH_DSL_MAX_MESSAGE_GB raises it.
 _MAX_FRAME = int(float(os.environ.get("MONARCH_DSL_MAX_MESSAGE_GB", "64")) * (1 << 30))
-_GROW = 1 << 20
+
+
+def _part_buffer(n: int) -> memoryview:
+    """A writable buffer for one frame part. Big ones are ``numpy.empty``: memory the OS maps
+    only as bytes arrive (a corrupt header does not make us touch what it claims), 64-byte
+    aligned for the tensors built on it, and never zero-filled first."""
+    if n < _SMALL:
+        return memoryview(bytearray(n))
+    return memoryview(numpy.empty(n, dtype=numpy.uint8))
+
+
 _SMALL = 64 * 1024  # parts smaller than this are read through the shared buffer
 HANDSHAKE_TIMEOUT = 10.0
 BURST_GAP = 50e-6  # a send this soon after the previous one is part of a burst: batch it
@@ -275,9 +287,8 @@ class FrameReader:
                 )
             total = head + plen + sum(lens)
             # A frame with out-of-band buffers or larger than the shared buffer: give every
-            # part a buffer of its own, grown as its bytes arrive (a corrupt header must not
-            # make us allocate what it claims), and copy what has arrived already.
-            self.pending = [[bytearray(), 0, n] for n in (plen, *lens)]
+            # part a buffer of its own and copy what has arrived already.
+            self.pending = [[_part_buffer(n), 0, n] for n in (plen, *lens)]
             self.start += head
             self._take_from_buffer()
             if self._pending_done():
@@ -304,7 +315,7 @@ class FrameReader:
         return all(filled == size for _, filled, size in self.pending)  # type: ignore[union-attr]
 
     def _finish_pending(self) -> Any:
-        parts = [buf for buf, _, _ in self.pending]  # type: ignore[union-attr]
+        parts = [buf.obj for buf, _, _ in self.pending]  # type: ignore[union-attr]
         self.pending = None
         return _loads(parts[0], parts[1:])
 
@@ -312,12 +323,8 @@ class FrameReader:
         assert self.pending is not None
         part = next(p for p in self.pending if p[1] < p[2])
         buf, filled, size = part
-        if size - filled >= _SMALL:
-            # Receive straight into the part, growing it geometrically (realloc of a big block
-            # remaps pages rather than copying them).
-            if len(buf) == filled:
-                buf.extend(bytes(min(size - filled, max(filled, _GROW))))
-            n = self.sock.recv_into(memoryview(buf)[filled:])
+        if size - filled >= _SMALL:  # receive straight into the part
+            n = self.sock.recv_into(buf[filled:])
             if n == 0:
                 raise EOFError("connection closed in the middle of a frame")
             part[1] = filled + n
