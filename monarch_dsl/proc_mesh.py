@@ -128,7 +128,7 @@ class LocalHost:
                 local, dict(env or {}), setup_bytes, timeout, _progress_printer(label, _quiet())
             )
         except BaseException:
-            job.stop(raise_errors=False)
+            job.stop()
             raise
         return _root(job)
 
@@ -213,7 +213,7 @@ class RemoteHosts:
         try:
             job.wait_joined(timeout, _progress_printer(label, _quiet()))
         except BaseException:
-            job.stop(raise_errors=False)
+            job.stop()
             raise
         return _root(job)
 

@@ -602,7 +602,7 @@ class Jobs:
         for fake in self.fakes:
             fake.close()
         for job in self.jobs:
-            job.stop(raise_errors=False, timeout=1.0)
+            job.stop(timeout=1.0)
 
 
 @pytest.fixture
@@ -656,7 +656,7 @@ def test_unix_socket_directory_is_private(jobs):
     dst = path.parent.stat()
     assert dst.st_uid == os.getuid()
     assert stat.S_IMODE(dst.st_mode) == 0o700, oct(dst.st_mode)
-    job.stop(raise_errors=False)
+    job.stop()
     assert not path.parent.exists()  # cleaned up
 
 

@@ -412,7 +412,7 @@ class Job:
         """Fork every worker from the fork server and wait until all have joined."""
         server = fork_server()
         server.ensure_started()
-        fds, keep = [], []
+        fds: list[int] = []
         for rank in range(self.world):
             label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
             out_r, out_w = os.pipe()
@@ -435,7 +435,7 @@ class Job:
         try:
             pids = server.fork(request, fds, timeout)
         finally:
-            for fd in fds + keep:
+            for fd in fds:
                 os.close(fd)
         for rank, pid in enumerate(pids):
             self.pids[rank] = pid
@@ -461,7 +461,7 @@ class Job:
                 self._cond.wait(left)
             failure = self._startup_failure
         if failure is not None:
-            self.stop(raise_errors=False)
+            self.stop()
             raise failure
         progress(self.world, self.world)
         configure = transport.encode(Configure(self.dims, self.sizes))
@@ -754,7 +754,7 @@ class Job:
                 ) from None
 
     # ------------------------------------------------------------------ stop
-    def stop(self, raise_errors: bool = True, timeout: float = STOP_TIMEOUT) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         with self._cond:
             if self.stopped:
                 return
@@ -817,6 +817,6 @@ def stop_all() -> None:
     """atexit: stop every job this controller started."""
     for job in list(_jobs):
         try:
-            job.stop(raise_errors=False, timeout=2.0)
+            job.stop(timeout=2.0)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
