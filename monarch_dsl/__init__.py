@@ -8,10 +8,17 @@
 import torch  # noqa: F401, I001
 
 from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
-from monarch_dsl.errors import ActorError, MonarchError, SpawnError, SupervisionError
+from monarch_dsl.errors import (
+    ActorError,
+    MonarchError,
+    RemoteError,
+    SpawnError,
+    SupervisionError,
+)
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
 from monarch_dsl.runtime.context import Point, current_rank
+from monarch_dsl.tensor import Tensor, fetch, inspect, show
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -27,6 +34,11 @@ __all__ = [
     "MonarchError",
     "Point",
     "ProcMesh",
+    "RemoteError",
+    "Tensor",
+    "fetch",
+    "inspect",
+    "show",
     "RemoteHosts",
     "SpawnError",
     "SupervisionError",

@@ -51,3 +51,21 @@ class SupervisionError(MonarchError):
 
 class SpawnError(SupervisionError):
     """A worker could not start (its setup raised, it died, or it did not join in time)."""
+
+
+class RemoteError(MonarchError):
+    """A tensor command failed on a worker; raised when its result (or anything computed from
+    it) is fetched, or at ``stop()`` if nobody fetched it. ``rank``/``coords``: where it failed
+    first; ``line``: the controller ``file:line`` that issued the failing command; ``op``: the
+    operator; ``error``: the root cause as text; ``remote_traceback``."""
+
+    def __init__(
+        self, message: str, *, rank=None, coords=None, line="", op="", error="", remote_traceback=""
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.coords = coords
+        self.line = line
+        self.op = op
+        self.error = error
+        self.remote_traceback = remote_traceback

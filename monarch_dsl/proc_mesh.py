@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from monarch_dsl import actor as _actor
+from monarch_dsl import tensor as _tensor
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime import controller, serialize, transport
 
@@ -37,8 +38,29 @@ class ProcMesh(Mesh):
         return _actor.spawn(self, name, cls, args, kwargs)
 
     def stop(self) -> None:
-        """Stop every worker of the allocation this mesh belongs to (slices included)."""
-        self._job.stop()
+        """Stop every worker of the allocation this mesh belongs to (slices included).
+
+        Raises ``md.RemoteError`` for a failed tensor command whose error nobody fetched."""
+        job = self._job
+        unseen = []
+        if job.engine is not None and not job.stopped:
+            try:
+                _tensor.sync(self)
+            except Exception:  # noqa: BLE001 - a dead worker: stop anyway
+                pass
+            unseen = job.unobserved_failures()
+        job.stop()
+        if unseen:
+            raise job.remote_error(unseen[0], observed=True)
+
+    def activate(self):
+        """``with pm.activate():`` torch calls create and run on every rank of this mesh."""
+        return _tensor.activate(self)
+
+    def rank(self, dims: Any = ()) -> Any:
+        """Under activation: a mesh tensor holding each rank's coordinate along ``dims``
+        (several dims combine row-major)."""
+        return _tensor.mesh_rank(self, dims)
 
     @property
     def stopped(self) -> bool:

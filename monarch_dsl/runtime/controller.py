@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from monarch_dsl.errors import ActorError, SpawnError, SupervisionError
+from monarch_dsl.errors import ActorError, RemoteError, SpawnError, SupervisionError
 from monarch_dsl.runtime import logs, transport
 from monarch_dsl.runtime.context import Point
 from monarch_dsl.runtime.future import Future, before_block
@@ -28,6 +28,8 @@ from monarch_dsl.runtime.messages import (
     ChildExited,
     Configure,
     ErrorReply,
+    FailureReport,
+    FetchFailed,
     Forked,
     ForkServerReady,
     ForkServerUnsafe,
@@ -251,11 +253,11 @@ class Flusher:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._held: set[transport.Connection] = set()
+        self._held: set[Any] = set()  # anything with flush(): connections, tensor batches
         self._thread: threading.Thread | None = None
         before_block.append(self.flush_all)
 
-    def hold(self, conn: transport.Connection) -> None:
+    def hold(self, conn: Any) -> None:
         with self._cond:
             self._held.add(conn)
             if self._thread is None:
@@ -264,15 +266,15 @@ class Flusher:
             self._cond.notify()
 
     def flush_all(self) -> None:
-        if not self._held:
-            return
-        with self._cond:
-            held, self._held = self._held, set()
-        for conn in held:
-            try:
-                conn.flush()
-            except OSError:
-                pass  # a dead worker: the receiver thread reports it and fails its calls
+        # Flushing a tensor batch may hold a connection: loop until nothing is held.
+        while self._held:
+            with self._cond:
+                held, self._held = self._held, set()
+            for conn in held:
+                try:
+                    conn.flush()
+                except OSError:
+                    pass  # a dead worker: the receiver thread reports it and fails its calls
 
     def _run(self) -> None:
         while True:
@@ -284,6 +286,12 @@ class Flusher:
 
 
 _flusher = Flusher()
+
+
+def flusher() -> Flusher:
+    """Holds anything with a ``flush()`` (connections, tensor batches) for at most
+    ``FLUSH_DELAY``."""
+    return _flusher
 
 
 # =============================================================================== pending calls
@@ -369,6 +377,9 @@ class Job:
         self.exit_status: dict[int, int] = {}
         self.pending: dict[int, Pending] = {}
         self.pending_by_rank: dict[int, set[int]] = {}
+        self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
+        self.observed: set[tuple] = set()  # ... of which some fetch has raised
+        self.engine: Any = None  # the tensor engine, once a mesh of this job is activated
         self.stopping = False
         self.stopped = False
         self._lock = threading.Lock()
@@ -628,6 +639,10 @@ class Job:
                 exception=exc,
             )
             self._deliver(rank, msg.call_id, None, err)
+        elif cls is FetchFailed:
+            self._deliver(rank, msg.call_id, None, self.remote_error(msg.failure, observed=True))
+        elif cls is FailureReport:
+            self.failures.append(msg.failure)
         else:
             log.warning("monarch_dsl: dropped a message from %s: %r", self.describe(rank), msg)
 
@@ -694,6 +709,38 @@ class Job:
                 continue
             self._forget(call_id, p)
             p.future.set_exception(err)
+
+    # ------------------------------------------------------------------ tensor engine
+    def remote_error(self, failure: tuple, observed: bool) -> RemoteError:
+        """The RemoteError for a failure tuple from a worker (executor.Failure)."""
+        rank, line, op, error, tb = failure
+        if observed:  # the same command failing on other ranks counts as seen too
+            self.observed.add((line, op, error))
+        at = f" at {line}" if line else ""
+        return RemoteError(
+            f"{op or 'a command'}{at} failed on worker {self.describe(rank)}: {error}",
+            rank=rank,
+            coords=self.coords(rank),
+            line=line,
+            op=op,
+            error=error,
+            remote_traceback=tb,
+        )
+
+    def unobserved_failures(self) -> list[tuple]:
+        return [f for f in self.failures if tuple(f[1:4]) not in self.observed]
+
+    def expect(self, ranks: Sequence[int], finish: Callable[[list], Any] | None) -> tuple:
+        """Register a call whose message goes out some other way (in a tensor batch);
+        returns (call_id, future)."""
+        self.check_alive(ranks)
+        call_id = next(_call_ids)
+        p = Pending(ranks, finish, None, None, self)
+        with self._lock:
+            self.pending[call_id] = p
+            for r in ranks:
+                self.pending_by_rank[r].add(call_id)
+        return call_id, p.future
 
     # ------------------------------------------------------------------ sending
     def check_alive(self, ranks: Sequence[int]) -> None:

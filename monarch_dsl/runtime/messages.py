@@ -76,6 +76,35 @@ class Configure(NamedTuple):
     sizes: tuple[int, ...]
 
 
+class SetupCollectives(NamedTuple):
+    """Where the job's rendezvous store (a torch TCPStore) listens."""
+
+    host: str
+    port: int
+
+
+class RunBatch(NamedTuple):
+    """Plan instructions (``compiler/ir.py``) for the tensor engine, as (mesh id, instruction)
+    pairs; a worker runs those of the meshes it belongs to (mesh id -1: every worker)."""
+
+    items: tuple
+
+
+class FetchFailed(NamedTuple):
+    """The reply to a fetch of a failed value: its root failure (see executor.Failure)."""
+
+    call_id: int
+    rank: int
+    failure: tuple
+
+
+class FailureReport(NamedTuple):
+    """A worker's instruction failed (a root cause, not a failure inherited from inputs)."""
+
+    rank: int
+    failure: tuple
+
+
 class StopWorker(NamedTuple):
     """Finish and exit."""
 
@@ -91,6 +120,10 @@ WIRE_TYPES: tuple[type, ...] = (
     CallEndpoint,
     Configure,
     StopWorker,
+    SetupCollectives,
+    RunBatch,
+    FetchFailed,
+    FailureReport,
 )
 WIRE_INDEX: dict[type, int] = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 

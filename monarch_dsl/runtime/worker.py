@@ -26,12 +26,17 @@ from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
     ErrorReply,
+    FailureReport,
+    FetchFailed,
     Hello,
     Reply,
+    RunBatch,
+    SetupCollectives,
     SpawnActor,
     StopWorker,
 )
 
+current: Worker | None = None  # this process's worker (for introspection from endpoints)
 FLUSH_AFTER = 0.0005  # seconds a finished reply may wait for the ones after it
 
 
@@ -47,11 +52,16 @@ class Worker:
         self._outbox: list = []
         self._outbox_since = 0.0
         self._io_thread = threading.get_ident()
+        self._executor = None
+        global current
+        current = self
         self.handlers = {
             SpawnActor: self.spawn_actor,
             CallEndpoint: self.call_endpoint,
             Configure: self.configure,
             StopWorker: self.stop,
+            RunBatch: self.run_batch,
+            SetupCollectives: self.setup_collectives,
         }
 
     # ------------------------------------------------------------------ loop
@@ -182,6 +192,32 @@ class Worker:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="md-async", daemon=True).start()
         return self._loop
+
+    # ------------------------------------------------------------------ tensor engine
+    def executor(self):
+        if self._executor is None:
+            import torch
+
+            from monarch_dsl.runtime.executor import ReferenceExecutor
+
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+            self._executor = ReferenceExecutor(
+                self.rank,
+                device,
+                reply=lambda call_id, value: self.reply(Reply(call_id, self.rank, value)),
+                reply_failure=lambda call_id, f: self.reply(
+                    FetchFailed(call_id, self.rank, f.as_tuple())
+                ),
+                report=lambda f: self.reply(FailureReport(self.rank, f.as_tuple())),
+            )
+        return self._executor
+
+    def run_batch(self, msg: RunBatch) -> None:
+        self.executor().run(msg.items)
+
+    def setup_collectives(self, msg: SetupCollectives) -> None:
+        self.executor().use_store(msg.host, msg.port)
 
     def configure(self, msg: Configure) -> None:
         context.set_process_point(context.Point.of_index(self.rank, msg.dims, msg.sizes))

@@ -1,0 +1,1 @@
+"""The plan IR and (later) the compiler passes. Pure: never imports the runtime."""

@@ -1,0 +1,130 @@
+"""The instruction set every back end executes: the eager tensor engine sends batches of these,
+compiled plans (issue 4) lower to them, the C++ executor (issue 5) and the simulator implement
+them.
+
+One small node type per instruction kind, a closed set. Instructions name values by ``Ref``
+(an int id in the worker's ref table); each carries the stream it runs on and ``line``, the
+user's ``file:line`` that issued it, so any runtime error points back at the user's code.
+Arguments are pytrees of plain values and ``Ref``s; ``WORKER_DEVICE`` stands for the worker's
+device (``cuda:<local index>`` or ``cpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Ref(NamedTuple):
+    """A value in the worker's ref table."""
+
+    id: int
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+
+class _WorkerDevice:
+    """Placeholder for the executing worker's device."""
+
+    def __repr__(self) -> str:
+        return "WORKER_DEVICE"
+
+    def __reduce__(self) -> str:
+        return "WORKER_DEVICE"
+
+
+WORKER_DEVICE = _WorkerDevice()
+
+
+class MeshCoord(NamedTuple):
+    """Placeholder argument: the executing rank's coordinate along ``dims`` of mesh ``mesh``
+    (several dims combine row-major)."""
+
+    mesh: int
+    dims: tuple[str, ...]
+
+
+class CallOp(NamedTuple):
+    """``outs = op(*args, **kwargs)``; ``op`` is an operator name, ``aten::add.Tensor``.
+    ``outs`` lists the refs of the tensor outputs, in the order a pytree flatten of the result
+    gives them (None for outputs that are not kept)."""
+
+    op: str
+    args: tuple
+    kwargs: dict
+    outs: tuple[int | None, ...]
+    stream: str
+    line: str
+
+
+class Reduce(NamedTuple):
+    """A collective over the mesh dims ``dims`` (names) of the mesh ``mesh`` (its id):
+    ``reduction`` in sum/avg/min/max/prod/stack; ``scatter`` makes sum-like ones a
+    reduce-scatter over dim 0 and ``stack`` an all-to-all. ``out`` receives the result (it is
+    ``src`` for the in-place form)."""
+
+    src: int
+    out: int
+    mesh: int
+    dims: tuple[str, ...]
+    reduction: str
+    scatter: bool
+    shape: tuple[int, ...]  # of src: a rank whose src failed takes part with zeros of it
+    dtype: str
+    stream: str
+    line: str
+
+
+class Fetch(NamedTuple):
+    """Send a CPU copy of ``ref`` (or its error) to the controller, as the reply to
+    ``call_id``; ``ref`` -1 replies None (a barrier: everything before it has run)."""
+
+    call_id: int
+    ref: int
+    stream: str
+    line: str
+
+
+class Delete(NamedTuple):
+    """Drop these refs from the ref table (the memory goes when nothing else holds it)."""
+
+    refs: tuple[int, ...]
+
+
+class Seed(NamedTuple):
+    """``torch.manual_seed(seed)`` on the worker."""
+
+    seed: int
+    line: str
+
+
+class DefineMesh(NamedTuple):
+    """Name a mesh for later instructions: ``ranks`` (allocation ranks, row-major) with dims
+    ``dims`` of sizes ``sizes``."""
+
+    mesh: int
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+INSTRUCTIONS: tuple[type, ...] = (CallOp, Reduce, Fetch, Delete, Seed, DefineMesh)
+REDUCTIONS = ("sum", "avg", "min", "max", "prod", "stack")
+
+
+def refs_in(value: Any) -> list[int]:
+    """The ref ids used in a pytree of arguments."""
+    out: list[int] = []
+    _collect(value, out)
+    return out
+
+
+def _collect(value: Any, out: list[int]) -> None:
+    if isinstance(value, Ref):
+        out.append(value.id)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, out)

@@ -1,0 +1,263 @@
+"""The reference executor: runs plan instructions (``compiler/ir.py``) on one worker, in Python.
+
+It keeps the ref table, and an error value per failed ref: an instruction whose inputs failed
+is skipped and its outputs fail with the same root cause, so only what depends on a failure
+fails. Collectives always take part -- with a zero placeholder for a failed input -- so a
+failure on some ranks never leaves the others waiting. The C++ executor (issue 5) implements
+the same contract; this one stays for differential tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from monarch_dsl.compiler import ir
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class Failure:
+    """What a failed ref holds: the root cause (where it first failed)."""
+
+    __slots__ = ("rank", "line", "op", "error", "traceback")
+
+    def __init__(self, rank: int, line: str, op: str, error: str, tb: str):
+        self.rank = rank
+        self.line = line
+        self.op = op
+        self.error = error
+        self.traceback = tb
+
+    def as_tuple(self) -> tuple:
+        return (self.rank, self.line, self.op, self.error, self.traceback)
+
+
+_ops: dict[str, Callable] = {}
+
+
+def resolve_op(name: str) -> Callable:
+    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor``."""
+    fn = _ops.get(name)
+    if fn is None:
+        ns, _, rest = name.partition("::")
+        base, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, ns), base)
+        fn = _ops[name] = getattr(packet, overload or "default")
+    return fn
+
+
+class ReferenceExecutor:
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        reply: Callable[[int, Any], None],
+        reply_failure: Callable[[int, Failure], None],
+        report: Callable[[Failure], None],
+    ):
+        self.rank = rank
+        self.device = device
+        self.refs: dict[int, Any] = {}
+        self.meshes: dict[int, ir.DefineMesh] = {}
+        self.member: dict[int, bool] = {}
+        self.reply = reply  # (call_id, value) -> sends a Reply
+        self.reply_failure = reply_failure
+        self.report = report  # a root failure, for the controller to raise if nobody fetches
+        self.store: dist.Store | None = None
+        self.groups: dict[tuple[int, ...], Any] = {}
+        self.handlers = {
+            ir.CallOp: self.call_op,
+            ir.Reduce: self.reduce,
+            ir.Fetch: self.fetch,
+            ir.Delete: self.delete,
+            ir.Seed: self.seed,
+            ir.DefineMesh: self.define_mesh,
+        }
+
+    # ------------------------------------------------------------------ driving
+    def run(self, items: tuple) -> None:
+        """``items``: (mesh id, instruction) pairs; run those whose mesh includes this rank."""
+        member = self.member
+        for mesh, ins in items:
+            if mesh < 0 or member.get(mesh, False):
+                self.handlers[type(ins)](ins)
+
+    # ------------------------------------------------------------------ values
+    def _value(self, x: Any) -> Any:
+        if isinstance(x, ir.Ref):
+            return self.refs[x.id]
+        if x is ir.WORKER_DEVICE:
+            return self.device
+        if isinstance(x, ir.MeshCoord):
+            mesh = self.meshes[x.mesh]
+            coords = _coords(mesh, mesh.ranks.index(self.rank))
+            flat = 0
+            for d in x.dims:
+                flat = flat * mesh.sizes[mesh.dims.index(d)] + coords[d]
+            return flat
+        if isinstance(x, tuple):
+            return tuple(self._value(v) for v in x)
+        if isinstance(x, list):
+            return [self._value(v) for v in x]
+        if isinstance(x, dict):
+            return {k: self._value(v) for k, v in x.items()}
+        return x
+
+    def _failed_input(self, args: Any, kwargs: Any) -> Failure | None:
+        for rid in ir.refs_in(args) + ir.refs_in(kwargs):
+            v = self.refs.get(rid)
+            if isinstance(v, Failure):
+                return v
+            if rid not in self.refs:
+                return Failure(self.rank, "", "", f"internal error: no value for %{rid}", "")
+        return None
+
+    def _fail(self, outs, failure: Failure, root: bool) -> None:
+        for rid in outs:
+            if rid is not None:
+                self.refs[rid] = failure
+        if root:
+            self.report(failure)
+
+    def _root_failure(self, line: str, op: str, e: BaseException) -> Failure:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        return Failure(self.rank, line, op, f"{type(e).__name__}: {e}", tb)
+
+    # ------------------------------------------------------------------ instructions
+    def define_mesh(self, ins: ir.DefineMesh) -> None:
+        self.meshes[ins.mesh] = ins
+        self.member[ins.mesh] = self.rank in ins.ranks
+
+    def call_op(self, ins: ir.CallOp) -> None:
+        failed = self._failed_input(ins.args, ins.kwargs)
+        if failed is not None:
+            self._fail(ins.outs, failed, root=False)
+            return
+        try:
+            result = resolve_op(ins.op)(*self._value(ins.args), **self._value(ins.kwargs))
+        except Exception as e:  # noqa: BLE001 - the failure is the value now
+            self._fail(ins.outs, self._root_failure(ins.line, ins.op, e), root=True)
+            return
+        leaves = pytree.tree_leaves(result)
+        for rid, leaf in zip(ins.outs, (x for x in leaves if isinstance(x, torch.Tensor))):
+            if rid is not None:
+                self.refs[rid] = leaf
+
+    def fetch(self, ins: ir.Fetch) -> None:
+        if ins.ref < 0:  # a barrier: everything before it has run
+            self.reply(ins.call_id, None)
+            return
+        value = self.refs.get(ins.ref)
+        if isinstance(value, Failure):
+            self.reply_failure(ins.call_id, value)
+            return
+        if value is None:
+            self.reply_failure(
+                ins.call_id,
+                Failure(self.rank, ins.line, "fetch", f"%{ins.ref} was deleted", ""),
+            )
+            return
+        self.reply(ins.call_id, value.detach().to("cpu", copy=True))
+
+    def delete(self, ins: ir.Delete) -> None:
+        for rid in ins.refs:
+            self.refs.pop(rid, None)
+
+    def seed(self, ins: ir.Seed) -> None:
+        torch.manual_seed(ins.seed)
+
+    # ------------------------------------------------------------------ collectives
+    def use_store(self, host: str, port: int) -> None:
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+    def _group(self, ins: ir.Reduce) -> tuple[Any, int, int]:
+        """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
+        mesh = self.meshes[ins.mesh]
+        coords = _coords(mesh, mesh.ranks.index(self.rank))
+        members = [
+            r
+            for i, r in enumerate(mesh.ranks)
+            if all(c == coords[d] for d, c in _coords(mesh, i).items() if d not in ins.dims)
+        ]
+        key = tuple(members)
+        group = self.groups.get(key)
+        if group is None:
+            if self.store is None:
+                raise RuntimeError("collectives are not set up on this worker")
+            prefix = dist.PrefixStore("md/" + ",".join(map(str, key)), self.store)
+            group = dist.ProcessGroupGloo(
+                prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
+            )
+            self.groups[key] = group
+        return group, members.index(self.rank), len(members)
+
+    def reduce(self, ins: ir.Reduce) -> None:
+        src = self.refs.get(ins.src)
+        failed = src if isinstance(src, Failure) else None
+        try:
+            group, index, size = self._group(ins)
+            if failed is not None:
+                meta = self._placeholder_meta(ins)
+                src = torch.zeros(meta[0], dtype=meta[1], device=self.device)
+            out = _collective(group, index, size, src, ins.reduction, ins.scatter)
+        except Exception as e:  # noqa: BLE001
+            self._fail((ins.out,), self._root_failure(ins.line, f"reduce {ins.dims}", e), True)
+            return
+        if failed is not None:
+            self._fail((ins.out,), failed, root=False)
+        elif ins.out == ins.src:
+            src.copy_(out)
+        else:
+            self.refs[ins.out] = out
+
+    def _placeholder_meta(self, ins: ir.Reduce) -> tuple[tuple[int, ...], torch.dtype]:
+        return ins.shape, getattr(torch, ins.dtype)
+
+
+def _coords(mesh: ir.DefineMesh, index: int) -> dict[str, int]:
+    coords = {}
+    for dim, size in reversed(list(zip(mesh.dims, mesh.sizes))):
+        index, coords[dim] = divmod(index, size)
+    return coords
+
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def _collective(group, index: int, size: int, src: torch.Tensor, reduction: str, scatter: bool):
+    src = src.contiguous()
+    if reduction == "stack":
+        if scatter:  # all-to-all: piece i of my dim 0 goes to rank i
+            out = torch.empty_like(src)
+            group.alltoall_base(out, src, [], []).wait()
+            return out
+        outs = [torch.empty_like(src) for _ in range(size)]
+        group.allgather([outs], [src]).wait()
+        return torch.stack(outs)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[reduction]
+    if scatter:
+        chunks = list(src.chunk(size))
+        out = torch.empty_like(chunks[index])
+        ropts = dist.ReduceScatterOptions()
+        ropts.reduceOp = _OPS[reduction]
+        group.reduce_scatter([out], [chunks], ropts).wait()
+    else:
+        out = src.clone()
+        group.allreduce([out], opts).wait()
+    if reduction == "avg":
+        out = out / size if not out.is_floating_point() else out.div_(size)
+    return out

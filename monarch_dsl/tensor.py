@@ -1,0 +1,669 @@
+"""Distributed tensors from one controller (SPEC §3, eager mode).
+
+``with pm.activate():`` torch calls create ``md.Tensor`` handles: the controller keeps only
+shape and dtype (a meta tensor) and records each op as a plan instruction (``compiler/ir.py``)
+in a batch; batches go to the workers lazily -- when a value is fetched, when the batch is big,
+a moment after it started, or at ``stop()`` -- so the controller never pays a round trip per
+op. The workers run the instructions (``runtime/executor.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from monarch_dsl.compiler import ir
+from monarch_dsl.errors import RemoteError
+from monarch_dsl.mesh import Mesh
+from monarch_dsl.runtime import controller
+from monarch_dsl.runtime.future import Future
+from monarch_dsl.runtime.messages import RunBatch, SetupCollectives
+
+__all__ = ["Tensor", "fetch", "inspect", "show", "RemoteError"]
+
+BATCH_MAX = 1000  # instructions; more are sent at once
+
+_MD_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _user_line() -> str:
+    """``file:line`` of the innermost frame outside monarch_dsl and torch."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_MD_DIR) or name.startswith(_TORCH_DIR) or name.startswith("<")):
+            return f"{os.path.basename(name)}:{f.f_lineno}"
+        f = f.f_back
+    return ""
+
+
+# =============================================================================== engine
+
+
+class Engine:
+    """The tensor engine of one process allocation (a controller Job)."""
+
+    def __init__(self, job: controller.Job):
+        self.job = job
+        self.ranks = tuple(range(job.world))
+        self.batch: list[tuple[int, Any]] = []
+        self.lock = threading.Lock()
+        self.refs = itertools.count(1)
+        self.meshes: dict[tuple, int] = {}
+        self.store: Any = None
+        self.device = torch.device("cpu")
+        self.batches_sent = 0
+
+    @classmethod
+    def of(cls, mesh: Any) -> Engine:
+        job = mesh._job
+        if job.engine is None:
+            job.engine = cls(job)
+        return job.engine
+
+    # ---- batching --------------------------------------------------------------------------
+    def append(self, mesh: int, ins: Any) -> None:
+        with self.lock:
+            self.batch.append((mesh, ins))
+            n = len(self.batch)
+        if n >= BATCH_MAX:
+            self.flush()
+        elif n == 1:
+            controller.flusher().hold(self)  # sent at the latest a moment from now
+
+    def flush(self) -> None:
+        with self.lock:
+            if not self.batch:
+                return
+            items, self.batch = tuple(self.batch), []
+        if self.job.stopped or self.job.stopping:
+            return
+        self.batches_sent += 1
+        self.job.post(self.ranks, RunBatch(items))
+
+    def mesh_id(self, mesh: Mesh) -> int:
+        key = (mesh.dims, tuple(mesh.ranks))
+        mid = self.meshes.get(key)
+        if mid is None:
+            mid = self.meshes[key] = len(self.meshes)
+            sizes = tuple(mesh.sizes.values())
+            self.append(-1, ir.DefineMesh(mid, mesh.dims, sizes, key[1]))
+        return mid
+
+    def rank_mesh_id(self, rank: int) -> int:
+        """The id of the one-rank mesh of ``rank`` (for instructions only it runs)."""
+        key = ((), (rank,))
+        mid = self.meshes.get(key)
+        if mid is None:
+            mid = self.meshes[key] = len(self.meshes)
+            self.append(-1, ir.DefineMesh(mid, (), (), (rank,)))
+        return mid
+
+    def ensure_collectives(self) -> None:
+        if self.store is None:
+            import torch.distributed as dist
+
+            host = "127.0.0.1"
+            if self.job.address.startswith("tcp:"):
+                host = self.job.address[4:].rpartition(":")[0].strip("[]")
+            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self.flush()
+            self.job.post(self.ranks, SetupCollectives(host, self.store.port))
+
+    def new_ref(self) -> int:
+        return next(self.refs)
+
+    def delete(self, ref: int) -> None:
+        if not self.job.stopped:
+            self.append(-1, ir.Delete((ref,)))
+
+
+# =============================================================================== tensors
+
+
+class Tensor(torch.Tensor):
+    """A handle on a tensor that lives on every rank of a mesh: ``.mesh``, ``.shape``,
+    ``.dtype``, ``.device``, ``.stream``. Torch ops on it run on the workers."""
+
+    _md_meta: torch.Tensor
+    _md_mesh: Any
+    _md_mesh_id: int
+    _md_engine: Engine
+    _md_ref: int
+    _md_stream: str
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, mesh: Any, engine: Engine, ref: int, stream: str):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.size(),
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=engine.device,
+            requires_grad=meta.requires_grad,
+        )
+        t._md_meta = meta
+        t._md_mesh = mesh
+        t._md_mesh_id = engine.mesh_id(mesh)
+        t._md_engine = engine
+        t._md_ref = ref
+        t._md_stream = stream
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {}, None)
+
+    @property
+    def mesh(self) -> Any:
+        return self._md_mesh
+
+    @property
+    def stream(self) -> str:
+        return self._md_stream
+
+    def reduce(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
+        """A collective over the mesh dims ``dims`` (a name or tuple; ``()`` = all)."""
+        return _reduce(self, dims, reduction, scatter, in_place=False, line=_user_line())
+
+    def reduce_(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
+        return _reduce(self, dims, reduction, scatter, in_place=True, line=_user_line())
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
+        return (
+            f"md.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._md_mesh!r}, "
+            f"stream={self._md_stream!r})"
+        )
+
+    # torch's binary operators turn a TypeError into NotImplemented (and Python then says only
+    # "unsupported operand"); these keep our message (local tensor, other mesh, ...).
+    def __add__(self, other):
+        return torch.add(self, other)
+
+    def __sub__(self, other):
+        return torch.sub(self, other)
+
+    def __mul__(self, other):
+        return torch.mul(self, other)
+
+    def __truediv__(self, other):
+        return torch.div(self, other)
+
+    def __floordiv__(self, other):
+        return torch.floor_divide(self, other)
+
+    def __mod__(self, other):
+        return torch.remainder(self, other)
+
+    def __pow__(self, other):
+        return torch.pow(self, other)
+
+    def __matmul__(self, other):
+        return torch.matmul(self, other)
+
+    def __and__(self, other):
+        return torch.bitwise_and(self, other)
+
+    def __or__(self, other):
+        return torch.bitwise_or(self, other)
+
+    def __xor__(self, other):
+        return torch.bitwise_xor(self, other)
+
+    def __lt__(self, other):
+        return torch.lt(self, other)
+
+    def __le__(self, other):
+        return torch.le(self, other)
+
+    def __gt__(self, other):
+        return torch.gt(self, other)
+
+    def __ge__(self, other):
+        return torch.ge(self, other)
+
+    def __eq__(self, other):
+        return torch.eq(self, other)
+
+    def __ne__(self, other):
+        return torch.ne(self, other)
+
+    def __iadd__(self, other):
+        return self.add_(other)
+
+    def __isub__(self, other):
+        return self.sub_(other)
+
+    def __imul__(self, other):
+        return self.mul_(other)
+
+    def __itruediv__(self, other):
+        return self.div_(other)
+
+    __hash__ = torch.Tensor.__hash__
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_md_engine", None)
+        if engine is not None:
+            engine.delete(self._md_ref)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "an md.Tensor is a handle on values that live on the workers; it cannot be pickled "
+            "(use md.fetch / md.inspect to get a local copy)"
+        )
+
+
+# =============================================================================== dispatch
+
+_state = threading.local()
+
+
+def _active_mesh() -> Any:
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _describe(path: Any) -> str:
+    return "".join(str(k) for k in path) or "the argument"
+
+
+_FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
+
+
+def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
+    name = func._schema.name
+    op = f"{name}.{func._overloadname}"
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    mesh = None
+    first = None
+    local = None
+    for i, x in enumerate(flat):
+        if isinstance(x, Tensor):
+            if mesh is None:
+                mesh, first = x._md_mesh, i
+            elif x._md_mesh != mesh:
+                raise TypeError(
+                    f"{op}: arguments on two meshes: argument #{first} is on {mesh!r}, "
+                    f"argument #{i} on {x._md_mesh!r} (move one with t.to_mesh(...))"
+                )
+        elif isinstance(x, torch.Tensor) and local is None:
+            local = i
+    if name in _FACTORY_DEVICE_OPS and mesh is None and active is not None:
+        return _lift(flat[local], active, op)
+    if mesh is None:
+        mesh = active
+    if local is not None:
+        raise TypeError(
+            f"{op}: argument #{local} is a local tensor (shape {tuple(flat[local].shape)}) but "
+            f"this op runs on the mesh {mesh!r}: put it on the mesh first with "
+            f"md.to_mesh(t, mesh)"
+        )
+    engine = Engine.of(mesh)
+    meta_flat = []
+    worker_flat = []
+    for x in flat:
+        if isinstance(x, Tensor):
+            meta_flat.append(x._md_meta)
+            worker_flat.append(ir.Ref(x._md_ref))
+        elif isinstance(x, torch.device):
+            meta_flat.append(torch.device("meta"))
+            worker_flat.append(ir.WORKER_DEVICE)
+        else:
+            meta_flat.append(x)
+            worker_flat.append(x)
+    worker_args, worker_kwargs = pytree.tree_unflatten(worker_flat, spec)
+    if first is None:  # a factory: make it on meta here, on the worker's device there
+        worker_kwargs["device"] = ir.WORKER_DEVICE
+    out_leaves, out_spec = _output_meta(func, op, flat, meta_flat, spec, first is None)
+    outs: list[int | None] = []
+    results = []
+    for leaf in out_leaves:
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf < 0:  # input alias
+            same = flat[~leaf]
+            outs.append(same._md_ref)
+            results.append(same)
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            results.append(leaf)
+            continue
+        ref = engine.new_ref()
+        outs.append(ref)
+        results.append(Tensor(leaf, mesh, engine, ref, _current_stream()))
+    mid = engine.mesh_id(mesh)
+    engine.append(
+        mid, ir.CallOp(op, worker_args, worker_kwargs, tuple(outs), _current_stream(), _user_line())
+    )
+    return pytree.tree_unflatten(results, out_spec)
+
+
+# Output metadata by (op, input metadata, other arguments): running an op on meta tensors goes
+# through torch's Python reference implementations (hundreds of microseconds); a loop (a
+# training step) repeats the same ops on the same shapes, so remember what they gave.
+_meta_cache: dict[tuple, tuple] = {}
+_META_CACHE_MAX = 100_000
+
+
+def _key_part(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.storage_offset())
+    if isinstance(x, list):
+        return ("list", *map(_key_part, x))
+    return x
+
+
+def _output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: bool):
+    """The output leaves as meta tensors, non-tensors, or ``~i`` for "the input flat[i]"
+    (in-place ops); and the output pytree spec."""
+    try:
+        key = (func, spec, *map(_key_part, meta_flat))
+        hash(key)
+    except TypeError:
+        key = None
+    hit = _meta_cache.get(key) if key is not None else None
+    if hit is not None:
+        leaves, out_spec = hit
+        return [_new_meta(x) if type(x) is tuple else x for x in leaves], out_spec
+    meta_args, meta_kwargs = pytree.tree_unflatten(meta_flat, spec)
+    if factory:
+        meta_kwargs["device"] = torch.device("meta")
+    try:
+        meta_out = func(*meta_args, **meta_kwargs)
+    except NotImplementedError as e:
+        raise TypeError(
+            f"{op} cannot run on mesh tensors eagerly: its output shape is not known without "
+            f"the data ({e})"
+        ) from None
+    out_leaves, out_spec = pytree.tree_flatten(meta_out)
+    position = {id(m): i for i, m in enumerate(meta_flat) if isinstance(flat[i], Tensor)}
+    leaves: list = []
+    cached: list = []
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.Tensor):
+            i = position.get(id(leaf))
+            if i is not None:
+                leaves.append(~i)
+                cached.append(~i)
+                continue
+            cached.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.storage_offset()))
+        else:
+            cached.append(leaf)
+        leaves.append(leaf)
+    if key is not None and len(_meta_cache) < _META_CACHE_MAX:
+        _meta_cache[key] = (tuple(cached), out_spec)
+    return leaves, out_spec
+
+
+def _new_meta(desc: tuple) -> torch.Tensor:
+    shape, stride, dtype, offset = desc
+    t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return t if not offset else t.as_strided(shape, stride, offset)
+
+
+def _lift(value: torch.Tensor, mesh: Any, op: str) -> Tensor:
+    """A local tensor (``torch.tensor(data)`` under activation) copied to every rank."""
+    engine = Engine.of(mesh)
+    ref = engine.new_ref()
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    out = Tensor(meta, mesh, engine, ref, _current_stream())
+    engine.append(
+        engine.mesh_id(mesh),
+        ir.CallOp(
+            "aten::_to_copy.default",
+            (value.detach().clone(),),
+            {"device": ir.WORKER_DEVICE},
+            (ref,),
+            _current_stream(),
+            _user_line(),
+        ),
+    )
+    return out
+
+
+def _current_stream() -> str:
+    return "main"
+
+
+class _MeshMode(TorchDispatchMode):
+    """Active under ``pm.activate()``: factory ops create mesh tensors."""
+
+    def __init__(self, mesh: Any):
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            return func(*args, **kwargs)  # shape bookkeeping (ours or the user's) stays here
+        flat = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(x, Tensor) for x in flat):
+            return _dispatch(func, args, kwargs, self.mesh)
+        if any(isinstance(x, torch.Tensor) for x in flat):
+            if func._schema.name in _FACTORY_DEVICE_OPS:
+                return _dispatch(func, args, kwargs, self.mesh)
+            return func(*args, **kwargs)  # local tensors stay local
+        return _dispatch(func, args, kwargs, self.mesh)
+
+
+@contextlib.contextmanager
+def activate(mesh: Any) -> Iterator[Any]:
+    """``with pm.activate():`` -- torch calls create and run on every rank of ``mesh``."""
+    if mesh._job.stopped:
+        raise RuntimeError("this process mesh has been stopped")
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(mesh)
+    real_seed = torch.manual_seed
+
+    def manual_seed(seed: int):
+        engine = Engine.of(mesh)
+        engine.append(engine.mesh_id(mesh), ir.Seed(int(seed), _user_line()))
+        return real_seed(seed)
+
+    torch.manual_seed = manual_seed
+    try:
+        with _MeshMode(mesh):
+            yield mesh
+    finally:
+        torch.manual_seed = real_seed
+        stack.pop()
+        if mesh._job.engine is not None:
+            mesh._job.engine.flush()
+
+
+def mesh_rank(mesh: Any, dims: Any) -> Tensor:
+    """``mesh.rank(dims)``: each rank's coordinate along ``dims``, as an int64 mesh tensor."""
+    if _active_mesh() is None:
+        raise RuntimeError(
+            "mesh.rank(...) gives a mesh tensor and needs an active mesh: "
+            "`with pm.activate(): r = pm.rank('gpu')`"
+        )
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    for d in dims:
+        if d not in mesh.dims:
+            raise KeyError(f"rank({d!r}): the mesh has dims {mesh.dims}")
+    engine = Engine.of(mesh)
+    mid = engine.mesh_id(mesh)
+    ref = engine.new_ref()
+    out = Tensor(torch.empty((), dtype=torch.int64, device="meta"), mesh, engine, ref, "main")
+    engine.append(
+        mid,
+        ir.CallOp(
+            "aten::scalar_tensor.default",
+            (ir.MeshCoord(mid, dims),),
+            {"dtype": torch.int64, "device": ir.WORKER_DEVICE},
+            (ref,),
+            "main",
+            _user_line(),
+        ),
+    )
+    return out
+
+
+# =============================================================================== collectives
+
+
+def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool, line: str):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"reduce needs an md.Tensor, got {type(t).__name__}")
+    mesh = t._md_mesh
+    if isinstance(dims, str):
+        dims = (dims,)
+    dims = tuple(dims) or tuple(mesh.dims)
+    for d in dims:
+        if d not in mesh.dims:
+            raise KeyError(f"reduce over {d!r}: the tensor's mesh has dims {mesh.dims}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"reduce over {dims}: a dim is named twice")
+    if reduction not in ir.REDUCTIONS:
+        raise ValueError(f"reduction must be one of {ir.REDUCTIONS}, got {reduction!r}")
+    n = mesh.size(dims)
+    meta = t._md_meta
+    if reduction == "stack":
+        if scatter:
+            if meta.dim() == 0 or meta.shape[0] % n:
+                raise ValueError(
+                    f"stack+scatter (all-to-all) over {dims} needs dim 0 divisible by {n}, "
+                    f"got shape {tuple(meta.shape)}"
+                )
+            out_meta = torch.empty_like(meta)
+        else:
+            out_meta = torch.empty((n, *meta.shape), dtype=meta.dtype, device="meta")
+    elif scatter:
+        if meta.dim() == 0 or meta.shape[0] % n:
+            raise ValueError(
+                f"{reduction}+scatter (reduce-scatter) over {dims} needs dim 0 divisible by "
+                f"{n}, got shape {tuple(meta.shape)}"
+            )
+        out_meta = torch.empty(
+            (meta.shape[0] // n, *meta.shape[1:]), dtype=meta.dtype, device="meta"
+        )
+    else:
+        out_meta = torch.empty_like(meta)
+    if in_place and tuple(out_meta.shape) != tuple(meta.shape):
+        raise ValueError(
+            f"reduce_ with {reduction}{'+scatter' if scatter else ''} changes the shape "
+            f"{tuple(meta.shape)} -> {tuple(out_meta.shape)}; use the out-of-place reduce()"
+        )
+    engine = t._md_engine
+    engine.ensure_collectives()
+    if in_place:
+        out, ref = t, t._md_ref
+    else:
+        ref = engine.new_ref()
+        out = Tensor(out_meta, mesh, engine, ref, t._md_stream)
+    dtype = str(meta.dtype).removeprefix("torch.")
+    engine.append(
+        t._md_mesh_id,
+        ir.Reduce(
+            t._md_ref,
+            ref,
+            t._md_mesh_id,
+            dims,
+            reduction,
+            scatter,
+            tuple(meta.shape),
+            dtype,
+            t._md_stream,
+            line,
+        ),
+    )
+    return out
+
+
+# =============================================================================== fetching
+
+
+def fetch(obj: Any, **coords: int) -> Future:
+    """A future of a local CPU copy of one rank's value of ``obj`` (a mesh tensor or a pytree
+    of them): no coords -- the first rank; else every dim of the mesh named."""
+    line = _user_line()
+    if isinstance(obj, Tensor):
+        return _fetch_one(obj, coords, line)
+    leaves, spec = pytree.tree_flatten(obj)
+    futures = [_fetch_one(x, coords, line) if isinstance(x, Tensor) else None for x in leaves]
+    return _Gathered(futures, leaves, spec)
+
+
+class _Gathered(Future):
+    """The future of a pytree of fetches."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, futures: list, leaves: list, spec: Any):
+        super().__init__()
+        self._parts = (futures, leaves, spec)
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            futures, leaves, spec = self._parts
+            try:
+                values = [f.get(timeout) if f is not None else x for f, x in zip(futures, leaves)]
+                self.set_result(pytree.tree_unflatten(values, spec))
+            except TimeoutError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - the first failure is the result
+                self.set_exception(e)
+        return super().get(timeout)
+
+    result = get
+
+
+def _fetch_one(t: Tensor, coords: dict, line: str) -> Future:
+    mesh = t._md_mesh
+    if coords:
+        missing = [d for d in mesh.dims if d not in coords]
+        unknown = [d for d in coords if d not in mesh.dims]
+        if unknown or missing:
+            raise KeyError(
+                f"fetch coordinates must name every dim of {mesh.dims}; "
+                f"unknown: {unknown}, missing: {missing}"
+            )
+        index = mesh.index_of(**coords)
+    else:
+        index = 0
+    rank = mesh.ranks[index]
+    engine = t._md_engine
+    call_id, fut = engine.job.expect((rank,), lambda values: values[0])
+    engine.append(engine.rank_mesh_id(rank), ir.Fetch(call_id, t._md_ref, t._md_stream, line))
+    engine.flush()
+    return fut
+
+
+def inspect(obj: Any, **coords: int) -> Any:
+    """``fetch(obj, **coords).get()``."""
+    return fetch(obj, **coords).get()
+
+
+def sync(mesh: Any) -> None:
+    """Wait until every worker of ``mesh``'s allocation has run what was sent so far (their
+    failure reports have then arrived)."""
+    engine = mesh._job.engine
+    if engine is None or engine.job.stopped:
+        return
+    call_id, fut = engine.job.expect(engine.ranks, None)
+    engine.append(-1, ir.Fetch(call_id, -1, "main", _user_line()))
+    engine.flush()
+    fut.get()
+
+
+def show(obj: Any, **coords: int) -> None:
+    """Print one rank's value of ``obj`` with its coordinates."""
+    value = inspect(obj, **coords)
+    where = ", ".join(f"{d}={c}" for d, c in coords.items()) or "first rank"
+    print(f"[{where}] {value}")

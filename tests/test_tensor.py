@@ -1,0 +1,197 @@
+"""Distributed tensors from one controller on a 2x2 CPU mesh (SPEC §3, the parts built so far)."""
+
+import gc
+
+import pytest
+import torch
+
+import monarch_dsl as md
+from monarch_dsl.runtime import worker
+
+pytestmark = pytest.mark.procs
+
+COORDS = [(h, g) for h in range(2) for g in range(2)]
+
+
+class RefCounter(md.Actor):
+    @md.endpoint
+    def refs(self):
+        ex = worker.current._executor
+        return 0 if ex is None else len(ex.refs)
+
+
+@pytest.fixture(scope="module")
+def pm():
+    mesh = md.this_host().spawn_procs({"host": 2, "gpu": 2})
+    try:
+        yield mesh
+    finally:
+        try:
+            mesh.stop()
+        except md.RemoteError:
+            pass  # failures these tests provoke on purpose and did not fetch
+
+
+def values(t):
+    return [md.inspect(t, host=h, gpu=g).tolist() for h, g in COORDS]
+
+
+def test_ops_run_on_every_rank_and_inspect_any_rank(pm):
+    with pm.activate():
+        torch.manual_seed(1)
+        x = torch.rand(3, 4)
+        y = x @ x.T + 1
+        assert isinstance(y, md.Tensor) and y.shape == (3, 3) and y.dtype == torch.float32
+        assert y.mesh == pm and y.stream == "main" and y.device == torch.device("cpu")
+        assert "md.Tensor(shape=(3, 3)" in repr(y)
+        local = md.inspect(y)
+        assert isinstance(local, torch.Tensor) and not isinstance(local, md.Tensor)
+    torch.manual_seed(1)  # outside: the controller's own generator, same seed
+    expected = torch.rand(3, 4)
+    torch.testing.assert_close(local, expected @ expected.T + 1)
+    for h, g in COORDS:  # seeded alike: every rank holds the same values
+        torch.testing.assert_close(md.inspect(y, host=h, gpu=g), local)
+    assert md.inspect({"a": y, "b": [x]})["b"][0].shape == (3, 4)
+
+
+def test_torch_tensor_data_and_in_place_ops(pm):
+    with pm.activate():
+        t = torch.tensor([1.0, 2.0, 3.0])
+        same = t.mul_(2)
+        assert same is t
+        t += 1
+    assert md.inspect(t, host=1, gpu=0).tolist() == [3.0, 5.0, 7.0]
+
+
+def test_mesh_rank_gives_coordinates(pm):
+    with pm.activate():
+        assert values(pm.rank("gpu")) == [0, 1, 0, 1]
+        assert values(pm.rank("host")) == [0, 0, 1, 1]
+        assert values(pm.rank(("host", "gpu"))) == [0, 1, 2, 3]
+        with pytest.raises(KeyError):
+            pm.rank("tp")
+    with pytest.raises(RuntimeError, match="active mesh"):
+        pm.rank("gpu")
+
+
+def test_misuse_is_a_type_error_naming_the_argument(pm):
+    other = pm.slice(host=0)
+    local = torch.ones(2)
+    with pm.activate():
+        a = torch.ones(2)
+        with pytest.raises(TypeError, match=r"argument #1 is a local tensor"):
+            a + local
+        with pytest.raises(TypeError, match=r"argument #0 is a local tensor"):
+            torch.mul(local, a)
+    with other.activate():
+        b = torch.ones(2)
+    with pytest.raises(TypeError, match="two meshes"):
+        a + b
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+
+        pickle.dumps(a)
+
+
+@pytest.mark.parametrize(
+    "reduction, expected",
+    [("sum", 1.0), ("avg", 0.5), ("min", 0.0), ("max", 1.0), ("prod", 0.0)],
+)
+def test_reduce_over_each_dim(pm, reduction, expected):
+    with pm.activate():
+        g = pm.rank("gpu").float()
+        out = g.reduce("gpu", reduction)
+        assert values(out) == [expected] * 4
+        h = pm.rank("host").float() + 1
+        assert values(h.reduce("host", "sum")) == [3.0] * 4
+        assert values(pm.rank(("host", "gpu")).float().reduce((), "sum")) == [6.0] * 4
+
+
+def test_stack_scatter_and_all_to_all(pm):
+    with pm.activate():
+        r = pm.rank(("host", "gpu")).float()
+        assert values(r.reduce("gpu", "stack")) == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+        v = torch.arange(4.0) + 10 * r  # rank k holds [10k, 10k+1, 10k+2, 10k+3]
+        rs = v.reduce(("host", "gpu"), "sum", scatter=True)  # reduce-scatter
+        assert rs.shape == (1,)
+        assert values(rs) == [[60.0], [64.0], [68.0], [72.0]]
+        a2a = v.reduce(("host", "gpu"), "stack", scatter=True)  # all-to-all
+        assert values(a2a)[1] == [1.0, 11.0, 21.0, 31.0]
+        x = torch.ones(3)
+        assert x.reduce_("gpu") is x
+        assert values(x) == [[2.0] * 3] * 4
+
+
+def test_reduce_needs_a_mesh_tensor():
+    with pytest.raises(TypeError, match="md.Tensor"):
+        md.Tensor.reduce(torch.ones(2), "gpu")
+
+
+def test_invalid_reduces_are_rejected_before_sending(pm):
+    with pm.activate():
+        t = torch.ones(3)
+        engine = t._md_engine
+        with pytest.raises(KeyError, match="dims"):
+            t.reduce("tp")
+        with pytest.raises(ValueError, match="reduction must be"):
+            t.reduce("gpu", "median")
+        with pytest.raises(ValueError, match="divisible"):
+            t.reduce("gpu", "sum", scatter=True)
+        with pytest.raises(ValueError, match="divisible"):
+            t.reduce("gpu", "stack", scatter=True)
+        with pytest.raises(ValueError, match="out-of-place"):
+            t.reduce_("gpu", "stack")
+        with pytest.raises(ValueError, match="named twice"):
+            t.reduce(("gpu", "gpu"))
+        assert not any(type(i).__name__ == "Reduce" for _, i in engine.batch)
+
+
+def test_failures_fail_dependents_only_and_workers_survive(pm):
+    with pm.activate():
+        good = torch.ones(2) * 3
+        bad = torch.ones(1 << 50)  # far too big: fails on every worker
+        worse = (bad + 1).sum()
+        summed = bad.reduce("gpu")  # a collective on a failed input still completes
+        fine = good.reduce("gpu")
+        with pytest.raises(md.RemoteError) as info:
+            md.inspect(worse)
+        err = info.value
+        assert err.op == "aten::ones.default" and "test_tensor.py:" in err.line
+        assert "allocate" in err.error and err.rank == 0 and err.coords == {"host": 0, "gpu": 0}
+        with pytest.raises(md.RemoteError):
+            md.inspect(summed, host=1, gpu=1)
+        assert md.inspect(fine).tolist() == [6.0, 6.0]
+        assert md.inspect(good * 2).tolist() == [6.0, 6.0]  # recovered
+
+
+def test_unfetched_error_is_raised_at_stop():
+    pm = md.this_host().spawn_procs({"gpu": 2})
+    with pm.activate():
+        torch.ones(1 << 50)  # fails on the workers (the shape is fine); nobody fetches it
+        ok = torch.zeros(2)
+    assert md.inspect(ok).tolist() == [0.0, 0.0]
+    with pytest.raises(md.RemoteError, match="aten::ones"):
+        pm.stop()
+    assert pm.stopped
+
+
+def test_del_frees_worker_memory_and_ops_are_batched(pm):
+    counter = pm.spawn("refs", RefCounter)
+    with pm.activate():
+        x = torch.ones(2)
+        gc.collect()  # earlier tests' tensors: their deletes go out with the next batch
+        md.inspect(x)
+        before = counter.refs.call().get().values()
+        engine = x._md_engine
+        sent = engine.batches_sent
+        ts = [x + i for i in range(200)]
+        md.inspect(ts[-1])
+        # 200 ops and a fetch: batches, not a message per op (a batch also leaves when it is
+        # 1 ms old, so a slow machine sends a few)
+        assert engine.batches_sent - sent < 100
+        during = counter.refs.call().get().values()
+        del ts
+        md.inspect(x)  # flushes the deletes, in order
+        after = counter.refs.call().get().values()
+    assert all(d >= b + 200 for b, d in zip(before, during))
+    assert after == before
