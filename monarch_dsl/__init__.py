@@ -18,7 +18,7 @@ from monarch_dsl.errors import (
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
 from monarch_dsl.runtime.context import Point, current_rank
-from monarch_dsl.tensor import Tensor, fetch, inspect, show
+from monarch_dsl.tensor import Tensor, fetch, inspect, show, to_mesh
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -47,4 +47,5 @@ __all__ = [
     "endpoint",
     "remote_hosts",
     "this_host",
+    "to_mesh",
 ]

@@ -28,7 +28,7 @@ from monarch_dsl.runtime import controller
 from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import RunBatch, SetupCollectives
 
-__all__ = ["Tensor", "fetch", "inspect", "show", "RemoteError"]
+__all__ = ["Tensor", "fetch", "inspect", "show", "to_mesh", "RemoteError"]
 
 BATCH_MAX = 1000  # instructions; more are sent at once
 
@@ -58,6 +58,8 @@ class Engine:
         self.ranks = tuple(range(job.world))
         self.batch: list[tuple[int, Any]] = []
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.dead: list[int] = []  # refs of collected tensors, deleted with the next batch
         self.refs = itertools.count(1)
         self.meshes: dict[tuple, int] = {}
         self.store: Any = None
@@ -82,14 +84,20 @@ class Engine:
             controller.flusher().hold(self)  # sent at the latest a moment from now
 
     def flush(self) -> None:
-        with self.lock:
-            if not self.batch:
+        # The caller's thread and the flusher thread both flush: taking a batch and sending it
+        # happen under one lock, so batches go out in the order they were taken.
+        with self.send_lock:
+            with self.lock:
+                dead = self._take_dead()
+                if dead:  # after every instruction that was issued while they lived
+                    self.batch.append((-1, ir.Delete(tuple(dead))))
+                if not self.batch:
+                    return
+                items, self.batch = tuple(self.batch), []
+            if self.job.stopped or self.job.stopping:
                 return
-            items, self.batch = tuple(self.batch), []
-        if self.job.stopped or self.job.stopping:
-            return
-        self.batches_sent += 1
-        self.job.post(self.ranks, RunBatch(items))
+            self.batches_sent += 1
+            self.job.post(self.ranks, RunBatch(items))
 
     def mesh_id(self, mesh: Mesh) -> int:
         key = (mesh.dims, tuple(mesh.ranks))
@@ -124,8 +132,17 @@ class Engine:
         return next(self.refs)
 
     def delete(self, ref: int) -> None:
-        if not self.job.stopped:
-            self.append(-1, ir.Delete((ref,)))
+        """From ``Tensor.__del__``, so from any thread and in the middle of anything (a garbage
+        collection): no locks, no sending; the next batch carries the deletion."""
+        self.dead.append(ref)
+
+    def _take_dead(self) -> list[int]:
+        dead = []
+        while True:
+            try:
+                dead.append(self.dead.pop())
+            except IndexError:
+                return dead
 
 
 # =============================================================================== tensors
@@ -181,6 +198,12 @@ class Tensor(torch.Tensor):
 
     def reduce_(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
         return _reduce(self, dims, reduction, scatter, in_place=True, line=_user_line())
+
+    def to_mesh(self, mesh: Any) -> Tensor:
+        """A copy of this tensor on ``mesh`` (e.g. the next pipeline stage): the rank at each
+        coordinate receives from the rank at the same coordinate here; dims and sizes must
+        match. The copy is independent of the source."""
+        return _transfer(self, mesh, _user_line())
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
         return (
@@ -456,7 +479,23 @@ class _MeshMode(TorchDispatchMode):
             if func._schema.name in _FACTORY_DEVICE_OPS:
                 return _dispatch(func, args, kwargs, self.mesh)
             return func(*args, **kwargs)  # local tensors stay local
-        return _dispatch(func, args, kwargs, self.mesh)
+        if _is_factory(func):
+            return _dispatch(func, args, kwargs, self.mesh)
+        return func(*args, **kwargs)  # no tensors in or out (profiler marks and such)
+
+
+_factories: dict[Any, bool] = {}
+
+
+def _is_factory(func) -> bool:
+    """An op that makes tensors from nothing: it takes a ``device`` and returns tensors."""
+    known = _factories.get(func)
+    if known is None:
+        schema = func._schema
+        known = _factories[func] = any(a.name == "device" for a in schema.arguments) and any(
+            "Tensor" in str(r.type) for r in schema.returns
+        )
+    return known
 
 
 @contextlib.contextmanager
@@ -511,6 +550,56 @@ def mesh_rank(mesh: Any, dims: Any) -> Tensor:
             "main",
             _user_line(),
         ),
+    )
+    return out
+
+
+def to_mesh(obj: Any, mesh: Any) -> Any:
+    """Put local data on ``mesh``: a local tensor or a pytree of them is copied to every rank;
+    an ``nn.Module`` gets its parameters and buffers on the mesh (returned, changed in place);
+    mesh tensors are copied to ``mesh`` with ``Tensor.to_mesh``."""
+    if isinstance(obj, torch.nn.Module):
+        for module in obj.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    moved = to_mesh(p.detach(), mesh)
+                    module._parameters[name] = torch.nn.Parameter(moved, p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = to_mesh(b, mesh)
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.to_mesh(mesh)
+    if isinstance(obj, torch.Tensor):
+        out = _lift(obj, mesh, "to_mesh")
+        if obj.requires_grad:
+            out.requires_grad_(True)
+        return out
+    return pytree.tree_map(lambda x: to_mesh(x, mesh) if isinstance(x, torch.Tensor) else x, obj)
+
+
+def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
+    """``t.to_mesh(dest)``: rank at coordinates c of ``t.mesh`` sends to the rank at c of
+    ``dest``."""
+    src = t._md_mesh
+    if dest._job is not src._job:
+        raise TypeError("to_mesh between process meshes of different allocations is not supported")
+    if dict(src.sizes) != dict(dest.sizes):
+        raise ValueError(
+            f"to_mesh needs the same dims and sizes on both meshes: {src.sizes} vs {dest.sizes}"
+        )
+    engine = t._md_engine
+    engine.ensure_collectives()
+    order = [src.dims.index(d) for d in dest.dims]
+    src_ranks = src._ranks.transpose(order).reshape(-1).tolist()  # in dest's row-major order
+    pairs = tuple(zip(src_ranks, dest.ranks))
+    ref = engine.new_ref()
+    meta = t._md_meta
+    out = Tensor(torch.empty_like(meta), dest, engine, ref, t._md_stream)
+    dtype = str(meta.dtype).removeprefix("torch.")
+    engine.append(
+        -1,
+        ir.Transfer(t._md_ref, ref, pairs, tuple(meta.shape), dtype, t._md_stream, line),
     )
     return out
 

@@ -195,3 +195,51 @@ def test_del_frees_worker_memory_and_ops_are_batched(pm):
         after = counter.refs.call().get().values()
     assert all(d >= b + 200 for b, d in zip(before, during))
     assert after == before
+
+
+def test_autograd_module_and_optimizer_match_local_training(pm):
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    target = torch.randn(5, 2)
+    expected = [p.detach().clone() for p in local.parameters()]
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(local(x), target).backward()
+        opt.step()
+    trained = [p.detach().clone() for p in local.parameters()]
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        for p, e in zip(model.parameters(), expected):
+            p.copy_(e)
+    with pm.activate():
+        md.to_mesh(model, pm)
+        assert all(isinstance(p, md.Tensor) and p.requires_grad for p in model.parameters())
+        xs, ts = md.to_mesh((x, target), pm)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xs), ts).backward()
+            opt.step()
+        for p, want in zip(model.parameters(), trained):
+            for h, g in COORDS:
+                torch.testing.assert_close(md.inspect(p, host=h, gpu=g), want)
+
+
+def test_to_mesh_between_pipeline_stages(pm):
+    stages = pm.rename(host="pp", gpu="dp")
+    s0, s1 = stages.slice(pp=0), stages.slice(pp=1)
+    with s0.activate():
+        a = s0.rank("dp").float() + 10
+        b = a.to_mesh(s1)
+        a.add_(100)  # the copy is independent of the source
+        bad = torch.ones(1 << 50).to_mesh(s1)
+    assert b.mesh == s1
+    with s1.activate():
+        assert [md.inspect(b * 2, dp=i).item() for i in range(2)] == [20.0, 22.0]
+        with pytest.raises(md.RemoteError):
+            md.inspect(bad)
+    with pytest.raises(ValueError, match="same dims and sizes"):
+        a.to_mesh(stages.slice(dp=0))

@@ -75,6 +75,19 @@ class Reduce(NamedTuple):
     line: str
 
 
+class Transfer(NamedTuple):
+    """Point-to-point copies: for each (from rank, to rank) pair, the value of ``src`` on the
+    first lands in ``out`` on the second (``to_mesh``, pipeline transfers)."""
+
+    src: int
+    out: int
+    pairs: tuple[tuple[int, int], ...]
+    shape: tuple[int, ...]
+    dtype: str
+    stream: str
+    line: str
+
+
 class Fetch(NamedTuple):
     """Send a CPU copy of ``ref`` (or its error) to the controller, as the reply to
     ``call_id``; ``ref`` -1 replies None (a barrier: everything before it has run)."""
@@ -108,7 +121,7 @@ class DefineMesh(NamedTuple):
     ranks: tuple[int, ...]
 
 
-INSTRUCTIONS: tuple[type, ...] = (CallOp, Reduce, Fetch, Delete, Seed, DefineMesh)
+INSTRUCTIONS: tuple[type, ...] = (CallOp, Reduce, Transfer, Fetch, Delete, Seed, DefineMesh)
 REDUCTIONS = ("sum", "avg", "min", "max", "prod", "stack")
 
 

@@ -75,6 +75,7 @@ class ReferenceExecutor:
         self.handlers = {
             ir.CallOp: self.call_op,
             ir.Reduce: self.reduce,
+            ir.Transfer: self.transfer,
             ir.Fetch: self.fetch,
             ir.Delete: self.delete,
             ir.Seed: self.seed,
@@ -177,15 +178,7 @@ class ReferenceExecutor:
     def use_store(self, host: str, port: int) -> None:
         self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
-    def _group(self, ins: ir.Reduce) -> tuple[Any, int, int]:
-        """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
-        mesh = self.meshes[ins.mesh]
-        coords = _coords(mesh, mesh.ranks.index(self.rank))
-        members = [
-            r
-            for i, r in enumerate(mesh.ranks)
-            if all(c == coords[d] for d, c in _coords(mesh, i).items() if d not in ins.dims)
-        ]
+    def _pg(self, members: list[int]) -> Any:
         key = tuple(members)
         group = self.groups.get(key)
         if group is None:
@@ -196,7 +189,69 @@ class ReferenceExecutor:
                 prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
             )
             self.groups[key] = group
-        return group, members.index(self.rank), len(members)
+        return group
+
+    def transfer(self, ins: ir.Transfer) -> None:
+        """Send to / receive from each peer; a failed source sends a flag and zeros, so the
+        receiver fails too (with the sender's root cause) instead of hanging or using zeros."""
+        src = self.refs.get(ins.src)
+        works = []
+        received = None
+        failure = None
+        try:
+            for a, b in ins.pairs:
+                if a == b == self.rank:
+                    received = self._local_copy(src)
+                    continue
+                if self.rank not in (a, b):
+                    continue
+                members = sorted((a, b))
+                group = self._pg(members)
+                peer = members.index(b if self.rank == a else a)
+                if self.rank == a:
+                    ok = not isinstance(src, Failure)
+                    value = src if ok else torch.zeros(ins.shape, dtype=getattr(torch, ins.dtype))
+                    flag = torch.tensor([1 if ok else 0])
+                    works.append(group.send([flag], peer, 0))
+                    works.append(group.send([value.detach().contiguous().cpu()], peer, 1))
+                else:
+                    flag = torch.zeros(1, dtype=torch.int64)
+                    buf = torch.empty(ins.shape, dtype=getattr(torch, ins.dtype))
+                    works.append(group.recv([flag], peer, 0))
+                    works.append(group.recv([buf], peer, 1))
+                    received = (flag, buf)
+            for w in works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001
+            failure = self._root_failure(ins.line, "to_mesh", e)
+        if failure is not None:
+            self._fail((ins.out,), failure, root=True)
+        elif isinstance(received, tuple):
+            flag, buf = received
+            if int(flag.item()) == 1:
+                self.refs[ins.out] = buf.to(self.device)
+            else:
+                self._fail(
+                    (ins.out,),
+                    Failure(self.rank, ins.line, "to_mesh", "the source value had failed", ""),
+                    root=False,
+                )
+        elif received is not None:
+            self.refs[ins.out] = received
+
+    def _local_copy(self, src: Any) -> Any:
+        return src if isinstance(src, Failure) else src.detach().clone()
+
+    def _group(self, ins: ir.Reduce) -> tuple[Any, int, int]:
+        """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
+        mesh = self.meshes[ins.mesh]
+        coords = _coords(mesh, mesh.ranks.index(self.rank))
+        members = [
+            r
+            for i, r in enumerate(mesh.ranks)
+            if all(c == coords[d] for d, c in _coords(mesh, i).items() if d not in ins.dims)
+        ]
+        return self._pg(members), members.index(self.rank), len(members)
 
     def reduce(self, ins: ir.Reduce) -> None:
         src = self.refs.get(ins.src)
