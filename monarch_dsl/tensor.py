@@ -36,13 +36,21 @@ _MD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+_internal_code: dict[Any, bool] = {}
+
+
 def _user_line() -> str:
     """``file:line`` of the innermost frame outside monarch_dsl and torch."""
     f = sys._getframe(2)
+    internal = _internal_code
     while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_MD_DIR) or name.startswith(_TORCH_DIR) or name.startswith("<")):
-            return f"{os.path.basename(name)}:{f.f_lineno}"
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            name = code.co_filename
+            inside = internal[code] = name.startswith((_MD_DIR, _TORCH_DIR, "<"))
+        if not inside:
+            return f"{os.path.basename(code.co_filename)}:{f.f_lineno}"
         f = f.f_back
     return ""
 
@@ -100,6 +108,13 @@ class Engine:
             self.job.post(self.ranks, RunBatch(items))
 
     def mesh_id(self, mesh: Mesh) -> int:
+        mid = mesh.__dict__.get("_md_mesh_id")
+        if mid is not None:
+            return mid
+        mid = mesh.__dict__["_md_mesh_id"] = self._mesh_id(mesh)
+        return mid
+
+    def _mesh_id(self, mesh: Mesh) -> int:
         key = (mesh.dims, tuple(mesh.ranks))
         mid = self.meshes.get(key)
         if mid is None:
@@ -152,7 +167,7 @@ class Tensor(torch.Tensor):
     """A handle on a tensor that lives on every rank of a mesh: ``.mesh``, ``.shape``,
     ``.dtype``, ``.device``, ``.stream``. Torch ops on it run on the workers."""
 
-    _md_meta: torch.Tensor
+    _md_desc: tuple  # ("T", shape, stride, dtype, storage offset): for caches
     _md_mesh: Any
     _md_mesh_id: int
     _md_engine: Engine
@@ -160,17 +175,23 @@ class Tensor(torch.Tensor):
     _md_stream: str
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, mesh: Any, engine: Engine, ref: int, stream: str):
+    def __new__(
+        cls,
+        meta: torch.Tensor | None,
+        mesh: Any,
+        engine: Engine,
+        ref: int,
+        stream: str,
+        desc: tuple | None = None,
+    ):
+        """From a meta tensor, or (the fast path) from its description alone."""
+        if desc is None:
+            desc = ("T", *_desc(meta))
+        _, shape, stride, dtype, offset = desc
         t = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.size(),
-            strides=meta.stride(),
-            storage_offset=meta.storage_offset(),
-            dtype=meta.dtype,
-            device=engine.device,
-            requires_grad=meta.requires_grad,
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=engine.device
         )
-        t._md_meta = meta
+        t._md_desc = desc
         t._md_mesh = mesh
         t._md_mesh_id = engine.mesh_id(mesh)
         t._md_engine = engine
@@ -178,11 +199,12 @@ class Tensor(torch.Tensor):
         t._md_stream = stream
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @property
+    def _md_meta(self) -> torch.Tensor:
+        """A meta tensor of this tensor's shape, stride and dtype (for shape propagation)."""
+        return _new_meta(self._md_desc[1:])
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {}, None)
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @property
     def mesh(self) -> Any:
@@ -290,6 +312,16 @@ class Tensor(torch.Tensor):
         )
 
 
+def _subclass_dispatch(cls, func, types, args=(), kwargs=None):
+    return _dispatch(func, args, kwargs or {}, None)
+
+
+# torch.Tensor.__init_subclass__ wraps a subclass's __torch_dispatch__ in
+# torch._disable_dynamo, which costs ~50 us per op here -- more than everything else the
+# controller does for an op. md.Tensor never runs under torch.compile, so set it unwrapped.
+Tensor.__torch_dispatch__ = classmethod(_subclass_dispatch)
+
+
 # =============================================================================== dispatch
 
 _state = threading.local()
@@ -308,6 +340,67 @@ _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 
 
 def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
+    """Record ``func(*args, **kwargs)`` for the workers; return handles of its outputs.
+
+    The fast path covers flat arguments (tensors, scalars, lists of scalars) of an op seen
+    before with the same shapes: no pytree walks, no meta execution."""
+    mesh = None
+    for a in args:
+        if isinstance(a, Tensor):
+            if mesh is None:
+                mesh = a._md_mesh
+            elif a._md_mesh is not mesh and a._md_mesh != mesh:
+                return _dispatch_general(func, args, kwargs, active)  # raises, with the details
+        elif isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a):
+            return _dispatch_general(func, args, kwargs, active)
+    for a in kwargs.values():
+        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+            return _dispatch_general(func, args, kwargs, active)
+    if mesh is None:
+        return _dispatch_general(func, args, kwargs, active)
+    key: tuple | None
+    try:
+        key = (
+            func,
+            *[a._md_desc if isinstance(a, Tensor) else _hashable(a) for a in args],
+            *kwargs.items(),
+        )
+        hit = _fast_cache.get(key)
+    except TypeError:  # an unhashable argument: no caching
+        key = hit = None
+    if hit is None:
+        return _dispatch_general(func, args, kwargs, active, fast_key=key)
+    op, out = hit
+    engine = mesh._job.engine
+    stream = "main"
+    wargs = tuple(ir.Ref(a._md_ref) if isinstance(a, Tensor) else a for a in args)
+    if type(out) is int:  # the op returns its input #out (in place)
+        result = args[out]
+        outs = (result._md_ref,)
+    else:
+        ref = next(engine.refs)
+        result = Tensor(None, mesh, engine, ref, stream, ("T", *out))
+        outs = (ref,)
+    engine.append(result._md_mesh_id, ir.CallOp(op, wargs, kwargs, outs, stream, _user_line()))
+    return result
+
+
+def _holds_tensor(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) or any(
+        isinstance(x, torch.Tensor) for x in pytree.tree_leaves(a)
+    )
+
+
+def _hashable(a: Any) -> Any:
+    return tuple(a) if isinstance(a, list) else a
+
+
+# (func, argument descriptions) -> (op name, output): the meta description of a single new
+# output tensor, or the index of the input an in-place op returns.
+_fast_cache: dict[tuple, tuple] = {}
+
+
+def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=None) -> Any:
     name = func._schema.name
     op = f"{name}.{func._overloadname}"
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -355,8 +448,8 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     outs: list[int | None] = []
     results = []
     for leaf in out_leaves:
-        if isinstance(leaf, int) and not isinstance(leaf, bool) and leaf < 0:  # input alias
-            same = flat[~leaf]
+        if isinstance(leaf, _Alias):  # an in-place op returning its input
+            same = flat[leaf.index]
             outs.append(same._md_ref)
             results.append(same)
             continue
@@ -370,6 +463,13 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     engine.append(
         mid, ir.CallOp(op, worker_args, worker_kwargs, tuple(outs), _current_stream(), _user_line())
     )
+    if fast_key is not None and out_spec.is_leaf() and len(_fast_cache) < _META_CACHE_MAX:
+        leaf = out_leaves[0]
+        if isinstance(leaf, _Alias):
+            same = flat[leaf.index]
+            _fast_cache[fast_key] = (op, next(j for j, a in enumerate(args) if a is same))
+        elif isinstance(leaf, torch.Tensor):
+            _fast_cache[fast_key] = (op, _desc(leaf))
     return pytree.tree_unflatten(results, out_spec)
 
 
@@ -389,8 +489,8 @@ def _key_part(x: Any) -> Any:
 
 
 def _output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: bool):
-    """The output leaves as meta tensors, non-tensors, or ``~i`` for "the input flat[i]"
-    (in-place ops); and the output pytree spec."""
+    """The output leaves as meta tensors, non-tensors, or ``_Alias(i)`` for "the input
+    flat[i]" (in-place ops); and the output pytree spec."""
     try:
         key = (func, spec, *map(_key_part, meta_flat))
         hash(key)
@@ -418,16 +518,29 @@ def _output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory:
         if isinstance(leaf, torch.Tensor):
             i = position.get(id(leaf))
             if i is not None:
-                leaves.append(~i)
-                cached.append(~i)
+                leaves.append(_Alias(i))
+                cached.append(_Alias(i))
                 continue
-            cached.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.storage_offset()))
+            cached.append(_desc(leaf))
         else:
             cached.append(leaf)
         leaves.append(leaf)
     if key is not None and len(_meta_cache) < _META_CACHE_MAX:
         _meta_cache[key] = (tuple(cached), out_spec)
     return leaves, out_spec
+
+
+class _Alias:
+    """An output that is input ``index`` (of the flattened arguments) itself."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _desc(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
 
 
 def _new_meta(desc: tuple) -> torch.Tensor:
@@ -467,11 +580,20 @@ class _MeshMode(TorchDispatchMode):
         super().__init__()
         self.mesh = mesh
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Else torch wraps __torch_dispatch__ in torch._disable_dynamo: ~50 us per op here
+        # (see Tensor.__torch_dispatch__ below); nothing here runs under torch.compile.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "meta":
             return func(*args, **kwargs)  # shape bookkeeping (ours or the user's) stays here
+        for a in args:  # the common case, without walking the arguments' pytree
+            if isinstance(a, Tensor):
+                return _dispatch(func, args, kwargs, self.mesh)
         flat = pytree.tree_leaves((args, kwargs))
         if any(isinstance(x, Tensor) for x in flat):
             return _dispatch(func, args, kwargs, self.mesh)
