@@ -745,6 +745,8 @@ def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool,
         raise ValueError(f"reduction must be one of {ir.REDUCTIONS}, got {reduction!r}")
     n = mesh.size(dims)
     meta = t._md_meta
+    if reduction == "avg" and not (meta.is_floating_point() or meta.is_complex()):
+        raise TypeError(f"reduction 'avg' needs a floating point tensor, got {meta.dtype}")
     if reduction == "stack":
         if scatter:
             if meta.dim() == 0 or meta.shape[0] % n:

@@ -120,6 +120,11 @@ def test_stack_scatter_and_all_to_all(pm):
         x = torch.ones(3)
         assert x.reduce_("gpu") is x
         assert values(x) == [[2.0] * 3] * 4
+        x.reduce_(("host", "gpu"), "avg")
+        assert values(x) == [[2.0] * 3] * 4
+        col = torch.ones(4, 2)[:, 0]  # not contiguous: reduced through a copy
+        col.reduce_("gpu", "max")
+        assert values(col) == [[1.0] * 4] * 4
 
 
 def test_reduce_needs_a_mesh_tensor():
@@ -143,6 +148,8 @@ def test_invalid_reduces_are_rejected_before_sending(pm):
             t.reduce_("gpu", "stack")
         with pytest.raises(ValueError, match="named twice"):
             t.reduce(("gpu", "gpu"))
+        with pytest.raises(TypeError, match="floating point"):
+            torch.ones(2, dtype=torch.int64).reduce("gpu", "avg")
         assert not any(type(i).__name__ == "Reduce" for _, i in engine.batch)
 
 
