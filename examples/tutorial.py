@@ -1,0 +1,77 @@
+"""The tensor engine walkthrough (issue 3), on a local CPU mesh (gloo); unchanged on GPUs.
+
+    python examples/tutorial.py
+
+Not yet here (see issue 3): the hand-written DDP step with md.grad_generator and a `comms`
+stream with borrow/drop.
+"""
+
+import torch
+
+import monarch_dsl as md
+
+
+def main() -> None:
+    # A 4-rank mesh, and the same 4 processes seen as a 2x2 host/gpu mesh.
+    procs = md.this_host().spawn_procs({"host": 2, "gpu": 2})
+    flat = procs.flatten("rank")
+    print(procs.to_table())
+
+    with procs.activate():
+        torch.manual_seed(0)
+        x = torch.rand(3, 4)
+        y = x @ x.T
+        md.show(y)  # rank 0
+        md.show(y, host=1, gpu=1)  # the same seed on every rank: the same values
+
+        # A command that fails on the workers (far too big), then one that works.
+        too_big = torch.ones(1 << 50)
+        try:
+            md.inspect(too_big.sum())
+        except md.RemoteError as e:
+            print("failed as expected:", e.error.splitlines()[0][:80])
+        print("recovered:", md.inspect(torch.ones(2) * 2).tolist())
+
+        # Double a batch size until an allocation fails; report the largest that worked.
+        # (torch.empty: the memory is reserved, not touched, so the limit is what the
+        # workers' allocator grants rather than an out-of-memory kill.)
+        size, largest = 1 << 24, None
+        while size <= 1 << 50:
+            try:
+                md.inspect(torch.empty(size)[:1])
+                largest = size
+                size *= 2
+            except md.RemoteError:
+                break
+        print(f"largest batch that worked: {largest} elements")
+
+        # Collectives by dimension name.
+        g = procs.rank("gpu").float()
+        print("reduce over gpu:", md.inspect(g.reduce("gpu"), host=0, gpu=1).item())
+        h = procs.rank("host").float()
+        print("reduce over host:", md.inspect(h.reduce("host"), host=1, gpu=0).item())
+        print("stack over everything:", md.inspect(procs.rank(("host", "gpu")).reduce((), "stack")))
+
+    # Mesh algebra on process meshes: rename, split, slice.
+    dp_tp = procs.rename(host="dp", gpu="tp")
+    split = flat.split(rank=("pp", "dp"), dp=2)
+    print("renamed:", dp_tp, " split:", split, " slice:", procs.slice(gpu=1).ranks)
+
+    # A 2-stage pipeline: activations move between the stages with to_mesh.
+    stage0, stage1 = split.slice(pp=0), split.slice(pp=1)
+    with stage0.activate():
+        torch.manual_seed(1)
+        w0 = torch.rand(4, 4)
+        acts = torch.relu(torch.ones(2, 4) @ w0)
+        sent = acts.to_mesh(stage1)
+    with stage1.activate():
+        torch.manual_seed(2)
+        w1 = torch.rand(4, 1)
+        out = sent @ w1
+        print("pipeline output at dp=1:", md.inspect(out, dp=1).flatten().tolist())
+
+    procs.stop()
+
+
+if __name__ == "__main__":
+    main()
