@@ -19,6 +19,7 @@ from monarch_dsl.mesh import Mesh
 from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
 from monarch_dsl.runtime.context import Point, current_rank
 from monarch_dsl.tensor import Tensor, fetch, inspect, show, to_mesh
+from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -35,6 +36,8 @@ __all__ = [
     "Point",
     "ProcMesh",
     "RemoteError",
+    "RemoteFunction",
+    "remote",
     "Tensor",
     "fetch",
     "inspect",

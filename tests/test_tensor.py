@@ -250,3 +250,50 @@ def test_to_mesh_between_pipeline_stages(pm):
             md.inspect(bad)
     with pytest.raises(ValueError, match="same dims and sizes"):
         a.to_mesh(stages.slice(dp=0))
+
+
+@md.remote
+def _plus_rank(t, v):
+    return t * 0 + v + md.current_rank().rank
+
+
+@md.remote(propagate=lambda t: (t, t.sum()))
+def _pair(t):
+    return t + 1, t.sum()
+
+
+@md.remote
+def _fails_on_gpu1(t):
+    if md.current_rank()["gpu"] == 1:
+        raise ValueError("only gpu=1 fails")
+    return t + 1
+
+
+def test_remote_functions_learn_or_propagate_shapes(pm):
+    with pm.activate():
+        x = torch.ones(3)
+        y = _plus_rank(x, 5)
+        assert isinstance(y, md.Tensor) and y.shape == (3,)
+        assert [v[0] for v in values(y)] == [5.0, 6.0, 7.0, 8.0]
+        assert len(_plus_rank._shapes) == 1
+        assert values(_plus_rank(x, 1))[3] == [4.0] * 3  # the cached shapes, no round trip
+        a, b = _pair(x)
+        assert a.shape == (3,) and b.shape == ()
+        assert md.inspect(b).item() == 3.0
+    with pytest.raises(RuntimeError, match="active mesh"):
+        _plus_rank(1, 2)
+
+
+def test_failure_on_some_ranks_does_not_hang_a_collective(pm):
+    with pm.activate():
+        x = torch.ones(3)
+        z = _fails_on_gpu1(x)
+        total = z.reduce("gpu")
+        assert md.inspect(z, host=0, gpu=0).tolist() == [2.0] * 3
+        with pytest.raises(md.RemoteError, match="only gpu=1 fails") as info:
+            md.inspect(z, host=1, gpu=1)
+        assert info.value.coords == {"host": 1, "gpu": 1}
+        for h, g in COORDS:  # every rank of the collective knows its result is failed
+            with pytest.raises(md.RemoteError):
+                md.inspect(total, host=h, gpu=g)
+        assert md.inspect(x.reduce("gpu"), host=1, gpu=1).tolist() == [2.0] * 3

@@ -57,6 +57,20 @@ class CallOp(NamedTuple):
     line: str
 
 
+class CallFunction(NamedTuple):
+    """``outs = fn(*args, **kwargs)`` for a Python function (``@md.remote``), cloudpickled in
+    ``fn``. ``shapes_to`` >= 0: also send the outputs' shapes and dtypes to the controller as
+    the reply to that call id (the first run of a function without a propagator)."""
+
+    fn: bytes
+    args: tuple
+    kwargs: dict
+    outs: tuple[int | None, ...]
+    shapes_to: int
+    stream: str
+    line: str
+
+
 class Reduce(NamedTuple):
     """A collective over the mesh dims ``dims`` (names) of the mesh ``mesh`` (its id):
     ``reduction`` in sum/avg/min/max/prod/stack; ``scatter`` makes sum-like ones a
@@ -121,7 +135,16 @@ class DefineMesh(NamedTuple):
     ranks: tuple[int, ...]
 
 
-INSTRUCTIONS: tuple[type, ...] = (CallOp, Reduce, Transfer, Fetch, Delete, Seed, DefineMesh)
+INSTRUCTIONS: tuple[type, ...] = (
+    CallOp,
+    CallFunction,
+    Reduce,
+    Transfer,
+    Fetch,
+    Delete,
+    Seed,
+    DefineMesh,
+)
 REDUCTIONS = ("sum", "avg", "min", "max", "prod", "stack")
 
 

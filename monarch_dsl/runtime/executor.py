@@ -10,6 +10,7 @@ the same contract; this one stays for differential tests.
 from __future__ import annotations
 
 import datetime
+import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -72,8 +73,10 @@ class ReferenceExecutor:
         self.report = report  # a root failure, for the controller to raise if nobody fetches
         self.store: dist.Store | None = None
         self.groups: dict[tuple[int, ...], Any] = {}
+        self.functions: dict[bytes, Callable] = {}
         self.handlers = {
             ir.CallOp: self.call_op,
+            ir.CallFunction: self.call_function,
             ir.Reduce: self.reduce,
             ir.Transfer: self.transfer,
             ir.Fetch: self.fetch,
@@ -150,6 +153,36 @@ class ReferenceExecutor:
         for rid, leaf in zip(ins.outs, (x for x in leaves if isinstance(x, torch.Tensor))):
             if rid is not None:
                 self.refs[rid] = leaf
+
+    def call_function(self, ins: ir.CallFunction) -> None:
+        failed = self._failed_input(ins.args, ins.kwargs)
+        result = None
+        if failed is None:
+            try:
+                fn = self.functions.get(ins.fn)
+                if fn is None:
+                    fn = self.functions[ins.fn] = pickle.loads(ins.fn)
+                result = fn(*self._value(ins.args), **self._value(ins.kwargs))
+            except Exception as e:  # noqa: BLE001
+                failed = self._root_failure(ins.line, getattr(fn, "__qualname__", "remote"), e)
+                self._fail(ins.outs, failed, root=True)
+        else:
+            self._fail(ins.outs, failed, root=False)
+        tensors = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+        if failed is None:
+            for rid, leaf in zip(ins.outs, tensors):
+                if rid is not None:
+                    self.refs[rid] = leaf
+        if ins.shapes_to >= 0:
+            if failed is not None:
+                self.reply_failure(ins.shapes_to, failed)
+            else:
+                spec = pytree.treespec_dumps(pytree.tree_structure(result))
+                leaves = [
+                    (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                    for x in pytree.tree_leaves(result)
+                ]
+                self.reply(ins.shapes_to, (leaves, spec))
 
     def fetch(self, ins: ir.Fetch) -> None:
         if ins.ref < 0:  # a barrier: everything before it has run
@@ -258,11 +291,27 @@ class ReferenceExecutor:
         failed = src if isinstance(src, Failure) else None
         try:
             group, index, size = self._group(ins)
+            # Whether any rank of the group lost its input: then every rank's result is failed
+            # (it would mix in a placeholder), and all still take part, so none waits forever.
+            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int32)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            group.allreduce([flag], opts).wait()
+            if failed is None and int(flag.item()):
+                failed = Failure(
+                    self.rank,
+                    ins.line,
+                    f"reduce over {ins.dims}",
+                    "the input of another rank of the group had failed",
+                    "",
+                )
             if failed is not None:
                 meta = self._placeholder_meta(ins)
                 src = torch.zeros(meta[0], dtype=meta[1], device=self.device)
             in_place = ins.out == ins.src and failed is None
             out = _collective(group, index, size, src, ins.reduction, ins.scatter, in_place)
+            if failed is not None and not isinstance(self.refs.get(ins.src), Failure):
+                self.report(failed)  # this rank's own input was fine: a root cause here
         except Exception as e:  # noqa: BLE001
             self._fail((ins.out,), self._root_failure(ins.line, f"reduce {ins.dims}", e), True)
             return

@@ -1,0 +1,123 @@
+"""``@md.remote``: a Python function that runs on every rank of the active mesh."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from monarch_dsl.compiler import ir
+from monarch_dsl.runtime import serialize
+from monarch_dsl.tensor import Engine, Tensor, _active_mesh, _user_line
+
+
+class RemoteFunction:
+    """Call it under ``pm.activate()`` with mesh tensors (and plain values); it runs on every
+    rank and returns mesh tensors (or a pytree of them) of the shapes ``propagate`` gives --
+    called with meta tensors of the arguments' shapes -- or, without ``propagate``, of the
+    shapes a first run on the workers gave (cached per argument shapes)."""
+
+    def __init__(self, fn: Callable, propagate: Callable | None):
+        if not callable(fn):
+            raise TypeError(f"@md.remote decorates a function, got {type(fn).__name__}")
+        if propagate is not None and not callable(propagate):
+            raise TypeError(f"propagate must be callable, got {type(propagate).__name__}")
+        self.fn = fn
+        self.propagate = propagate
+        self._pickled: bytes | None = None
+        self._shapes: dict[Any, tuple] = {}
+        functools.update_wrapper(self, fn)
+
+    def _payload(self) -> bytes:
+        if self._pickled is None:
+            payload, buffers = serialize.dumps(self.fn)
+            if buffers:
+                raise TypeError("a remote function must not close over tensors")
+            self._pickled = payload
+        return self._pickled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        mesh = _active_mesh()
+        for i, x in enumerate(flat):
+            if isinstance(x, Tensor):
+                if mesh is None:
+                    mesh = x.mesh
+                elif x.mesh != mesh:
+                    raise TypeError(
+                        f"{self.__name__}: argument #{i} is on {x.mesh!r}, not on {mesh!r}"
+                    )
+            elif isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"{self.__name__}: argument #{i} is a local tensor; put it on the mesh "
+                    f"first with md.to_mesh"
+                )
+        if mesh is None:
+            raise RuntimeError(f"{self.__name__}: a remote function needs an active mesh")
+        engine = Engine.of(mesh)
+        line = _user_line()
+        worker_flat = [ir.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
+        wargs, wkwargs = pytree.tree_unflatten(worker_flat, spec)
+        key = tuple((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat)
+        shapes_to = -1
+        future = None
+        if self.propagate is not None:
+            metas = [x._md_meta if isinstance(x, Tensor) else x for x in flat]
+            margs, mkwargs = pytree.tree_unflatten(metas, spec)
+            out = self.propagate(*margs, **mkwargs)
+            leaves, out_spec = pytree.tree_flatten(out)
+            described = [
+                (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves
+            ]
+        elif key in self._shapes:
+            described, out_spec = self._shapes[key]
+        else:  # learn the output shapes from a first run (one round trip, then cached)
+            rank = mesh.ranks[0]
+            shapes_to, future = engine.job.expect((rank,), lambda values: values[0])
+        # Output refs: known now when shapes are known; else one per possible tensor output,
+        # decided after the first run (the worker assigns refs in output order).
+        if future is None:
+            outs = tuple(engine.new_ref() if type(d) is tuple else None for d in described)
+            engine.append(
+                engine.mesh_id(mesh),
+                ir.CallFunction(self._payload(), wargs, wkwargs, outs, -1, "main", line),
+            )
+            return self._wrap(described, out_spec, outs, mesh, engine)
+        refs = tuple(engine.new_ref() for _ in range(64))  # up to 64 tensor outputs
+        engine.append(
+            engine.mesh_id(mesh),
+            ir.CallFunction(self._payload(), wargs, wkwargs, refs, shapes_to, "main", line),
+        )
+        engine.flush()
+        leaves, spec_text = future.get()
+        out_spec = pytree.treespec_loads(spec_text)
+        described = [(tuple(x[0]), x[1]) if type(x) is tuple else x for x in leaves]
+        self._shapes[key] = (described, out_spec)
+        n = sum(type(d) is tuple for d in described)
+        for unused in refs[n:]:
+            engine.delete(unused)
+        it = iter(refs)
+        outs = tuple(next(it) if type(d) is tuple else None for d in described)
+        return self._wrap(described, out_spec, outs, mesh, engine)
+
+    @staticmethod
+    def _wrap(described, out_spec, outs, mesh, engine) -> Any:
+        results = []
+        for d, ref in zip(described, outs):
+            if type(d) is tuple:
+                shape, dtype = d
+                meta = torch.empty(shape, dtype=dtype, device="meta")
+                results.append(Tensor(meta, mesh, engine, ref, "main"))
+            else:
+                results.append(d)
+        return pytree.tree_unflatten(results, out_spec)
+
+
+def remote(fn: Callable | None = None, *, propagate: Callable | None = None) -> Any:
+    """``@md.remote`` or ``@md.remote(propagate=fn)``."""
+    if fn is None:
+        return lambda f: RemoteFunction(f, propagate)
+    return RemoteFunction(fn, propagate)
