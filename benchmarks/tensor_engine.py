@@ -40,7 +40,7 @@ class RawAllReduce(md.Actor):
     @md.endpoint
     def run(self, numel: int, reps: int) -> float:
         ex = worker.current._executor
-        group = next(g for key, g in ex.groups.items() if len(key) == 2)
+        group = next(g for key, g in ex.groups.items() if key[0] == "main" and len(key) == 3)
         t = torch.ones(numel)
         group.allreduce([t]).wait()  # warm up
         start = time.perf_counter()

@@ -18,7 +18,16 @@ from monarch_dsl.errors import (
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
 from monarch_dsl.runtime.context import Point, current_rank
-from monarch_dsl.tensor import Tensor, fetch, inspect, show, to_mesh
+from monarch_dsl.tensor import (
+    Borrow,
+    Stream,
+    Tensor,
+    fetch,
+    get_active_stream,
+    inspect,
+    show,
+    to_mesh,
+)
 from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.runtime.future import Future
 
@@ -28,6 +37,7 @@ __all__ = [
     "Actor",
     "ActorError",
     "ActorMesh",
+    "Borrow",
     "EndpointRef",
     "Future",
     "LocalHost",
@@ -40,10 +50,12 @@ __all__ = [
     "remote",
     "Tensor",
     "fetch",
+    "get_active_stream",
     "inspect",
     "show",
     "RemoteHosts",
     "SpawnError",
+    "Stream",
     "SupervisionError",
     "ValueMesh",
     "current_rank",

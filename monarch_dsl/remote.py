@@ -11,7 +11,14 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl.compiler import ir
 from monarch_dsl.runtime import serialize
-from monarch_dsl.tensor import Engine, Tensor, _active_mesh, _user_line
+from monarch_dsl.tensor import (
+    Engine,
+    Tensor,
+    _active_mesh,
+    _check_usable,
+    _current_stream,
+    _user_line,
+)
 
 
 class RemoteFunction:
@@ -42,8 +49,10 @@ class RemoteFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         mesh = _active_mesh()
+        stream = _current_stream()
         for i, x in enumerate(flat):
             if isinstance(x, Tensor):
+                _check_usable(x, self.__name__, i, write=False)
                 if mesh is None:
                     mesh = x.mesh
                 elif x.mesh != mesh:
@@ -83,13 +92,13 @@ class RemoteFunction:
             outs = tuple(engine.new_ref() if type(d) is tuple else None for d in described)
             engine.append(
                 engine.mesh_id(mesh),
-                ir.CallFunction(self._payload(), wargs, wkwargs, outs, -1, "main", line),
+                ir.CallFunction(self._payload(), wargs, wkwargs, outs, -1, stream, line),
             )
-            return self._wrap(described, out_spec, outs, mesh, engine)
+            return self._wrap(described, out_spec, outs, mesh, engine, stream)
         refs = tuple(engine.new_ref() for _ in range(64))  # up to 64 tensor outputs
         engine.append(
             engine.mesh_id(mesh),
-            ir.CallFunction(self._payload(), wargs, wkwargs, refs, shapes_to, "main", line),
+            ir.CallFunction(self._payload(), wargs, wkwargs, refs, shapes_to, stream, line),
         )
         engine.flush()
         leaves, spec_text = future.get()
@@ -98,19 +107,19 @@ class RemoteFunction:
         self._shapes[key] = (described, out_spec)
         n = sum(type(d) is tuple for d in described)
         for unused in refs[n:]:
-            engine.delete(unused)
+            engine.delete(unused, stream)
         it = iter(refs)
         outs = tuple(next(it) if type(d) is tuple else None for d in described)
-        return self._wrap(described, out_spec, outs, mesh, engine)
+        return self._wrap(described, out_spec, outs, mesh, engine, stream)
 
     @staticmethod
-    def _wrap(described, out_spec, outs, mesh, engine) -> Any:
+    def _wrap(described, out_spec, outs, mesh, engine, stream) -> Any:
         results = []
         for d, ref in zip(described, outs):
             if type(d) is tuple:
                 shape, dtype = d
                 meta = torch.empty(shape, dtype=dtype, device="meta")
-                results.append(Tensor(meta, mesh, engine, ref, "main"))
+                results.append(Tensor(meta, mesh, engine, ref, stream))
             else:
                 results.append(d)
         return pytree.tree_unflatten(results, out_spec)

@@ -28,7 +28,17 @@ from monarch_dsl.runtime import controller
 from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import RunBatch, SetupCollectives
 
-__all__ = ["Tensor", "fetch", "inspect", "show", "to_mesh", "RemoteError"]
+__all__ = [
+    "Borrow",
+    "RemoteError",
+    "Stream",
+    "Tensor",
+    "fetch",
+    "get_active_stream",
+    "inspect",
+    "show",
+    "to_mesh",
+]
 
 BATCH_MAX = 1000  # instructions; more are sent at once
 
@@ -67,7 +77,7 @@ class Engine:
         self.batch: list[tuple[int, Any]] = []
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
-        self.dead: list[int] = []  # refs of collected tensors, deleted with the next batch
+        self.dead: list[tuple[int, str]] = []  # (ref, stream) of collected tensors
         self.refs = itertools.count(1)
         self.meshes: dict[tuple, int] = {}
         self.store: Any = None
@@ -84,6 +94,8 @@ class Engine:
     # ---- batching --------------------------------------------------------------------------
     def append(self, mesh: int, ins: Any) -> None:
         with self.lock:
+            if self.dead:
+                self._append_deletes()
             self.batch.append((mesh, ins))
             n = len(self.batch)
         if n >= BATCH_MAX:
@@ -96,9 +108,7 @@ class Engine:
         # happen under one lock, so batches go out in the order they were taken.
         with self.send_lock:
             with self.lock:
-                dead = self._take_dead()
-                if dead:  # after every instruction that was issued while they lived
-                    self.batch.append((-1, ir.Delete(tuple(dead))))
+                self._append_deletes()
                 if not self.batch:
                     return
                 items, self.batch = tuple(self.batch), []
@@ -146,12 +156,21 @@ class Engine:
     def new_ref(self) -> int:
         return next(self.refs)
 
-    def delete(self, ref: int) -> None:
+    def delete(self, ref: int, stream: str = "main") -> None:
         """From ``Tensor.__del__``, so from any thread and in the middle of anything (a garbage
         collection): no locks, no sending; the next batch carries the deletion."""
-        self.dead.append(ref)
+        self.dead.append((ref, stream))
 
-    def _take_dead(self) -> list[int]:
+    def _append_deletes(self) -> None:
+        """Deletes of collected tensors, after every instruction issued while they lived and
+        before the next one (so a later fetch or barrier comes after them). Holds the lock."""
+        by_stream: dict[str, list[int]] = {}
+        for ref, stream in self._take_dead():
+            by_stream.setdefault(stream, []).append(ref)
+        for stream, refs in by_stream.items():
+            self.batch.append((-1, ir.Delete(tuple(refs), stream)))
+
+    def _take_dead(self) -> list[tuple[int, str]]:
         dead = []
         while True:
             try:
@@ -173,6 +192,7 @@ class Tensor(torch.Tensor):
     _md_engine: Engine
     _md_ref: int
     _md_stream: str
+    _md_state: tuple | None
 
     @staticmethod
     def __new__(
@@ -197,6 +217,7 @@ class Tensor(torch.Tensor):
         t._md_engine = engine
         t._md_ref = ref
         t._md_stream = stream
+        t._md_state = None  # ("borrowed" | "lent", Borrow) or ("dropped", file:line)
         return t
 
     @property
@@ -303,7 +324,7 @@ class Tensor(torch.Tensor):
     def __del__(self) -> None:
         engine = getattr(self, "_md_engine", None)
         if engine is not None:
-            engine.delete(self._md_ref)
+            engine.delete(self._md_ref, self._md_stream)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
@@ -345,8 +366,11 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     The fast path covers flat arguments (tensors, scalars, lists of scalars) of an op seen
     before with the same shapes: no pytree walks, no meta execution."""
     mesh = None
+    stream = _current_stream()
     for a in args:
         if isinstance(a, Tensor):
+            if a._md_state is not None or a._md_stream != stream:
+                return _dispatch_general(func, args, kwargs, active)  # checks, with details
             if mesh is None:
                 mesh = a._md_mesh
             elif a._md_mesh is not mesh and a._md_mesh != mesh:
@@ -360,11 +384,18 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
         return _dispatch_general(func, args, kwargs, active)
     key: tuple | None
     try:
-        key = (
-            func,
-            *[a._md_desc if isinstance(a, Tensor) else _hashable(a) for a in args],
-            *kwargs.items(),
-        )
+        if _is_pointwise(func):  # the output's shape cannot depend on a scalar's value
+            key = (
+                func,
+                *[a._md_desc if isinstance(a, Tensor) else _scalar_kind(a) for a in args],
+                *kwargs.items(),
+            )
+        else:
+            key = (
+                func,
+                *[a._md_desc if isinstance(a, Tensor) else _hashable(a) for a in args],
+                *kwargs.items(),
+            )
         hit = _fast_cache.get(key)
     except TypeError:  # an unhashable argument: no caching
         key = hit = None
@@ -372,7 +403,6 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
         return _dispatch_general(func, args, kwargs, active, fast_key=key)
     op, out = hit
     engine = mesh._job.engine
-    stream = "main"
     wargs = tuple(ir.Ref(a._md_ref) if isinstance(a, Tensor) else a for a in args)
     if type(out) is int:  # the op returns its input #out (in place)
         result = args[out]
@@ -393,6 +423,23 @@ def _holds_tensor(a: Any) -> bool:
 
 def _hashable(a: Any) -> Any:
     return tuple(a) if isinstance(a, list) else a
+
+
+_SCALARS = (int, float, bool, complex)
+_pointwise: dict[Any, bool] = {}
+
+
+def _is_pointwise(func) -> bool:
+    known = _pointwise.get(func)
+    if known is None:
+        known = _pointwise[func] = torch.Tag.pointwise in func.tags
+    return known
+
+
+def _scalar_kind(a: Any) -> Any:
+    """For a pointwise op only the type of a Python scalar matters (type promotion)."""
+    t = type(a)
+    return t if t in _SCALARS else _hashable(a)
 
 
 # (func, argument descriptions) -> (op name, output): the meta description of a single new
@@ -428,6 +475,12 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             f"this op runs on the mesh {mesh!r}: put it on the mesh first with "
             f"md.to_mesh(t, mesh)"
         )
+    if first is not None:
+        written = {id(args[i]) for i, _ in _written_args(func) if i < len(args)}
+        written |= {id(kwargs[n]) for _, n in _written_args(func) if n in kwargs}
+        for i, x in enumerate(flat):
+            if isinstance(x, Tensor):
+                _check_usable(x, op, i, write=id(x) in written)
     engine = Engine.of(mesh)
     meta_flat = []
     worker_flat = []
@@ -569,8 +622,155 @@ def _lift(value: torch.Tensor, mesh: Any, op: str) -> Tensor:
     return out
 
 
+class Stream:
+    """A named stream of commands: commands on one stream run in order on every worker,
+    streams run concurrently. ``md.Stream("comms")``; ``with s.activate():``."""
+
+    def __init__(self, name: str):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"a stream name must be an identifier, got {name!r}")
+        self.name = name
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Stream]:
+        stack = _stream_stack()
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
+        """Lend ``t`` to this stream: returns (the tensor on this stream, the borrow). While
+        borrowed, ``t``'s stream may read but not write it (``mutable=False``; this stream may
+        only read it too), or not touch it at all (``mutable=True``). ``borrow.drop()`` ends
+        it."""
+        line = _user_line()
+        if not isinstance(t, Tensor):
+            raise TypeError(f"borrow needs an md.Tensor, got {type(t).__name__}")
+        _check_usable(t, "borrow", 0, write=mutable)
+        if t._md_stream == self.name:
+            raise TypeError(f"borrow: the tensor is already on stream {self.name!r}")
+        engine = t._md_engine
+        ref = engine.new_ref()
+        lent = Tensor(None, t._md_mesh, engine, ref, self.name, t._md_desc)
+        borrow = Borrow(t, lent, mutable, line)
+        lent._md_state = ("lent", borrow)
+        t._md_state = ("borrowed", borrow)
+        engine.append(
+            t._md_mesh_id,
+            ir.BorrowBegin(t._md_ref, ref, t._md_stream, self.name, engine.new_ref(), line),
+        )
+        return lent, borrow
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("md.Stream", self.name))
+
+    def __repr__(self) -> str:
+        return f"md.Stream({self.name!r})"
+
+
+class Borrow:
+    """A tensor lent to another stream; ``drop()`` gives it back."""
+
+    def __init__(self, origin: Tensor, lent: Tensor, mutable: bool, line: str):
+        self.origin = origin
+        self.lent = lent
+        self.mutable = mutable
+        self.line = line
+        self.dropped_at: str | None = None
+
+    def drop(self) -> None:
+        line = _user_line()
+        if self.dropped_at is not None:
+            raise TypeError(f"this borrow was already dropped at {self.dropped_at}")
+        self.dropped_at = line
+        lent, origin = self.lent, self.origin
+        engine = lent._md_engine
+        lent._md_state = ("dropped", line)
+        origin._md_state = None
+        engine.append(
+            lent._md_mesh_id,
+            ir.BorrowEnd(lent._md_ref, origin._md_stream, lent._md_stream, engine.new_ref(), line),
+        )
+
+    def __repr__(self) -> str:
+        state = f"dropped at {self.dropped_at}" if self.dropped_at else "active"
+        return f"<md.Borrow of {self.origin._md_stream!r} -> {self.lent._md_stream!r}, {state}>"
+
+
+_MAIN = Stream("main")
+
+
+def _stream_stack() -> list:
+    stack = getattr(_state, "streams", None)
+    if stack is None:
+        stack = _state.streams = []
+    return stack
+
+
+def get_active_stream() -> Stream:
+    """The stream new commands go to (``main`` unless a ``with s.activate():`` says else)."""
+    stack = _stream_stack()
+    return stack[-1] if stack else _MAIN
+
+
 def _current_stream() -> str:
-    return "main"
+    stack = getattr(_state, "streams", None)
+    return stack[-1].name if stack else "main"
+
+
+def _check_usable(t: Tensor, op: str, i: int, write: bool) -> None:
+    """The borrow rules, checked before anything is sent."""
+    state = t._md_state
+    if state is not None:
+        kind, info = state
+        if kind == "dropped":
+            raise TypeError(
+                f"{op}: argument #{i} was a borrowed tensor whose borrow was dropped at "
+                f"{info}; it cannot be used any more"
+            )
+        if kind == "borrowed":
+            if info.mutable:
+                raise TypeError(
+                    f"{op}: argument #{i} is lent to stream {info.lent._md_stream!r} (a mutable "
+                    f"borrow at {info.line}); it cannot be used until the borrow is dropped"
+                )
+            if write:
+                raise TypeError(
+                    f"{op}: argument #{i} is lent to stream {info.lent._md_stream!r} (borrowed "
+                    f"at {info.line}); it can be read but not written until the borrow is "
+                    f"dropped"
+                )
+        if kind == "lent" and write and not info.mutable:
+            raise TypeError(
+                f"{op}: argument #{i} was borrowed immutably (at {info.line}); borrow it with "
+                f"mutable=True to write it"
+            )
+    stream = _current_stream()
+    if t._md_stream != stream:
+        raise TypeError(
+            f"{op}: argument #{i} is on stream {t._md_stream!r} but the active stream is "
+            f"{stream!r}: borrow it (md.Stream({stream!r}).borrow(t)) to use it here"
+        )
+
+
+_written: dict[Any, tuple] = {}
+
+
+def _written_args(func) -> tuple:
+    """Positions and names of the arguments ``func`` writes (in-place and out= ops)."""
+    found = _written.get(func)
+    if found is None:
+        found = _written[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
 
 
 class _MeshMode(TorchDispatchMode):
@@ -661,7 +861,8 @@ def mesh_rank(mesh: Any, dims: Any) -> Tensor:
     engine = Engine.of(mesh)
     mid = engine.mesh_id(mesh)
     ref = engine.new_ref()
-    out = Tensor(torch.empty((), dtype=torch.int64, device="meta"), mesh, engine, ref, "main")
+    stream = _current_stream()
+    out = Tensor(torch.empty((), dtype=torch.int64, device="meta"), mesh, engine, ref, stream)
     engine.append(
         mid,
         ir.CallOp(
@@ -669,7 +870,7 @@ def mesh_rank(mesh: Any, dims: Any) -> Tensor:
             (ir.MeshCoord(mid, dims),),
             {"dtype": torch.int64, "device": ir.WORKER_DEVICE},
             (ref,),
-            "main",
+            stream,
             _user_line(),
         ),
     )
@@ -703,6 +904,7 @@ def to_mesh(obj: Any, mesh: Any) -> Any:
 def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     """``t.to_mesh(dest)``: rank at coordinates c of ``t.mesh`` sends to the rank at c of
     ``dest``."""
+    _check_usable(t, "to_mesh", 0, write=False)
     src = t._md_mesh
     if dest._job is not src._job:
         raise TypeError("to_mesh between process meshes of different allocations is not supported")
@@ -732,6 +934,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
 def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool, line: str):
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce needs an md.Tensor, got {type(t).__name__}")
+    _check_usable(t, "reduce_" if in_place else "reduce", 0, write=in_place)
     mesh = t._md_mesh
     if isinstance(dims, str):
         dims = (dims,)
@@ -838,6 +1041,11 @@ class _Gathered(Future):
 
 
 def _fetch_one(t: Tensor, coords: dict, line: str) -> Future:
+    state = t._md_state
+    if state is not None and (
+        state[0] == "dropped" or (state[0] == "borrowed" and state[1].mutable)
+    ):
+        _check_usable(t, "fetch", 0, write=False)  # raises
     mesh = t._md_mesh
     if coords:
         missing = [d for d in mesh.dims if d not in coords]

@@ -187,7 +187,7 @@ def test_del_frees_worker_memory_and_ops_are_batched(pm):
     with pm.activate():
         x = torch.ones(2)
         gc.collect()  # earlier tests' tensors: their deletes go out with the next batch
-        md.inspect(x)
+        md.tensor.sync(pm)
         before = counter.refs.call().get().values()
         engine = x._md_engine
         sent = engine.batches_sent
@@ -196,9 +196,10 @@ def test_del_frees_worker_memory_and_ops_are_batched(pm):
         # 200 ops and a fetch: batches, not a message per op (a batch also leaves when it is
         # 1 ms old, so a slow machine sends a few)
         assert engine.batches_sent - sent < 100
+        md.tensor.sync(pm)  # every stream has run what was sent (actors do not wait for it)
         during = counter.refs.call().get().values()
         del ts
-        md.inspect(x)  # flushes the deletes, in order
+        md.tensor.sync(pm)  # the deletes go out before the barrier
         after = counter.refs.call().get().values()
     assert all(d >= b + 200 for b, d in zip(before, during))
     assert after == before
@@ -297,3 +298,50 @@ def test_failure_on_some_ranks_does_not_hang_a_collective(pm):
             with pytest.raises(md.RemoteError):
                 md.inspect(total, host=h, gpu=g)
         assert md.inspect(x.reduce("gpu"), host=1, gpu=1).tolist() == [2.0] * 3
+
+
+def test_streams_and_borrows(pm):
+    comms = md.Stream("comms")
+    assert md.get_active_stream() == md.Stream("main")
+    with pm.activate():
+        torch.manual_seed(3)
+        grad = torch.rand(4) + pm.rank(("host", "gpu")).float()
+        other = torch.ones(4) * 7
+        g, borrow = comms.borrow(grad, mutable=True)
+        assert g.stream == "comms" and grad.stream == "main"
+        with comms.activate():
+            assert md.get_active_stream() == comms
+            g.reduce_(("host", "gpu"), "avg")  # overlaps whatever main does next
+            with pytest.raises(TypeError, match="stream 'main' but the active stream is 'comms'"):
+                other + 1
+        later = other * 2  # main keeps going while comms reduces
+        with pytest.raises(TypeError, match="lent to stream 'comms'.*mutable"):
+            grad + 1
+        with pytest.raises(TypeError, match="lent to stream 'comms'"):
+            md.inspect(grad)
+        with pytest.raises(TypeError, match="stream 'comms' but the active stream is 'main'"):
+            g + 1
+        borrow.drop()
+        with pytest.raises(TypeError, match="dropped at test_tensor.py:"):
+            with comms.activate():
+                g + 1
+        with pytest.raises(TypeError, match="already dropped"):
+            borrow.drop()
+        avg = md.inspect(grad, host=1, gpu=1)
+        for h, gg in COORDS:
+            torch.testing.assert_close(md.inspect(grad, host=h, gpu=gg), avg)
+        assert md.inspect(later).tolist() == [14.0] * 4
+
+        frozen, b2 = comms.borrow(other)  # immutable: both sides may read, neither write
+        assert md.inspect(other + 1).tolist() == [8.0] * 4
+        with pytest.raises(TypeError, match="read but not written"):
+            other.add_(1)
+        with comms.activate():
+            assert md.inspect(frozen * 2).tolist() == [14.0] * 4
+            with pytest.raises(TypeError, match="borrowed immutably"):
+                frozen.mul_(2)
+        b2.drop()
+        other.add_(1)
+        assert md.inspect(other).tolist() == [8.0] * 4
+    with pytest.raises(ValueError, match="identifier"):
+        md.Stream("not a name")

@@ -113,9 +113,34 @@ class Fetch(NamedTuple):
 
 
 class Delete(NamedTuple):
-    """Drop these refs from the ref table (the memory goes when nothing else holds it)."""
+    """Drop these refs from the ref table (the memory goes when nothing else holds it), in
+    order with the other instructions of ``stream``."""
 
     refs: tuple[int, ...]
+    stream: str
+
+
+class BorrowBegin(NamedTuple):
+    """Stream ``stream`` borrows ``src`` of stream ``origin`` as ``dst``: it waits until
+    ``origin`` has reached this point (event ``event``), then uses the same value."""
+
+    src: int
+    dst: int
+    origin: str
+    stream: str
+    event: int
+    line: str
+
+
+class BorrowEnd(NamedTuple):
+    """The borrow of ``dst`` ends: ``stream`` forgets it and signals ``event``; ``origin``
+    waits for that before its next instruction."""
+
+    dst: int
+    origin: str
+    stream: str
+    event: int
+    line: str
 
 
 class Seed(NamedTuple):
@@ -144,6 +169,8 @@ INSTRUCTIONS: tuple[type, ...] = (
     Delete,
     Seed,
     DefineMesh,
+    BorrowBegin,
+    BorrowEnd,
 )
 REDUCTIONS = ("sum", "avg", "min", "max", "prod", "stack")
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import queue
+import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -83,15 +86,104 @@ class ReferenceExecutor:
             ir.Delete: self.delete,
             ir.Seed: self.seed,
             ir.DefineMesh: self.define_mesh,
+            ir.BorrowBegin: self.borrow_begin,
+            ir.BorrowEnd: self.borrow_end,
         }
+        self.streams: dict[str, queue.SimpleQueue] = {}
+        self.events: dict[int, threading.Event] = {}
+        self.events_lock = threading.Lock()
 
     # ------------------------------------------------------------------ driving
     def run(self, items: tuple) -> None:
-        """``items``: (mesh id, instruction) pairs; run those whose mesh includes this rank."""
+        """``items``: (mesh id, instruction) pairs; run those whose mesh includes this rank,
+        each on its stream's thread (one thread per stream, in order)."""
         member = self.member
         for mesh, ins in items:
-            if mesh < 0 or member.get(mesh, False):
-                self.handlers[type(ins)](ins)
+            if not (mesh < 0 or member.get(mesh, False)):
+                continue
+            kind = type(ins)
+            if kind is ir.DefineMesh:
+                self.define_mesh(ins)
+            elif kind is ir.Seed:
+                self._queue("main").put(ins)
+            elif kind is ir.Fetch and ins.ref < 0:
+                self._barrier(ins.call_id)
+            elif kind is ir.BorrowBegin:
+                self._queue(ins.origin).put(("signal", ins.event))
+                self._queue(ins.stream).put(ins)
+            elif kind is ir.BorrowEnd:
+                self._queue(ins.stream).put(ins)
+                self._queue(ins.origin).put(("wait", ins.event))
+            else:
+                self._queue(ins.stream).put(ins)
+
+    # ------------------------------------------------------------------ streams
+    def _queue(self, stream: str) -> queue.SimpleQueue:
+        q = self.streams.get(stream)
+        if q is None:
+            q = self.streams[stream] = queue.SimpleQueue()
+            threading.Thread(
+                target=self._stream_loop, args=(q,), name=f"md-stream-{stream}", daemon=True
+            ).start()
+        return q
+
+    def _stream_loop(self, q: queue.SimpleQueue) -> None:
+        handlers = self.handlers
+        while True:
+            ins = q.get()
+            if type(ins) is tuple:  # ("signal" | "wait" | "barrier", event id or counter)
+                what, arg = ins
+                if what == "signal":
+                    self._event(arg).set()
+                elif what == "wait":
+                    self._event(arg).wait()
+                    self.events.pop(arg, None)
+                else:
+                    arg()
+                continue
+            try:
+                handlers[type(ins)](ins)
+            except Exception:  # noqa: BLE001 - a bug of ours; keep the stream alive and say so
+                print(
+                    f"monarch_dsl executor: internal error on {ins!r}:\n{traceback.format_exc()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def _event(self, event: int) -> threading.Event:
+        with self.events_lock:
+            ev = self.events.get(event)
+            if ev is None:
+                ev = self.events[event] = threading.Event()
+            return ev
+
+    def _barrier(self, call_id: int) -> None:
+        """Reply once every stream has run what it was given before this point."""
+        queues = list(self.streams.values())
+        if not queues:
+            self.reply(call_id, None)
+            return
+        left = [len(queues)]
+        lock = threading.Lock()
+
+        def arrive() -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done:
+                self.reply(call_id, None)
+
+        for q in queues:
+            q.put(("barrier", arrive))
+
+    def borrow_begin(self, ins: ir.BorrowBegin) -> None:
+        self._event(ins.event).wait()  # the origin stream got here: the value is ready
+        self.events.pop(ins.event, None)
+        self.refs[ins.dst] = self.refs.get(ins.src)
+
+    def borrow_end(self, ins: ir.BorrowEnd) -> None:
+        self.refs.pop(ins.dst, None)
+        self._event(ins.event).set()
 
     # ------------------------------------------------------------------ values
     def _value(self, x: Any) -> Any:
@@ -211,13 +303,15 @@ class ReferenceExecutor:
     def use_store(self, host: str, port: int) -> None:
         self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
-    def _pg(self, members: list[int]) -> Any:
-        key = tuple(members)
+    def _pg(self, members: list[int], stream: str = "main") -> Any:
+        """The gloo group of ``members`` for ``stream``: streams run concurrently, so each has
+        its own groups (two streams' collectives must never interleave on one group)."""
+        key = (stream, *members)
         group = self.groups.get(key)
         if group is None:
             if self.store is None:
                 raise RuntimeError("collectives are not set up on this worker")
-            prefix = dist.PrefixStore("md/" + ",".join(map(str, key)), self.store)
+            prefix = dist.PrefixStore(f"md/{stream}/" + ",".join(map(str, members)), self.store)
             group = dist.ProcessGroupGloo(
                 prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
             )
@@ -239,7 +333,7 @@ class ReferenceExecutor:
                 if self.rank not in (a, b):
                     continue
                 members = sorted((a, b))
-                group = self._pg(members)
+                group = self._pg(members, ins.stream)
                 peer = members.index(b if self.rank == a else a)
                 if self.rank == a:
                     ok = not isinstance(src, Failure)
@@ -284,7 +378,7 @@ class ReferenceExecutor:
             for i, r in enumerate(mesh.ranks)
             if all(c == coords[d] for d, c in _coords(mesh, i).items() if d not in ins.dims)
         ]
-        return self._pg(members), members.index(self.rank), len(members)
+        return self._pg(members, ins.stream), members.index(self.rank), len(members)
 
     def reduce(self, ins: ir.Reduce) -> None:
         src = self.refs.get(ins.src)
