@@ -29,6 +29,7 @@ from monarch_dsl.tensor import (
     to_mesh,
 )
 from monarch_dsl.remote import RemoteFunction, remote
+from monarch_dsl.grads import grad_generator
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "Tensor",
     "fetch",
     "get_active_stream",
+    "grad_generator",
     "inspect",
     "show",
     "RemoteHosts",

@@ -92,13 +92,24 @@ class RemoteFunction:
             outs = tuple(engine.new_ref() if type(d) is tuple else None for d in described)
             engine.append(
                 engine.mesh_id(mesh),
-                ir.CallFunction(self._payload(), wargs, wkwargs, outs, -1, stream, line),
+                ir.CallFunction(
+                    self._payload(), wargs, wkwargs, outs, -1, engine.mesh_id(mesh), stream, line
+                ),
             )
             return self._wrap(described, out_spec, outs, mesh, engine, stream)
         refs = tuple(engine.new_ref() for _ in range(64))  # up to 64 tensor outputs
         engine.append(
             engine.mesh_id(mesh),
-            ir.CallFunction(self._payload(), wargs, wkwargs, refs, shapes_to, stream, line),
+            ir.CallFunction(
+                self._payload(),
+                wargs,
+                wkwargs,
+                refs,
+                shapes_to,
+                engine.mesh_id(mesh),
+                stream,
+                line,
+            ),
         )
         engine.flush()
         leaves, spec_text = future.get()

@@ -41,3 +41,4 @@ def test_tutorial_runs():
     assert "stack over everything: tensor([0, 1, 2, 3])" in text
     assert "renamed: dp=2,tp=2  split: pp=2,dp=2  slice: [1, 3]" in text
     assert "pipeline output at dp=1:" in text
+    assert "ddp step matches single-process training: True" in text

@@ -345,3 +345,20 @@ def test_streams_and_borrows(pm):
         assert md.inspect(other).tolist() == [8.0] * 4
     with pytest.raises(ValueError, match="identifier"):
         md.Stream("not a name")
+
+
+def test_grad_generator_yields_each_gradient_in_the_order_given(pm):
+    torch.manual_seed(5)
+    w1, w2, x = torch.randn(3, 4), torch.randn(4, 2), torch.randn(5, 3)
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    torch.tanh(x @ a).matmul(b).sum().backward()
+    with pm.activate():
+        m1, m2 = md.to_mesh(w1, pm).requires_grad_(), md.to_mesh(w2, pm).requires_grad_()
+        loss = torch.tanh(md.to_mesh(x, pm) @ m1).matmul(m2).sum()
+        grads = list(md.grad_generator(loss, [m2, m1]))
+        assert m1.grad is None and m2.grad is None
+        torch.testing.assert_close(md.inspect(grads[0], host=1, gpu=1), b.grad)
+        torch.testing.assert_close(md.inspect(grads[1]), a.grad)
+        unused = md.to_mesh(torch.ones(2), pm).requires_grad_()
+        with pytest.raises((ValueError, RuntimeError)):
+            list(md.grad_generator((m1 * 2).sum(), [m1, unused]))

@@ -67,6 +67,7 @@ class CallFunction(NamedTuple):
     kwargs: dict
     outs: tuple[int | None, ...]
     shapes_to: int
+    mesh: int  # md.current_rank() inside fn is the point in this mesh
     stream: str
     line: str
 

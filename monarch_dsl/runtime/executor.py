@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from monarch_dsl.compiler import ir
+from monarch_dsl.runtime import context
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -254,7 +255,13 @@ class ReferenceExecutor:
                 fn = self.functions.get(ins.fn)
                 if fn is None:
                     fn = self.functions[ins.fn] = pickle.loads(ins.fn)
-                result = fn(*self._value(ins.args), **self._value(ins.kwargs))
+                mesh = self.meshes[ins.mesh]
+                point = context.Point.of_index(mesh.ranks.index(self.rank), mesh.dims, mesh.sizes)
+                token = context._current.set(point)
+                try:
+                    result = fn(*self._value(ins.args), **self._value(ins.kwargs))
+                finally:
+                    context._current.reset(token)
             except Exception as e:  # noqa: BLE001
                 failed = self._root_failure(ins.line, getattr(fn, "__qualname__", "remote"), e)
                 self._fail(ins.outs, failed, root=True)
