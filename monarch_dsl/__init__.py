@@ -25,6 +25,8 @@ from monarch_dsl.tensor import (
     fetch,
     get_active_stream,
     inspect,
+    reduce,
+    reduce_,
     show,
     to_mesh,
 )
@@ -48,6 +50,8 @@ __all__ = [
     "ProcMesh",
     "RemoteError",
     "RemoteFunction",
+    "reduce",
+    "reduce_",
     "remote",
     "Tensor",
     "fetch",

@@ -36,6 +36,8 @@ __all__ = [
     "fetch",
     "get_active_stream",
     "inspect",
+    "reduce",
+    "reduce_",
     "show",
     "to_mesh",
 ]
@@ -929,6 +931,24 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
 
 
 # =============================================================================== collectives
+
+
+def reduce(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Any:
+    """``t.reduce(...)`` for every mesh tensor of a pytree (other leaves are kept)."""
+    line = _user_line()
+    return pytree.tree_map(
+        lambda t: _reduce(t, dims, reduction, scatter, False, line) if isinstance(t, Tensor) else t,
+        tree,
+    )
+
+
+def reduce_(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Any:
+    """``t.reduce_(...)`` for every mesh tensor of a pytree; returns the tree."""
+    line = _user_line()
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, Tensor):
+            _reduce(t, dims, reduction, scatter, True, line)
+    return tree
 
 
 def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool, line: str):

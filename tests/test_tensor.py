@@ -362,3 +362,12 @@ def test_grad_generator_yields_each_gradient_in_the_order_given(pm):
         unused = md.to_mesh(torch.ones(2), pm).requires_grad_()
         with pytest.raises((ValueError, RuntimeError)):
             list(md.grad_generator((m1 * 2).sum(), [m1, unused]))
+
+
+def test_pytree_reduce_forms(pm):
+    with pm.activate():
+        tree = {"a": pm.rank("gpu").float(), "b": [torch.ones(2), 3]}
+        out = md.reduce(tree, "gpu")
+        assert out["b"][1] == 3 and values(out["a"]) == [1.0] * 4
+        assert md.reduce_(tree, ("host", "gpu"), "max") is tree
+        assert values(tree["b"][0]) == [[1.0, 1.0]] * 4 and values(tree["a"]) == [1.0] * 4
