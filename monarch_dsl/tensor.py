@@ -48,21 +48,23 @@ _MD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-_internal_code: dict[Any, bool] = {}
+# code object -> "" for our and torch's code, else the file's base name
+_code_files: dict[Any, str] = {}
 
 
 def _user_line() -> str:
     """``file:line`` of the innermost frame outside monarch_dsl and torch."""
     f = sys._getframe(2)
-    internal = _internal_code
+    files = _code_files
     while f is not None:
         code = f.f_code
-        inside = internal.get(code)
-        if inside is None:
-            name = code.co_filename
-            inside = internal[code] = name.startswith((_MD_DIR, _TORCH_DIR, "<"))
-        if not inside:
-            return f"{os.path.basename(code.co_filename)}:{f.f_lineno}"
+        name = files.get(code)
+        if name is None:
+            path = code.co_filename
+            inside = path.startswith((_MD_DIR, _TORCH_DIR, "<"))
+            name = files[code] = "" if inside else os.path.basename(path)
+        if name:
+            return f"{name}:{f.f_lineno}"
         f = f.f_back
     return ""
 
@@ -96,7 +98,7 @@ class Engine:
     # ---- batching --------------------------------------------------------------------------
     def append(self, mesh: int, ins: Any) -> None:
         with self.lock:
-            if self.dead:
+            if self.dead and type(ins) is ir.Fetch:  # a fetch or barrier comes after them
                 self._append_deletes()
             self.batch.append((mesh, ins))
             n = len(self.batch)
@@ -164,8 +166,8 @@ class Engine:
         self.dead.append((ref, stream))
 
     def _append_deletes(self) -> None:
-        """Deletes of collected tensors, after every instruction issued while they lived and
-        before the next one (so a later fetch or barrier comes after them). Holds the lock."""
+        """Deletes of collected tensors: after every instruction issued while they lived, and
+        before a fetch or barrier issued after they died. Holds the lock."""
         by_stream: dict[str, list[int]] = {}
         for ref, stream in self._take_dead():
             by_stream.setdefault(stream, []).append(ref)
