@@ -357,10 +357,6 @@ def _active_mesh() -> Any:
     return stack[-1] if stack else None
 
 
-def _describe(path: Any) -> str:
-    return "".join(str(k) for k in path) or "the argument"
-
-
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 
 
@@ -379,10 +375,12 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
                 mesh = a._md_mesh
             elif a._md_mesh is not mesh and a._md_mesh != mesh:
                 return _dispatch_general(func, args, kwargs, active)  # raises, with the details
-        elif isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a):
-            return _dispatch_general(func, args, kwargs, active)
+        elif isinstance(a, torch.device) or (
+            isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a)
+        ):
+            return _dispatch_general(func, args, kwargs, active)  # (devices are rewritten)
     for a in kwargs.values():
-        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+        if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict)):
             return _dispatch_general(func, args, kwargs, active)
     if mesh is None:
         return _dispatch_general(func, args, kwargs, active)

@@ -1,4 +1,4 @@
-"""The README's demo runs as shipped."""
+"""The README's demo and the tensor tutorial run as shipped."""
 
 import os
 import subprocess
@@ -8,33 +8,30 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.procs
 
-@pytest.mark.procs
+
+def run_example(name: str, timeout: float) -> str:
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, MONARCH_DSL_QUIET="1"),
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_actors_example_runs():
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "actors.py")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=dict(os.environ, MONARCH_DSL_QUIET="1"),
-    )
-    assert out.returncode == 0, out.stderr
-    assert "after broadcast: 116" in out.stdout
-    assert "ActorError: actor Point(host=0, gpu=1) raised: ValueError" in out.stdout
-    assert "still alive after the error: 116" in out.stdout
+    text = run_example("actors.py", 180)
+    assert "after broadcast: 116" in text
+    assert "ActorError: actor Point(host=0, gpu=1) raised: ValueError" in text
+    assert "still alive after the error: 116" in text
 
 
-@pytest.mark.procs
 def test_tutorial_runs():
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "tutorial.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, MONARCH_DSL_QUIET="1"),
-    )
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
+    text = run_example("tutorial.py", 300)
     assert "failed as expected" in text and "recovered: [2.0, 2.0]" in text
     assert "largest batch that worked:" in text and "None" not in text
     assert "reduce over gpu: 1.0" in text and "reduce over host: 1.0" in text
