@@ -71,7 +71,7 @@ class RemoteFunction:
         worker_flat = [ir.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
         wargs, wkwargs = pytree.tree_unflatten(worker_flat, spec)
         key = tuple((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat)
-        shapes_to = -1
+        shapes_to = shapes_rank = -1
         future = None
         if self.propagate is not None:
             metas = [x._md_meta if isinstance(x, Tensor) else x for x in flat]
@@ -84,8 +84,8 @@ class RemoteFunction:
         elif key in self._shapes:
             described, out_spec = self._shapes[key]
         else:  # learn the output shapes from a first run (one round trip, then cached)
-            rank = mesh.ranks[0]
-            shapes_to, future = engine.job.expect((rank,), lambda values: values[0])
+            shapes_rank = mesh.ranks[0]
+            shapes_to, future = engine.job.expect((shapes_rank,), lambda values: values[0])
         # Output refs: known now when shapes are known; else one per possible tensor output,
         # decided after the first run (the worker assigns refs in output order).
         if future is None:
@@ -93,7 +93,15 @@ class RemoteFunction:
             engine.append(
                 engine.mesh_id(mesh),
                 ir.CallFunction(
-                    self._payload(), wargs, wkwargs, outs, -1, engine.mesh_id(mesh), stream, line
+                    self._payload(),
+                    wargs,
+                    wkwargs,
+                    outs,
+                    -1,
+                    -1,
+                    engine.mesh_id(mesh),
+                    stream,
+                    line,
                 ),
             )
             return self._wrap(described, out_spec, outs, mesh, engine, stream)
@@ -106,6 +114,7 @@ class RemoteFunction:
                 wkwargs,
                 refs,
                 shapes_to,
+                shapes_rank,
                 engine.mesh_id(mesh),
                 stream,
                 line,

@@ -280,7 +280,9 @@ def test_remote_hosts_times_out_naming_missing_ranks():
     try:
         with pytest.raises(md.SpawnError, match=r"1 of 2 workers did not join.*rank 0"):
             hosts.spawn_procs({"gpu": 1}, timeout=5)
-        assert procs[0].wait(timeout=20) == 0  # told to stop, or saw the controller go
+        # It exits either way: 0 if it had joined (told to stop), 1 if it was still importing
+        # torch when the controller gave up ("cannot join"); never left running.
+        assert procs[0].wait(timeout=30) in (0, 1)
     finally:
         _kill(procs)
 

@@ -59,14 +59,16 @@ class CallOp(NamedTuple):
 
 class CallFunction(NamedTuple):
     """``outs = fn(*args, **kwargs)`` for a Python function (``@md.remote``), cloudpickled in
-    ``fn``. ``shapes_to`` >= 0: also send the outputs' shapes and dtypes to the controller as
-    the reply to that call id (the first run of a function without a propagator)."""
+    ``fn``. ``shapes_to`` >= 0: rank ``shapes_rank`` also sends the outputs' shapes and dtypes
+    to the controller as the reply to that call id (the first run of a function without a
+    propagator)."""
 
     fn: bytes
     args: tuple
     kwargs: dict
     outs: tuple[int | None, ...]
     shapes_to: int
+    shapes_rank: int
     mesh: int  # md.current_rank() inside fn is the point in this mesh
     stream: str
     line: str

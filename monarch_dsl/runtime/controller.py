@@ -650,6 +650,12 @@ class Job:
         p = self.pending.get(call_id)
         if p is None:
             return
+        if p.index is None and rank != p.ranks[0] or p.index is not None and rank not in p.index:
+            log.warning(
+                "monarch_dsl: dropped a reply from %s to a call it was not part of",
+                self.describe(rank),
+            )
+            return
         if p.on_item is not None:
             p.on_item(rank, value, exc)
         if exc is not None and p.on_item is None:

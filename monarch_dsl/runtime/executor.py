@@ -272,7 +272,7 @@ class ReferenceExecutor:
             for rid, leaf in zip(ins.outs, tensors):
                 if rid is not None:
                     self.refs[rid] = leaf
-        if ins.shapes_to >= 0:
+        if ins.shapes_to >= 0 and ins.shapes_rank == self.rank:
             if failed is not None:
                 self.reply_failure(ins.shapes_to, failed)
             else:
