@@ -252,6 +252,12 @@ class Tensor(torch.Tensor):
         match. The copy is independent of the source."""
         return _transfer(self, mesh, _user_line())
 
+    def tolist(self):
+        raise TypeError(
+            "tolist() needs the tensor's value, which lives on the workers: fetch it first, "
+            "e.g. md.inspect(t).tolist()"
+        )
+
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
         return (
             f"md.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._md_mesh!r}, "
@@ -358,6 +364,8 @@ def _active_mesh() -> Any:
 
 
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
+# Ops that turn a tensor into a Python value (t.item(), bool(t), ...): not on a mesh tensor.
+_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
 
 
 def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
@@ -499,6 +507,11 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     worker_args, worker_kwargs = pytree.tree_unflatten(worker_flat, spec)
     if first is None:  # a factory: make it on meta here, on the worker's device there
         worker_kwargs["device"] = ir.WORKER_DEVICE
+    if name in _NEEDS_VALUE:
+        raise TypeError(
+            f"{op} needs the tensor's value, which lives on the workers: fetch it first, e.g. "
+            f"md.inspect(t).item() (or md.inspect(t, **coords) for another rank)"
+        )
     out_leaves, out_spec = _output_meta(func, op, flat, meta_flat, spec, first is None)
     outs: list[int | None] = []
     results = []

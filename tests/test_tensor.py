@@ -390,3 +390,14 @@ def test_device_arguments_mean_the_workers_device(pm, monkeypatch):
             assert ops[-1].op == "aten::new_ones.default"
             assert ops[-1].kwargs["device"] is ir.WORKER_DEVICE
             assert md.inspect(y + x, host=1, gpu=1).tolist() == [2.0, 2.0]
+
+
+def test_python_values_of_mesh_tensors_need_a_fetch(pm):
+    with pm.activate():
+        s = torch.ones(2).sum()
+        for get in (s.item, lambda: bool(s), torch.ones(2).tolist):
+            with pytest.raises(TypeError, match=r"md\.inspect\(t\)"):
+                get()
+        with pytest.raises(TypeError, match="output shape is not known"):
+            torch.ones(2).nonzero()
+        assert md.inspect(s).item() == 2.0
