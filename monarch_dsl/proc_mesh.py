@@ -17,6 +17,7 @@ from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime import controller, serialize, transport
 
 DEFAULT_TIMEOUT = 120.0
+STOP_SYNC_TIMEOUT = 60.0  # stop() waits this long for the workers to finish their commands
 
 atexit.register(controller.stop_all)
 
@@ -44,9 +45,9 @@ class ProcMesh(Mesh):
         job = self._job
         unseen = []
         if job.engine is not None and not job.stopped:
-            try:
-                _tensor.sync(self)
-            except Exception:  # noqa: BLE001 - a dead worker: stop anyway
+            try:  # let the workers finish what was sent, and report its failures
+                _tensor.sync(self, timeout=STOP_SYNC_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a dead or stuck worker: stop anyway
                 pass
             unseen = job.unobserved_failures()
         job.stop()

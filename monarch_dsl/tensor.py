@@ -1104,16 +1104,16 @@ def inspect(obj: Any, **coords: int) -> Any:
     return fetch(obj, **coords).get()
 
 
-def sync(mesh: Any) -> None:
+def sync(mesh: Any, timeout: float | None = None) -> None:
     """Wait until every worker of ``mesh``'s allocation has run what was sent so far (their
-    failure reports have then arrived)."""
+    failure reports have then arrived); ``TimeoutError`` after ``timeout`` seconds."""
     engine = mesh._job.engine
     if engine is None or engine.job.stopped:
         return
     call_id, fut = engine.job.expect(engine.ranks, None)
     engine.append(-1, ir.Fetch(call_id, -1, "main", _user_line()))
     engine.flush()
-    fut.get()
+    fut.get(timeout)
 
 
 def show(obj: Any, **coords: int) -> None:
