@@ -20,6 +20,8 @@ from monarch_dsl.tensor import (
     _user_line,
 )
 
+MAX_LEARNT_OUTPUTS = 64  # tensor outputs a function without a propagator may return
+
 
 class RemoteFunction:
     """Call it under ``pm.activate()`` with mesh tensors (and plain values); it runs on every
@@ -86,33 +88,19 @@ class RemoteFunction:
         else:  # learn the output shapes from a first run (one round trip, then cached)
             shapes_rank = mesh.ranks[0]
             shapes_to, future = engine.job.expect((shapes_rank,), lambda values: values[0])
-        # Output refs: known now when shapes are known; else one per possible tensor output,
-        # decided after the first run (the worker assigns refs in output order).
+        # Output refs: known now when the shapes are known; else one per possible tensor
+        # output, decided after the first run (the worker assigns refs in output order).
         if future is None:
             outs = tuple(engine.new_ref() if type(d) is tuple else None for d in described)
-            engine.append(
-                engine.mesh_id(mesh),
-                ir.CallFunction(
-                    self._payload(),
-                    wargs,
-                    wkwargs,
-                    outs,
-                    -1,
-                    -1,
-                    engine.mesh_id(mesh),
-                    stream,
-                    line,
-                ),
-            )
-            return self._wrap(described, out_spec, outs, mesh, engine, stream)
-        refs = tuple(engine.new_ref() for _ in range(64))  # up to 64 tensor outputs
+        else:
+            outs = tuple(engine.new_ref() for _ in range(MAX_LEARNT_OUTPUTS))
         engine.append(
             engine.mesh_id(mesh),
             ir.CallFunction(
                 self._payload(),
                 wargs,
                 wkwargs,
-                refs,
+                outs,
                 shapes_to,
                 shapes_rank,
                 engine.mesh_id(mesh),
@@ -120,12 +108,22 @@ class RemoteFunction:
                 line,
             ),
         )
+        if future is None:
+            return self._wrap(described, out_spec, outs, mesh, engine, stream)
+        refs = outs
         engine.flush()
         leaves, spec_text = future.get()
         out_spec = pytree.treespec_loads(spec_text)
         described = [(tuple(x[0]), x[1]) if type(x) is tuple else x for x in leaves]
         self._shapes[key] = (described, out_spec)
         n = sum(type(d) is tuple for d in described)
+        if n > len(refs):
+            for ref in refs:
+                engine.delete(ref, stream)
+            raise TypeError(
+                f"{self.__name__} returned {n} tensors; without propagate= at most "
+                f"{MAX_LEARNT_OUTPUTS} are supported (give a propagator)"
+            )
         for unused in refs[n:]:
             engine.delete(unused, stream)
         it = iter(refs)

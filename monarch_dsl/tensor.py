@@ -476,7 +476,7 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
         elif isinstance(x, torch.Tensor) and local is None:
             local = i
     if name in _FACTORY_DEVICE_OPS and mesh is None and active is not None:
-        return _lift(flat[local], active, op)
+        return _lift(flat[local], active)
     if mesh is None:
         mesh = active
     if local is not None:
@@ -617,7 +617,7 @@ def _new_meta(desc: tuple) -> torch.Tensor:
     return t if not offset else t.as_strided(shape, stride, offset)
 
 
-def _lift(value: torch.Tensor, mesh: Any, op: str) -> Tensor:
+def _lift(value: torch.Tensor, mesh: Any) -> Tensor:
     """A local tensor (``torch.tensor(data)`` under activation) copied to every rank."""
     engine = Engine.of(mesh)
     ref = engine.new_ref()
@@ -909,7 +909,7 @@ def to_mesh(obj: Any, mesh: Any) -> Any:
     if isinstance(obj, Tensor):
         return obj.to_mesh(mesh)
     if isinstance(obj, torch.Tensor):
-        out = _lift(obj, mesh, "to_mesh")
+        out = _lift(obj, mesh)
         if obj.requires_grad:
             out.requires_grad_(True)
         return out

@@ -329,20 +329,20 @@ def test_impossible_length_header_is_a_protocol_error(data):
 
 
 def _no_huge_allocations(monkeypatch, limit: int = 1 << 30) -> None:
-    """Make ``bytearray(n)`` in transport.py fail like a real allocation of more than
-    ``limit`` bytes would on this machine (MemoryError), without trying it."""
-    real = bytearray
+    """Make a frame-part buffer of more than ``limit`` bytes fail like a real allocation would
+    (MemoryError), without trying it."""
+    real = transport._part_buffer
 
-    def guarded(*args, **kwargs):
-        if args and isinstance(args[0], int) and args[0] > limit:
-            raise MemoryError(f"transport.py asked for a {args[0]}-byte buffer")
-        return real(*args, **kwargs)
+    def guarded(n: int):
+        if n > limit:
+            raise MemoryError(f"transport.py asked for a {n}-byte buffer")
+        return real(n)
 
-    monkeypatch.setattr(transport, "bytearray", guarded, raising=False)
+    monkeypatch.setattr(transport, "_part_buffer", guarded)
 
 
 ABSURD_HEADERS = [
-    HEADER.pack(b"MD", 0, 1 << 39),  # a 512 GiB pickle, below _MAX_FRAME (1 TiB)
+    HEADER.pack(b"MD", 0, 1 << 39),  # a 512 GiB pickle, over the 64 GiB part bound
     HEADER.pack(b"MD", 2, 8) + LEN.pack(1 << 39) + LEN.pack(1 << 39),
 ]
 

@@ -401,7 +401,7 @@ class Connection:
                 return
             start = not self._held
             self._held += parts
-            self._held_bytes += sum(map(len, parts)) if len(parts) == 1 else _nbytes(parts)
+            self._held_bytes += len(parts[0]) if len(parts) == 1 else _nbytes(parts)
             if self._held_bytes >= HOLD_BYTES or len(self._held) >= 1000:
                 send_parts(self.sock, self._take_held())
                 return
