@@ -32,6 +32,8 @@ from monarch_dsl.tensor import (
 )
 from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.grads import grad_generator
+from monarch_dsl.compiler.plan import Partial, Placement, Plan, PlanError, Replicate, Shard
+from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -45,6 +47,14 @@ __all__ = [
     "Future",
     "LocalHost",
     "Mesh",
+    "MeshFunction",
+    "Partial",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "Replicate",
+    "Shard",
+    "mesh_fn",
     "MonarchError",
     "Point",
     "ProcMesh",

@@ -163,6 +163,29 @@ class DefineMesh(NamedTuple):
     ranks: tuple[int, ...]
 
 
+class DefinePlan(NamedTuple):
+    """Keep the lowered program ``program`` (a ``compiler.lower.Program``) as plan ``plan``."""
+
+    plan: int
+    program: Any
+
+
+class RunPlan(NamedTuple):
+    """Run plan ``plan`` on mesh ``mesh``: ``inputs`` are the refs of this rank's inputs (its
+    shards), ``outputs`` the refs its results get. ``split``: (whole ref, local ref, input
+    index) — a whole value sent by the controller; this rank keeps its part of it (by that
+    input's placements) as the local ref before the run."""
+
+    plan: int
+    mesh: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    split: tuple[tuple[int, int, int], ...]
+    placements: tuple  # per input: its placements (for split)
+    stream: str
+    line: str
+
+
 INSTRUCTIONS: tuple[type, ...] = (
     CallOp,
     CallFunction,
@@ -174,6 +197,8 @@ INSTRUCTIONS: tuple[type, ...] = (
     DefineMesh,
     BorrowBegin,
     BorrowEnd,
+    DefinePlan,
+    RunPlan,
 )
 REDUCTIONS = ("sum", "avg", "min", "max", "prod", "stack")
 

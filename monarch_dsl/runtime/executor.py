@@ -89,7 +89,9 @@ class ReferenceExecutor:
             ir.DefineMesh: self.define_mesh,
             ir.BorrowBegin: self.borrow_begin,
             ir.BorrowEnd: self.borrow_end,
+            ir.RunPlan: self.run_plan,
         }
+        self.plan_runner = None
         self.streams: dict[str, queue.SimpleQueue] = {}
         self.events: dict[int, threading.Event] = {}
         self.events_lock = threading.Lock()
@@ -105,6 +107,8 @@ class ReferenceExecutor:
             kind = type(ins)
             if kind is ir.DefineMesh:
                 self.define_mesh(ins)
+            elif kind is ir.DefinePlan:
+                self._plans().define(ins)
             elif kind is ir.Seed:
                 self._queue("main").put(ins)
             elif kind is ir.Fetch and ins.ref < 0:
@@ -302,6 +306,16 @@ class ReferenceExecutor:
     def delete(self, ins: ir.Delete) -> None:
         for rid in ins.refs:
             self.refs.pop(rid, None)
+
+    def _plans(self):
+        if self.plan_runner is None:
+            from monarch_dsl.runtime.plan_runner import PlanRunner
+
+            self.plan_runner = PlanRunner(self)
+        return self.plan_runner
+
+    def run_plan(self, ins: ir.RunPlan) -> None:
+        self._plans().run(ins)
 
     def seed(self, ins: ir.Seed) -> None:
         torch.manual_seed(ins.seed)

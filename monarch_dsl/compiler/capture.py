@@ -1,0 +1,560 @@
+"""Capture: a training step (forward, backward, optimizer update) as one aten graph.
+
+The user's function is traced with ``make_fx`` on fake tensors of the whole (global) shapes.
+The modules and optimizers it uses (found in its closure and globals) are taken apart: their
+parameters, buffers, optimizer state and existing ``.grad``s become inputs of the graph, so
+the plan can keep them on the workers between steps. Optimizer state created by the step
+(momentum buffers, Adam's moments on the first step) and the gradients it leaves become
+outputs.
+
+The optimizers are traced as ``torch.compile`` sees them (``torch.compiler.is_compiling()``
+is true while tracing), so Adam's step count stays a tensor instead of a Python number baked
+into the plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import traceback
+import unittest.mock
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from monarch_dsl.compiler.plan import PlanError
+
+aten = torch.ops.aten
+
+# Ops decomposed while tracing, so that propagation needs rules only for a small set of
+# primitives (pointwise, reductions, views, mm); the decompositions are written with the
+# whole shapes, so their constants (a mean's element count) stay right on shards.
+_DECOMPOSE = [
+    aten.addmm,
+    aten.mse_loss,
+    aten.mse_loss_backward,
+    aten.native_layer_norm,
+    aten.native_layer_norm_backward,
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    aten.gelu_backward,
+    aten.tanh_backward,
+    aten.sigmoid_backward,
+    aten.silu,
+    aten.silu_backward,
+    aten.threshold_backward,
+    aten.native_dropout_backward,
+    aten.addcmul,
+    aten.addcdiv,
+    aten.lerp,
+    aten.rsub,
+    aten.var_mean,
+    aten.t,
+    aten.linear,
+    aten.matmul,
+    aten.baddbmm,
+    aten.std,
+    aten.var,
+    aten._to_copy,
+    aten.zero,
+    aten.select_backward,
+    aten.slice_backward,
+]
+
+
+def decompositions() -> dict:
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(_DECOMPOSE)
+
+
+@dataclass
+class Captured:
+    """The traced step: ``graph`` takes the flat ``input_names`` (in that order) and returns the
+    flat values named by ``output_names``."""
+
+    graph: torch.fx.GraphModule
+    input_names: list[str]
+    input_kinds: list[str]
+    input_values: list[torch.Tensor]  # the real tensors (args, params, state) of this call
+    output_names: list[str]
+    output_kinds: list[str]
+    out_spec: Any  # pytree spec of the function's own result
+    new_state: list[tuple[str, Any, str]]  # (name, optimizer or module, key) of created state
+
+
+# ---- what the function uses ------------------------------------------------------------------
+
+
+def used_objects(fn: Callable) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+    """The modules and optimizers ``fn`` reaches through its closure and globals, by name."""
+    modules: dict[str, nn.Module] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    code = fn.__code__
+    found: list[tuple[str, Any]] = []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            found.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            pass
+    for name in _global_names(code):
+        if name in fn.__globals__:
+            found.append((name, fn.__globals__[name]))
+    seen: set[int] = set()
+    for name, value in found:
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, nn.Module):
+            modules[name] = value
+        elif isinstance(value, torch.optim.Optimizer):
+            optimizers[name] = value
+    return modules, optimizers
+
+
+def _global_names(code) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:  # nested functions and comprehensions
+        if inspect.iscode(const):
+            names += _global_names(const)
+    return names
+
+
+# ---- tracing ---------------------------------------------------------------------------------
+
+
+def capture(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    state: dict[str, torch.Tensor] | None = None,
+    values: dict[str, torch.Tensor] | None = None,
+) -> Captured:
+    """Trace ``fn(*args, **kwargs)`` with its modules' and optimizers' state as inputs.
+
+    ``state``: the optimizer state and gradients to trace with (``<param>.<key>``, whole
+    shapes), instead of what the local optimizers and parameters hold — a compiled step keeps
+    its state on the workers. ``values``: stand-ins for parameters/buffers by name (same
+    shapes), for the same reason."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    modules, optimizers = used_objects(fn)
+    params: dict[str, torch.Tensor] = {}  # name -> tensor, modules' params then buffers
+    kinds: dict[str, str] = {}
+    owner: dict[int, str] = {}
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters(remove_duplicate=True):
+            if id(p) not in owner:
+                owner[id(p)] = f"{mname}.{pname}"
+                params[owner[id(p)]] = p
+                kinds[owner[id(p)]] = "param"
+        for bname, b in mod.named_buffers(remove_duplicate=True):
+            if id(b) not in owner:
+                owner[id(b)] = f"{mname}.{bname}"
+                params[owner[id(b)]] = b
+                kinds[owner[id(b)]] = "buffer"
+    for oname, opt in optimizers.items():
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in owner:
+                    owner[id(p)] = f"{oname}.param_groups.{gi}.{pi}"
+                    params[owner[id(p)]] = p
+                    kinds[owner[id(p)]] = "param"
+
+    # Existing optimizer state and gradients: inputs too.
+    given_state = state
+    state = {}
+    for opt in optimizers.values() if given_state is None else ():
+        for p, entries in opt.state.items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor) and id(p) in owner:
+                    state[f"{owner[id(p)]}.{key}"] = value
+    for name, p in params.items() if given_state is None else ():
+        if kinds[name] == "param" and p.grad is not None:
+            state[f"{name}.grad"] = p.grad
+    if given_state is not None:
+        state = dict(given_state)
+
+    sig = inspect.signature(fn)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{fn.__qualname__}: {e}") from None
+    arg_names, arg_values = [], []
+    templates = []  # (argument name, pytree spec, leaves)
+    for pname, value in bound.arguments.items():
+        leaves, spec = pytree.tree_flatten(value)
+        templates.append((pname, spec, leaves))
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                arg_names.append(pname if leaf is value else f"{pname}.{i}")
+                arg_values.append(leaf)
+    param_names = list(params)
+    param_values = [(values or {}).get(n, params[n]) for n in param_names]
+    state_names, state_values = list(state), list(state.values())
+    n_args, n_params = len(arg_values), len(param_values)
+
+    out_info: dict[str, Any] = {}
+
+    def flat_step(*flat: torch.Tensor):
+        a = flat[:n_args]
+        p = flat[n_args : n_args + n_params]
+        s = flat[n_args + n_params :]
+        traced = dict(zip(param_names, p))
+        restore = _swap_in(modules, optimizers, params, traced, owner)
+        try:
+            # Gradients: existing ones are inputs; none otherwise.
+            for name, t in zip(param_names, p):
+                if kinds[name] == "param":
+                    g = state_names.index(f"{name}.grad") if f"{name}.grad" in state else -1
+                    t.grad = s[g] if g >= 0 else None
+            by_param = {id(t): name for name, t in traced.items()}
+            for opt in optimizers.values():
+                opt.state = defaultdict(dict)
+            for sname, value in zip(state_names, s):
+                pname, _, key = sname.rpartition(".")
+                if key == "grad":
+                    continue
+                for opt in optimizers.values():
+                    if any(
+                        id(q) == id(traced[pname]) for g in opt.param_groups for q in g["params"]
+                    ):
+                        opt.state[traced[pname]][key] = value
+            it = iter(a)
+            arguments = {}
+            for pname, spec, leaves in templates:
+                leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
+                arguments[pname] = pytree.tree_unflatten(leaves, spec)
+            call = inspect.BoundArguments(sig, arguments)
+            result = fn(*call.args, **call.kwargs)
+            flat_out, spec = pytree.tree_flatten(result)
+            out_info["spec"] = spec
+            out_info["n_out"] = len(flat_out)
+            for v in flat_out:
+                if not isinstance(v, torch.Tensor):
+                    raise PlanError(
+                        f"{fn.__qualname__} returns a {type(v).__name__}; a compiled step "
+                        "may return only tensors (in any pytree)"
+                    )
+            # State the step created or kept, and gradients.
+            kept = []
+            for opt in optimizers.values():
+                for t, entries in opt.state.items():
+                    pname = by_param.get(id(t))
+                    for key, value in entries.items():
+                        if isinstance(value, torch.Tensor) and pname is not None:
+                            kept.append((f"{pname}.{key}", value))
+            for name, t in zip(param_names, p):
+                if kinds[name] == "param" and t.grad is not None:
+                    kept.append((f"{name}.grad", t.grad))
+            out_info["state"] = [n for n, _ in kept]
+            return tuple(flat_out) + tuple(v for _, v in kept)
+        finally:
+            for name, t in zip(param_names, p):
+                if kinds[name] == "param":
+                    t.grad = None
+            restore()
+
+    example = []
+    for v in arg_values:
+        example.append(v.detach())
+    for name, v in zip(param_names, param_values):
+        t = v.detach()
+        if kinds[name] == "param":
+            t = t.requires_grad_(params[name].requires_grad)
+        example.append(t)
+    example += [v.detach() for v in state_values]
+
+    # fx keeps only "forward" frames in node stack traces, plus registered anchors: the step
+    # function is one, so its ops (and the backward and optimizer it calls) carry its lines.
+    anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if anchor is not None:
+        anchor(fn)
+    with unittest.mock.patch("torch.compiler.is_compiling", lambda: True):
+        try:
+            gm = make_fx(
+                flat_step,
+                tracing_mode="fake",
+                decomposition_table=decompositions(),
+                record_stack_traces=True,
+            )(*example)
+        except PlanError:
+            raise
+        except Exception as e:  # data-dependent control flow and friends
+            loc = user_location_of_exception(e)
+            if _is_data_dependent(e):
+                raise PlanError(
+                    f"{fn.__qualname__}: control flow that depends on a tensor's value cannot "
+                    "be compiled (Python branches on shapes are fine; use torch.where for "
+                    f"values): {type(e).__name__}: {str(e).splitlines()[0]}",
+                    loc,
+                ) from e
+            raise PlanError(
+                f"{fn.__qualname__} could not be traced: {type(e).__name__}: {e}", loc
+            ) from e
+
+    n_out = out_info["n_out"]
+    state_out = out_info["state"]
+    input_names = arg_names + param_names + state_names
+    input_kinds = ["arg"] * n_args + [kinds[n] for n in param_names] + ["state"] * len(state_names)
+    output_names = [f"out{i}" for i in range(n_out)] + state_out
+    output_kinds = ["out"] * n_out + ["grad" if n.endswith(".grad") else "state" for n in state_out]
+    return Captured(
+        graph=gm,
+        input_names=input_names,
+        input_kinds=input_kinds,
+        input_values=arg_values + param_values + state_values,
+        output_names=output_names,
+        output_kinds=output_kinds,
+        out_spec=out_info["spec"],
+        new_state=[],
+    )
+
+
+def _leaves(value: Any) -> list:
+    return pytree.tree_flatten(value)[0]
+
+
+def _swap_in(modules, optimizers, params, traced, owner) -> Callable[[], None]:
+    """Put the traced tensors in place of the modules' parameters/buffers and the optimizers'
+    params and state; returns a function that puts the originals back."""
+    undo: list[Callable[[], None]] = []
+    by_id = {id(params[n]): traced[n] for n in params}
+    for mod in modules.values():
+        for sub in mod.modules():
+            for table in (sub._parameters, sub._buffers):
+                for key, value in list(table.items()):
+                    if value is not None and id(value) in by_id:
+                        table[key] = by_id[id(value)]
+                        undo.append(lambda t=table, k=key, v=value: t.__setitem__(k, v))
+    for opt in optimizers.values():
+        old_state = opt.state
+        old_params = [list(g["params"]) for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["params"] = [by_id.get(id(p), p) for p in g["params"]]
+
+        def put_back(opt=opt, old_state=old_state, old_params=old_params):
+            opt.state = old_state
+            for g, ps in zip(opt.param_groups, old_params):
+                g["params"] = ps
+
+        undo.append(put_back)
+
+    def restore() -> None:
+        for f in reversed(undo):
+            f()
+
+    return restore
+
+
+# ---- the user's source lines -----------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _is_user_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return not (
+        path.startswith(_PACKAGE_DIR + os.sep)
+        or path.startswith(_TORCH_DIR + os.sep)
+        or "/unittest/" in path
+        or path.startswith("<")
+    )
+
+
+def short_path(path: str) -> str:
+    """A path as plans print it: relative to the working directory when under it."""
+    path = os.path.abspath(path)
+    cwd = os.getcwd()
+    return os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else path
+
+
+def user_location(stack_trace: str | None) -> str:
+    """``file:line`` of the innermost user frame in an fx node's recorded stack trace."""
+    if not stack_trace:
+        return ""
+    last = ""
+    for path, line in _FRAME.findall(stack_trace):
+        if _is_user_file(path):
+            last = f"{short_path(path)}:{line}"
+    return last
+
+
+def user_location_of_exception(e: BaseException) -> str:
+    last = ""
+    for frame in traceback.extract_tb(e.__traceback__):
+        if _is_user_file(frame.filename):
+            last = f"{short_path(frame.filename)}:{frame.lineno}"
+    return last
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    names = {type(x).__name__ for x in _chain(e)}
+    return bool(
+        names
+        & {
+            "DataDependentOutputException",
+            "GuardOnDataDependentSymNode",
+            "DynamicOutputShapeException",
+        }
+    ) or any("data-dependent" in str(x) or "data dependent" in str(x) for x in _chain(e))
+
+
+def _chain(e: BaseException | None):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+# ---- the graph as a plan ---------------------------------------------------------------------
+
+_DROPPED = {
+    "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit._RecordFunction",
+}
+
+
+def resolve_op(name: str):
+    """The torch op overload named ``name`` (``"aten.mm.default"``)."""
+    ns, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _type_of(val: Any, ndims: int):
+    from monarch_dsl.compiler.plan import Replicate, TensorType
+
+    rep = (Replicate(),) * ndims
+    if isinstance(val, torch.Tensor):
+        return TensorType(tuple(int(s) for s in val.shape), dtype_name(val.dtype), rep)
+    kind = "float64" if isinstance(val, float) else "bool" if isinstance(val, bool) else "int64"
+    return TensorType(None, kind, rep)
+
+
+def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
+    """The captured graph as a plan over ``mesh`` with every placement Replicate (the
+    ``propagate`` pass decides them); profiler markers are dropped."""
+    from monarch_dsl.compiler.plan import Input, Instr, Output, Plan, PlanError, Var
+
+    gm = captured.graph
+    nd = len(mesh)
+    names: dict[Any, str] = {}
+    taken = set(captured.input_names)
+    inputs, body = [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, iname, kind, value in zip(
+        placeholders, captured.input_names, captured.input_kinds, captured.input_values
+    ):
+        names[node] = iname
+        inputs.append(Input(iname, kind, _type_of(node.meta.get("val", value), nd)))
+
+    def fresh(base: str) -> str:
+        out, i = base, 1
+        while out in taken:
+            out, i = f"{base}_{i}", i + 1
+        taken.add(out)
+        return out
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            if value not in names:
+                raise PlanError(f"internal: {value} used before definition")
+            return Var(names[value])
+        if isinstance(value, (list, tuple)):
+            return type(value)(arg(v) for v in value)
+        if isinstance(value, torch.SymInt | torch.SymFloat):
+            raise PlanError("a dynamic size reached the plan; shapes must be static")
+        return value
+
+    getitems: dict[Any, dict[int, Any]] = defaultdict(dict)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator_getitem:
+            getitems[node.args[0]][node.args[1]] = node
+
+    outputs: list[Output] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                raise PlanError(
+                    "a constant tensor that is not a scalar in the step "
+                    f"(shape {tuple(getattr(value, 'shape', ()))}); pass it as an argument",
+                    user_location(node.meta.get("stack_trace")),
+                )
+            names[node] = fresh(node.name.lstrip("_"))
+            body.append(
+                Instr(
+                    (names[node],),
+                    "aten.scalar_tensor.default",
+                    (value.item(),),
+                    (("dtype", value.dtype),),
+                    (_type_of(value, nd),),
+                    loc=user_location(node.meta.get("stack_trace")),
+                )
+            )
+            continue
+        if node.op == "output":
+            flat = pytree.tree_flatten(node.args[0])[0]
+            for oname, okind, value in zip(captured.output_names, captured.output_kinds, flat):
+                outputs.append(Output(oname, okind, names[value]))
+            continue
+        if node.target is operator_getitem:
+            continue  # named by its producer
+        op = str(node.target)
+        if op in _DROPPED:
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            raise PlanError(f"cannot compile {node.op} {node.target}")
+        val = node.meta.get("val")
+        loc = user_location(node.meta.get("stack_trace"))
+        if isinstance(val, (list, tuple)):
+            outs = []
+            for i in range(len(val)):
+                g = getitems[node].get(i)
+                oname = fresh(g.name if g is not None else f"{node.name}_{i}")
+                if g is not None:
+                    names[g] = oname
+                outs.append(oname)
+            types = tuple(_type_of(v, nd) for v in val)
+        else:
+            outs = [fresh(node.name)]
+            names[node] = outs[0]
+            types = (_type_of(val, nd),)
+        if op == "aten._local_scalar_dense.default" or any(t.shape is None for t in types):
+            pass
+        body.append(
+            Instr(
+                tuple(outs),
+                op,
+                arg(tuple(node.args)),
+                tuple((k, arg(v)) for k, v in node.kwargs.items()),
+                types,
+                loc=loc,
+            )
+        )
+    return Plan(
+        name=name,
+        mesh=mesh,
+        inputs=tuple(inputs),
+        body=tuple(body),
+        outputs=tuple(outputs),
+        out_spec=captured.out_spec,
+    )
+
+
+import operator as _operator  # noqa: E402
+
+operator_getitem = _operator.getitem

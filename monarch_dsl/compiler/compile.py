@@ -1,0 +1,139 @@
+"""The pass pipeline: capture → plan → propagate (+ insert) → pipeline → schedule → check.
+
+Each pass is its own module (``Plan -> Plan``, stamped into ``plan.stages``); this file only
+strings them together and turns the user's placement spec into per-input placements.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from monarch_dsl.compiler.capture import Captured, capture, to_plan
+from monarch_dsl.compiler.plan import Placement, Plan, PlanError, Replicate, Shard
+from monarch_dsl.compiler.propagate import propagate, stamp
+
+R = Replicate()
+
+
+def arg_leaf_names(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(name, tensor) of every tensor leaf of the arguments, named as the plan names its
+    inputs: the parameter's name, or ``name.i`` for the i-th leaf of a pytree."""
+    import inspect
+
+    import torch.utils._pytree as pytree
+
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    out = []
+    for pname, value in bound.arguments.items():
+        for i, leaf in enumerate(pytree.tree_flatten(value)[0]):
+            if isinstance(leaf, torch.Tensor):
+                out.append((pname if leaf is value else f"{pname}.{i}", leaf))
+    return out
+
+
+def normalize_placements(
+    spec: dict[str, Any] | None,
+    dims: tuple[str, ...],
+    known: list[str],
+    data_parallel: str | None,
+    arg_names: list[str],
+) -> dict[str, tuple[Placement, ...]]:
+    """``{"x": {"dp": Shard(0)}, "w": Replicate()}`` → ``{"x": (S(0), R, ...)}``; names are
+    the function's arguments (``x``, or ``x.0`` for a pytree's leaves: a spec for ``x``
+    applies to all its leaves) and the qualified names of the parameters it uses."""
+    out: dict[str, tuple[Placement, ...]] = {}
+    if data_parallel is not None:
+        if data_parallel not in dims:
+            raise ValueError(
+                f"data_parallel={data_parallel!r} is not a dim of the mesh (dims {dims})"
+            )
+        for a in arg_names:
+            out[a] = tuple(Shard(0) if d == data_parallel else R for d in dims)
+    for name, value in (spec or {}).items():
+        targets = [k for k in known if k == name or k.startswith(name + ".")]
+        if not targets:
+            raise ValueError(
+                f"placements: {name!r} is not an argument or a parameter of the step "
+                f"(known: {', '.join(known[:12])}{', ...' if len(known) > 12 else ''})"
+            )
+        if isinstance(value, Placement):
+            pl = tuple(value for _ in dims)
+        elif isinstance(value, dict):
+            for d, p in value.items():
+                if d not in dims:
+                    raise ValueError(
+                        f"placements[{name!r}]: {d!r} is not a dim of the mesh (dims {dims})"
+                    )
+                if not isinstance(p, Placement):
+                    raise TypeError(
+                        f"placements[{name!r}][{d!r}]: expected md.Shard(d), md.Replicate() or "
+                        f"md.Partial(op), got {p!r}"
+                    )
+            pl = tuple(value.get(d, R) for d in dims)
+        else:
+            raise TypeError(
+                f"placements[{name!r}]: expected a placement or {{dim: placement}}, got {value!r}"
+            )
+        for t in targets:
+            out[t] = pl
+    return out
+
+
+def state_placements(
+    captured: Captured, given: dict[str, tuple[Placement, ...]], ndims: int
+) -> dict[str, tuple[Placement, ...]]:
+    """Optimizer state and gradients follow their parameter when they have its shape."""
+    out = dict(given)
+    shapes = {n: tuple(v.shape) for n, v in zip(captured.input_names, captured.input_values)}
+    for name, kind in zip(captured.input_names, captured.input_kinds):
+        if kind == "state" and name not in out:
+            param = name.rpartition(".")[0]
+            if param in out and shapes.get(param) == shapes[name]:
+                out[name] = out[param]
+            else:
+                out[name] = (R,) * ndims
+    return out
+
+
+def compile_step(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    mesh: tuple[tuple[str, int], ...],
+    placements: dict[str, Any] | None = None,
+    data_parallel: str | None = None,
+    out_placements: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+    state_placement: dict[str, tuple[Placement, ...]] | None = None,
+    values: dict[str, torch.Tensor] | None = None,
+    bucket_cap_mb: float = 25,
+    name: str | None = None,
+) -> tuple[Plan, Captured]:
+    """Compile ``fn`` for ``mesh`` (((dim, size), ...)) on these example arguments."""
+    from monarch_dsl.compiler.schedule import schedule
+
+    dims = tuple(d for d, _ in mesh)
+    t0 = time.perf_counter()
+    captured = capture(fn, args, kwargs, state=state, values=values)
+    plan = stamp(to_plan(captured, mesh, name or fn.__name__), "capture", t0)
+    arg_names = [n for n, k in zip(captured.input_names, captured.input_kinds) if k == "arg"]
+    given = normalize_placements(placements, dims, captured.input_names, data_parallel, arg_names)
+    given.update(state_placement or {})
+    given = state_placements(captured, given, len(dims))
+    outs = None
+    if out_placements:
+        out_names = [o for o, k in zip(captured.output_names, captured.output_kinds) if k == "out"]
+        outs = normalize_placements(out_placements, dims, out_names, None, [])
+    plan = propagate(plan, given, outs)
+    plan = schedule(plan, bucket_cap_mb=bucket_cap_mb)
+    t0 = time.perf_counter()
+    plan.check()
+    plan = stamp(plan, "check", t0)
+    return plan, captured
+
+
+__all__ = ["compile_step", "normalize_placements", "PlanError"]

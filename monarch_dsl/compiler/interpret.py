@@ -1,0 +1,165 @@
+"""Run a program on every rank of a mesh inside this process (no workers, no sockets).
+
+Ranks run in lockstep, one step at a time, and collectives are computed from all the ranks'
+values directly. Tests use it to check that a compiled plan computes what the function
+computes on one device; the multi-process runtime runs the very same ``Program``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from typing import Any
+
+import torch
+
+from monarch_dsl.compiler.lower import Program, resolve, run_step, runs_on, shard_local
+from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
+
+
+def coords_of(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in sizes)))
+
+
+def local_value(value: torch.Tensor, t: TensorType, coords: tuple[int, ...], sizes) -> Any:
+    """Rank ``coords``'s part of the whole ``value`` laid out as ``t.placements``."""
+    out = value
+    for m, p in enumerate(t.placements):
+        if isinstance(p, Shard):
+            out = shard_local(out, p.dim, coords[m], sizes[m])
+        elif isinstance(p, Partial) and p.op == "sum" and coords[m] != 0:
+            out = torch.zeros_like(out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
+
+
+def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes) -> Any:
+    """The whole value from every rank's part (shards joined, partials reduced)."""
+    if t.shape is None:
+        return parts[next(iter(parts))]
+    cur = dict(parts)
+    for m in reversed(range(len(sizes))):
+        p = t.placements[m]
+        merged = {}
+        for c in {k[:m] + k[m + 1 :] for k in cur}:
+            group = [cur[c[:m] + (i,) + c[m:]] for i in range(sizes[m])]
+            if isinstance(p, Shard):
+                merged[c] = torch.cat(group, p.dim)
+            elif isinstance(p, Partial):
+                merged[c] = _reduce(group, p.op)
+            else:
+                merged[c] = group[0]
+        cur = merged
+    return cur[()]
+
+
+def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(values)
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "max":
+        return stacked.amax(0)
+    return stacked.amin(0)
+
+
+def run_program(
+    program: Program, inputs: dict[tuple[int, ...], list]
+) -> dict[tuple[int, ...], list]:
+    """Run ``program`` on every rank: ``inputs[coords]`` are that rank's input values; returns
+    each rank's output values."""
+    sizes = program.sizes
+    ranks = coords_of(sizes)
+    envs = {c: [None] * program.n_slots for c in ranks}
+    for c in ranks:
+        for slot, v in zip(program.inputs, inputs[c]):
+            envs[c][slot] = v
+    mail: dict[tuple, deque] = defaultdict(deque)
+    for step in program.steps:
+        active = [c for c in ranks if runs_on(step, c)]
+        op = step.op
+        if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+            dims = step.comm["dims"]
+            for group in _groups(active, dims):
+                n = len(group)
+                if op == "all_reduce":  # one or several tensors (a bucket)
+                    for a, slot in zip(step.args, step.outs):
+                        r = _reduce([resolve(a, envs[c]) for c in group], step.comm["op"])
+                        for c in group:
+                            envs[c][slot] = r.clone()
+                    continue
+                vals = [resolve(step.args[0], envs[c]) for c in group]
+                if op == "reduce_scatter":
+                    r = _reduce(vals, step.comm["op"])
+                    outs = [x.contiguous() for x in r.chunk(n, step.comm["dim"])]
+                elif op == "all_gather":
+                    r = torch.cat(vals, step.comm["dim"])
+                    outs = [r.clone() for _ in group]
+                else:
+                    pieces = [v.chunk(n, step.comm["split_dim"]) for v in vals]
+                    outs = [
+                        torch.cat([pieces[i][j] for i in range(n)], step.comm["cat_dim"])
+                        for j in range(n)
+                    ]
+                for c, o in zip(group, outs):
+                    envs[c][step.outs[0]] = o
+        elif op == "send":
+            d = step.comm["dims"][0]
+            for c in active:
+                to = c[:d] + (step.comm["peer"],) + c[d + 1 :]
+                mail[(c, to)].append(resolve(step.args[0], envs[c]).clone())
+        elif op == "recv":
+            d = step.comm["dims"][0]
+            for c in active:
+                frm = c[:d] + (step.comm["peer"],) + c[d + 1 :]
+                envs[c][step.outs[0]] = mail[(frm, c)].popleft()
+        elif op == "shard_local":
+            d = step.comm["dims"][0]
+            for c in active:
+                v = resolve(step.args[0], envs[c])
+                envs[c][step.outs[0]] = shard_local(v, step.comm["dim"], c[d], sizes[d])
+        elif op == "partial_local":
+            d = step.comm["dims"][0]
+            for c in active:
+                v = resolve(step.args[0], envs[c])
+                keep = step.comm["op"] != "sum" or c[d] == 0
+                envs[c][step.outs[0]] = v if keep else torch.zeros_like(v)
+        else:
+            for c in active:
+                run_step(step, envs[c])
+        for c in active:
+            for s in step.frees:
+                envs[c][s] = None
+    return {c: [envs[c][s] for s in program.outputs] for c in ranks}
+
+
+def _groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+    by_rest: dict[tuple, list] = defaultdict(list)
+    for c in active:
+        rest = tuple(x for i, x in enumerate(c) if i not in dims)
+        by_rest[rest].append(c)
+    return [sorted(g) for g in by_rest.values()]
+
+
+def simulate_values(plan: Plan, program: Program, values: list) -> tuple[list, list]:
+    """Run ``plan`` on whole input ``values`` (in input order): shards each input by its
+    placement, runs every rank, and joins each output by its placement. Returns the whole
+    outputs and the whole inputs after the run (a training step updates them in place)."""
+    sizes = plan.sizes
+    ranks = coords_of(sizes)
+    inputs = {
+        c: [local_value(v, i.type, c, sizes) for v, i in zip(values, plan.inputs)] for c in ranks
+    }
+    outs = run_program(program, inputs)
+    types = plan.types()
+    result = []
+    for k, o in enumerate(plan.outputs):
+        result.append(whole_value({c: outs[c][k] for c in ranks}, types[o.var], sizes))
+    after = [
+        whole_value({c: inputs[c][k] for c in ranks}, i.type, sizes)
+        for k, i in enumerate(plan.inputs)
+    ]
+    return result, after
+
+
+__all__ = ["run_program", "simulate_values", "local_value", "whole_value", "Replicate"]

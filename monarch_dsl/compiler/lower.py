@@ -1,0 +1,193 @@
+"""Lowering: a plan becomes a ``Program`` every rank can run.
+
+The program is the plan with names replaced by slot numbers, sizes rewritten to each rank's
+local shapes (a ``view`` of a sharded value views the shard), and, per step, the slots whose
+last use it is (so memory goes as soon as it can). It is plain data (picklable): the controller
+sends it to the workers once, then only "run program k with these refs".
+
+``run_step`` executes one compute step; communication steps are run by the caller's ``Comm``
+(the worker's torch.distributed groups, or the in-process simulation in ``interpret.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Var
+
+
+class Slot(NamedTuple):
+    index: int
+
+
+class Step(NamedTuple):
+    op: str  # aten overload name, a COMM_OPS / LOCAL_OPS kind
+    args: tuple
+    kwargs: dict
+    outs: tuple[int, ...]
+    on: tuple[tuple[int, int], ...]  # (mesh dim index, index) filters
+    stream: str
+    loc: str
+    comm: dict  # communication: dims (indices), op, dim, split_dim, cat_dim, peer, shape, dtype
+    frees: tuple[int, ...]
+
+
+class Program(NamedTuple):
+    name: str
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    steps: tuple[Step, ...]
+    n_slots: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    output_shapes: tuple[tuple[int, ...] | None, ...]  # local shapes, per output
+    output_dtypes: tuple[str, ...]
+
+
+# Ops whose argument ``index`` is a size: rewritten to the output's local shape.
+_SIZE_ARG = {
+    "view": 1,
+    "_unsafe_view": 1,
+    "reshape": 1,
+    "expand": 1,
+    "broadcast_to": 1,
+    "broadcast_in_dim": 1,
+    "new_zeros": 1,
+    "new_empty": 1,
+    "new_ones": 1,
+    "new_full": 1,
+    "zeros": 0,
+    "ones": 0,
+    "empty": 0,
+    "full": 0,
+    "rand": 0,
+    "randn": 0,
+}
+
+
+def lower(plan: Plan) -> Program:
+    """The per-rank program of ``plan``."""
+    slots: dict[str, int] = {}
+    for i in plan.inputs:
+        slots[i.name] = len(slots)
+    types = plan.types()
+    sizes = plan.sizes
+    dim_index = {d: i for i, d in enumerate(plan.dims)}
+    last_use: dict[str, int] = {}
+    for k, ins in enumerate(plan.body):
+        for u in ins.uses():
+            last_use[u] = k
+    keep = {o.var for o in plan.outputs} | {i.name for i in plan.inputs}
+    frees_at: dict[int, list[str]] = {}
+    for name, k in last_use.items():
+        if name not in keep:
+            frees_at.setdefault(k, []).append(name)
+    steps = []
+    for k, ins in enumerate(plan.body):
+        for o in ins.outs:
+            if o in slots:
+                raise PlanError(f"%{o} is defined twice", ins.loc)
+            slots[o] = len(slots)
+        # Values defined but never used: free right after.
+        dead = [o for o in ins.outs if o not in last_use and o not in keep]
+
+        def conv(value: Any, ins=ins) -> Any:
+            if isinstance(value, Var):
+                if value.name not in slots:
+                    raise PlanError(f"%{value.name} is used before it is defined", ins.loc)
+                return Slot(slots[value.name])
+            if isinstance(value, (list, tuple)):
+                return type(value)(conv(v, ins) for v in value)
+            return value
+
+        args = list(conv(ins.args))
+        kwargs = {k2: conv(v) for k2, v in ins.kwargs}
+        comm: dict = {}
+        if ins.op in COMM_OPS or ins.op in LOCAL_OPS:
+            comm = {k2: v for k2, v in ins.kwargs}
+            comm["dims"] = tuple(dim_index[d] for d in comm.get("dims", ()))
+            ts = ins.types if ins.types else tuple(types[u] for u in ins.uses())
+            comm["shapes"] = tuple(t.local_shape(sizes) for t in ts)
+            comm["dtype"] = ts[0].dtype
+            kwargs = {}
+        else:
+            name = ins.op.split(".")[1]
+            if name in _SIZE_ARG and ins.types and ins.types[0].shape is not None:
+                idx = _SIZE_ARG[name]
+                local = list(ins.types[0].local_shape(sizes))
+                if idx < len(args):
+                    args[idx] = local
+                elif "size" in kwargs:
+                    kwargs["size"] = local
+        on = tuple((dim_index[d], i) for d, i in ins.on)
+        frees = tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead)
+        steps.append(
+            Step(
+                ins.op,
+                tuple(args),
+                kwargs,
+                tuple(slots[o] for o in ins.outs),
+                on,
+                ins.stream,
+                ins.loc,
+                comm,
+                frees,
+            )
+        )
+    outputs = tuple(slots[o.var] for o in plan.outputs)
+    out_types = [types[o.var] for o in plan.outputs]
+    return Program(
+        plan.name,
+        plan.dims,
+        sizes,
+        tuple(steps),
+        len(slots),
+        tuple(range(len(plan.inputs))),
+        outputs,
+        tuple(t.local_shape(sizes) if t.shape is not None else None for t in out_types),
+        tuple(t.dtype for t in out_types),
+    )
+
+
+_OPS: dict[str, Any] = {}
+
+
+def op_of(name: str):
+    fn = _OPS.get(name)
+    if fn is None:
+        from monarch_dsl.compiler.capture import resolve_op
+
+        fn = _OPS[name] = resolve_op(name)
+    return fn
+
+
+def resolve(value: Any, env: list) -> Any:
+    if isinstance(value, Slot):
+        return env[value.index]
+    if isinstance(value, (list, tuple)) and value and not isinstance(value, torch.Size):
+        return type(value)(resolve(v, env) for v in value)
+    return value
+
+
+def run_step(step: Step, env: list, device: Any = None) -> None:
+    """Run a compute step on this rank's slots ``env`` (results written into ``env``)."""
+    args = resolve(step.args, env)
+    kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
+    if device is not None and "device" in kwargs:
+        kwargs["device"] = device
+    result = op_of(step.op)(*args, **kwargs)
+    if len(step.outs) == 1:
+        env[step.outs[0]] = result
+    else:
+        for slot, value in zip(step.outs, result):
+            env[slot] = value
+
+
+def runs_on(step: Step, coords: tuple[int, ...]) -> bool:
+    return all(coords[d] == i for d, i in step.on)
+
+
+def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tensor:
+    return value.chunk(n, dim)[index].contiguous()

@@ -1,0 +1,317 @@
+"""The compiled plan: what ``@md.mesh_fn`` produces, prints, parses, checks and lowers.
+
+A ``Plan`` is a straight-line program over named values (``%name``) for a mesh with named
+dims. Every value has a global type (shape and dtype of the whole tensor, as the user's
+function sees it) and a placement per mesh dim: how the whole tensor is laid out over that dim.
+Each instruction is one ``Instr``: an aten op, or a communication the compiler inserted
+(``COMM_OPS``), or a local redistribution (``LOCAL_OPS``). Instructions carry the stream they
+run on, the ranks they run on (``on``: a pipeline stage, empty for all ranks), the user's
+``file:line`` and, for communication, why it is there.
+
+Text form (``str(plan)`` / ``Plan.parse``) is in ``compiler/text.py``; the grammar is
+``grammar/plan.lark``. Only the fields that are printed take part in equality, so
+``Plan.parse(str(p)) == p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+# ---- placements ------------------------------------------------------------------------------
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor is laid out over one mesh dim. Use ``Shard``, ``Replicate``, ``Partial``."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return isinstance(self, Shard) and (dim is None or self.dim == dim)
+
+    def is_replicate(self) -> bool:
+        return isinstance(self, Replicate)
+
+    def is_partial(self) -> bool:
+        return isinstance(self, Partial)
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Split along tensor dim ``dim`` into equal contiguous chunks, chunk i on index i."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim): dim must be an int, got {self.dim!r}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every index holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Every index holds a partial value; the whole tensor is their ``op`` (sum/avg/max/min)."""
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in PARTIAL_OPS:
+            raise ValueError(f"Partial(op): op must be one of {PARTIAL_OPS}, got {self.op!r}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+    __repr__ = __str__
+
+
+# ---- types -----------------------------------------------------------------------------------
+
+# Short dtype names used in the text form.
+DTYPE_NAMES = {
+    "float32": "f32",
+    "float64": "f64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint8": "u8",
+    "bool": "b8",
+    "complex64": "c64",
+}
+
+
+class TensorType(NamedTuple):
+    """A value's whole (global) shape and dtype (torch name, ``"float32"``), and its placement
+    on each mesh dim, in the mesh's dim order. ``shape`` is None for a non-tensor value (a
+    Python scalar an op returned)."""
+
+    shape: tuple[int, ...] | None
+    dtype: str
+    placements: tuple[Placement, ...]
+
+    def local_shape(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape each rank holds, for mesh dim sizes ``sizes`` (shards are exact)."""
+        shape = list(self.shape or ())
+        for p, n in zip(self.placements, sizes):
+            if isinstance(p, Shard):
+                shape[p.dim] //= n
+        return tuple(shape)
+
+
+# ---- values in instructions ------------------------------------------------------------------
+
+
+class Var(NamedTuple):
+    """A use of the value ``%name`` in an argument."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+# Argument values are pytrees (tuples, lists) of: Var, None, bool, int, float, str, and the
+# torch enums torch.dtype / torch.layout / torch.memory_format / torch.device.
+
+# ---- instructions ----------------------------------------------------------------------------
+
+COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv")
+# Local redistributions: no communication. ``shard_local(%x, dims=(<mesh dim>,), dim=d)``
+# keeps this rank's chunk of a replicated value (Replicate -> Shard(d));
+# ``partial_local(%x, dims=(<mesh dim>,), op=o)`` turns a replicated value into Partial(o)
+# (for sum, index 0 keeps it and the others hold zeros; for avg/max/min all keep it).
+LOCAL_OPS = ("shard_local", "partial_local")
+STREAMS = ("main", "comms")
+
+
+@dataclass(frozen=True)
+class Instr:
+    """``outs = op(*args, **kwargs)``.
+
+    - ``op``: an aten overload name (``"aten.mm.default"``), one of ``COMM_OPS`` or
+      ``LOCAL_OPS``. Communication options are kwargs: ``dims`` (tuple of mesh dim names),
+      ``op`` (sum/avg/max/min), ``dim`` (the tensor dim gathered or scattered), ``split_dim``
+      / ``cat_dim`` (all_to_all), ``peer`` (send/recv: the other stage's index on ``dims[0]``).
+    - ``outs``: the names of the results (an op with several results has several); an
+      in-place op's result names the mutated value anew.
+    - ``types``: one ``TensorType`` per out.
+    - ``stream``: one of ``STREAMS``. ``on``: ((dim, index), ...) — only the ranks at those
+      coordinates run it (pipeline stages); empty: every rank.
+    - ``loc``: the user's ``file:line`` (empty if unknown). ``reason``: why the compiler
+      inserted it (communication and local redistribution; empty for the user's own ops).
+    """
+
+    outs: tuple[str, ...]
+    op: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    types: tuple[TensorType, ...]
+    stream: str = "main"
+    on: tuple[tuple[str, int], ...] = ()
+    loc: str = ""
+    reason: str = ""
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op in COMM_OPS
+
+    def kw(self, name: str, default: Any = None) -> Any:
+        for k, v in self.kwargs:
+            if k == name:
+                return v
+        return default
+
+    def uses(self) -> list[str]:
+        """Names of the values this instruction reads, in order."""
+        out: list[str] = []
+        _vars((self.args, tuple(v for _, v in self.kwargs)), out)
+        return out
+
+
+def _vars(value: Any, out: list[str]) -> None:
+    if isinstance(value, Var):
+        out.append(value.name)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _vars(v, out)
+
+
+INPUT_KINDS = ("arg", "param", "buffer", "state")
+OUTPUT_KINDS = ("out", "state", "grad")
+
+
+class Input(NamedTuple):
+    """A plan input: ``kind`` arg (the function's own argument), param / buffer (of a module
+    the function uses, by qualified name), state (optimizer state, ``<param>.<key>``)."""
+
+    name: str
+    kind: str
+    type: TensorType
+
+
+class Output(NamedTuple):
+    """A plan output: the value ``var`` returned as ``name``. ``kind`` out (the function's
+    result, flattened), state (optimizer state created by the step), grad (a parameter's
+    ``.grad`` after the step)."""
+
+    name: str
+    kind: str
+    var: str
+
+
+class Collective(NamedTuple):
+    """One inserted communication, as ``plan.collectives`` lists it."""
+
+    kind: str
+    dims: tuple[str, ...]
+    reason: str
+    loc: str
+    value: str  # the value it produces (recv, collectives) or sends (send)
+    stream: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The plan after one pass: ``name`` of the pass, ``seconds`` it took, the plan."""
+
+    name: str
+    seconds: float
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled step for a mesh ``mesh`` (((dim, size), ...)). See the module docstring."""
+
+    name: str
+    mesh: tuple[tuple[str, int], ...]
+    inputs: tuple[Input, ...]
+    body: tuple[Instr, ...]
+    outputs: tuple[Output, ...]
+    micro_batches: int = 1
+    # Not printed, not compared: how the pass pipeline got here, and how to rebuild the
+    # function's result from the flat outputs.
+    stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
+    out_spec: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.mesh)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.mesh)
+
+    @property
+    def collectives(self) -> list[Collective]:
+        """Every communication in the plan, in program order."""
+        out = []
+        for ins in self.body:
+            if ins.is_comm:
+                value = ins.uses()[0] if ins.op == "send" else ins.outs[0]
+                dims = tuple(ins.kw("dims", ()))
+                out.append(Collective(ins.op, dims, ins.reason, ins.loc, value, ins.stream))
+        return out
+
+    def types(self) -> dict[str, TensorType]:
+        """Every value's type by name (inputs and instruction results)."""
+        out = {i.name: i.type for i in self.inputs}
+        for ins in self.body:
+            out.update(zip(ins.outs, ins.types))
+        return out
+
+    def replace(self, **changes: Any) -> Plan:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    def __str__(self) -> str:
+        from monarch_dsl.compiler.text import format_plan
+
+        return format_plan(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """The plan whose text is ``text`` (``str(plan)``); a ``PlanSyntaxError`` says where
+        it does not parse."""
+        from monarch_dsl.compiler.text import parse_plan
+
+        return parse_plan(text)
+
+    def check(self) -> Plan:
+        """Prove the plan cannot hang or mismatch (see ``compiler/check.py``); raises
+        ``PlanError`` pointing at the user's line, returns the plan."""
+        from monarch_dsl.compiler.check import check_plan
+
+        check_plan(self)
+        return self
+
+
+class PlanError(Exception):
+    """A plan that cannot run as written (a check failed, an unsupported op, ...); the message
+    names the user's ``file:line`` when the plan knows it."""
+
+    def __init__(self, message: str, loc: str = "") -> None:
+        super().__init__(f"{message} (at {loc})" if loc else message)
+        self.loc = loc
+
+
+class PlanSyntaxError(ValueError):
+    """Text that is not a plan: says at which line and column, and what was expected."""

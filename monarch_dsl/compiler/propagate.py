@@ -1,0 +1,731 @@
+"""Pass: propagate placements through the plan and insert the communication they need.
+
+Every op has a rule that lists its candidate strategies: for one mesh dim, the placements its
+tensor inputs must have and the placements its outputs then get. For each mesh dim the pass
+takes the candidate whose input redistributions cost the fewest bytes (ties: the first
+listed), inserts those redistributions before the op (all_reduce, reduce_scatter,
+all_gather, all_to_all, or a local chunk), and records the op's output placements. An op
+without a rule runs replicated, with a warning naming the op and what gathering costs.
+
+Redistributions of a value are reused until the value (or anything sharing its storage) is
+written in place.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, NamedTuple
+
+from monarch_dsl.compiler.plan import (
+    Instr,
+    Partial,
+    Placement,
+    Plan,
+    PlanError,
+    Replicate,
+    Shard,
+    TensorType,
+    Var,
+)
+
+R = Replicate()
+
+
+class Strategy(NamedTuple):
+    """Inputs' required placements (one per tensor input, in ``Instr.uses()`` order; None:
+    whatever it has) and the outputs' placements (one per out)."""
+
+    ins: tuple[Placement | None, ...]
+    outs: tuple[Placement, ...]
+
+
+# ---- op families -----------------------------------------------------------------------------
+
+POINTWISE = set(
+    "add sub mul div neg pow exp log sqrt rsqrt reciprocal relu gelu tanh sigmoid erf "
+    "abs sign where clamp clamp_min clamp_max maximum minimum eq ne lt le gt ge "
+    "logical_not masked_fill sin cos silu square expm1 log1p lerp addcmul addcdiv fill "
+    "copy clone detach alias lift_fresh_copy _to_copy threshold_backward gelu_backward "
+    "native_dropout bernoulli rsub sgn floor ceil round trunc "
+    "frac isnan logical_and logical_or bitwise_not type_as contiguous "
+    "convert_element_type".split()
+)
+# Linear in a Partial(sum/avg) input: op(P) is P when the other tensor inputs are Replicate.
+# (clone is not: a gradient's clone in an optimizer makes it whole, where DDP would have.)
+LINEAR_UNARY = set(
+    "neg detach alias lift_fresh_copy _to_copy contiguous copy convert_element_type".split()
+)
+LINEAR_ADD = {"add", "sub"}  # all tensor inputs Partial with the same op
+LINEAR_SCALE = {"mul", "div"}  # exactly one Partial tensor input (div: the numerator)
+LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+FACTORY = {"scalar_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor"}
+REDUCE = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
+
+
+def _base(op: str) -> tuple[str, bool]:
+    """``("add", inplace)`` for ``"aten.add_.Tensor"``; prims ops by their name."""
+    name = op.split(".")[1]
+    if name.endswith("_") and not name.startswith("_"):
+        return name[:-1], True
+    return name, False
+
+
+# ---- costs -----------------------------------------------------------------------------------
+
+_ITEMSIZE = {
+    "float64": 8,
+    "int64": 8,
+    "complex64": 8,
+    "float32": 4,
+    "int32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int16": 2,
+}
+
+
+def _bytes(t: TensorType) -> float:
+    n = 1
+    for s in t.shape or ():
+        n *= s
+    return n * _ITEMSIZE.get(t.dtype, 1)
+
+
+def cost(src: Placement, dst: Placement, t: TensorType, n: int) -> float:
+    """Bytes each rank sends to go from ``src`` to ``dst`` on a dim of size ``n`` (whole
+    tensor size G): all_gather and reduce_scatter ~G(n-1)/n, all_reduce twice that. A
+    reduce-scatter is priced as an all-reduce so that a Partial result is made whole unless
+    sharding it saves more later (the Megatron pattern keeps its single all-reduce)."""
+    if src == dst or n == 1:
+        return 0.0
+    g = _bytes(t) * (n - 1) / n + 1.0  # + 1: any communication beats none at equal bytes
+    if isinstance(src, Replicate):
+        # A local chunk is free. Making a value Partial is free too, but it only defers a
+        # reduction: priced just above one, so a whole value is preferred.
+        return 0.0 if isinstance(dst, Shard) else 2 * g + 1
+    if isinstance(src, Shard):
+        if isinstance(dst, Shard):
+            return g / n  # all_to_all
+        return g  # all_gather (then a local op for Partial)
+    # Partial
+    return 2 * g
+
+
+# ---- rules -----------------------------------------------------------------------------------
+
+
+class Ctx(NamedTuple):
+    ins: list[TensorType]  # types of the tensor inputs, Instr.uses() order
+    outs: tuple[TensorType, ...]
+    n: int  # size of the mesh dim
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _divisible(t: TensorType, d: int, n: int) -> bool:
+    return t.shape is not None and 0 <= d < len(t.shape) and t.shape[d] % n == 0 and t.shape[d] > 0
+
+
+def rule_pointwise(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    outs = c.outs
+    out = outs[0]
+    ond = len(out.shape or ())
+    k = len(c.ins)
+    cands: list[Strategy] = []
+    # Shard along an output dim: inputs that have the dim (not broadcast) are sharded too.
+    shard_cands = []
+    for od in range(ond):
+        if not _divisible(out, od, c.n):
+            continue
+        req = []
+        for t in c.ins:
+            tnd = len(t.shape or ())
+            d = od - (ond - tnd)
+            if d >= 0 and t.shape[d] == out.shape[od]:
+                req.append(Shard(d))
+            else:
+                req.append(R)
+        shard_cands.append(
+            Strategy(
+                tuple(req), tuple(Shard(od) if o.shape and len(o.shape) == ond else R for o in outs)
+            )
+        )
+    rep = Strategy((R,) * k, (R,) * len(outs))
+    partial = []
+    for op in ("sum", "avg"):
+        p = Partial(op)
+        if name in LINEAR_UNARY and k == 1:
+            partial.append(Strategy((p,), (p,) * len(outs)))
+        elif name in LINEAR_ADD and k >= 1 and _plain_scalars(ins):
+            partial.append(Strategy((p,) * k, (p,)))
+        elif name in LINEAR_SCALE and k >= 1:
+            positions = [0] if name == "div" else range(k)
+            for i in positions:
+                partial.append(Strategy(tuple(p if j == i else R for j in range(k)), (p,)))
+    # Ties go to the candidate that follows the first input, then to replicating.
+    first = c.ins[0].placements if c.ins else None
+    ordered = shard_cands + partial + [rep]
+    if first is not None:
+        ordered.sort(key=lambda s: 0 if s.ins and s.ins[0] == first else 1 if s is rep else 2)
+    cands = ordered
+    if inplace:
+        # The mutated value keeps its placement: only strategies that leave it be.
+        cands = [s for s in cands if s.ins[0] == first]
+    return cands
+
+
+def _plain_scalars(ins: Instr) -> bool:
+    """add/sub of Partials stays Partial only without a scalar term (alpha scales are fine)."""
+    return all(isinstance(a, Var) for a in ins.args)
+
+
+def rule_like(ins: Instr, c: Ctx) -> list[Strategy]:
+    cands = [Strategy((None,), (R,))]
+    out = c.outs[0]
+    for d in range(len(out.shape or ())):
+        if _divisible(out, d, c.n):
+            cands.append(Strategy((Shard(d),), (Shard(d),)))
+    cands.sort(key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return [Strategy((s.ins[0],), s.outs) if s.ins[0] is not None else s for s in cands]
+
+
+def rule_mm(c: Ctx, batch: bool) -> list[Strategy]:
+    a, b = c.ins
+    o = 1 if batch else 0
+    cands = [
+        Strategy((R, R), (R,)),
+        Strategy((Shard(o), R), (Shard(o),)),
+        Strategy((R, Shard(o + 1)), (Shard(o + 1),)),
+        Strategy((Shard(o + 1), Shard(o)), (Partial("sum"),)),
+    ]
+    for op in ("sum", "avg"):
+        cands += [
+            Strategy((Partial(op), R), (Partial(op),)),
+            Strategy((R, Partial(op)), (Partial(op),)),
+        ]
+    if batch:
+        cands.append(Strategy((Shard(0), Shard(0)), (Shard(0),)))
+    return [s for s in cands if _valid(s, c)]
+
+
+def _valid(s: Strategy, c: Ctx) -> bool:
+    for p, t in zip(s.ins, c.ins):
+        if isinstance(p, Shard) and not _divisible(t, p.dim, c.n):
+            return False
+    for p, t in zip(s.outs, c.outs):
+        if isinstance(p, Shard) and not _divisible(t, p.dim, c.n):
+            return False
+    return True
+
+
+def rule_reduce(ins: Instr, c: Ctx, name: str) -> list[Strategy]:
+    x = c.ins[0]
+    nd = len(x.shape or ())
+    args = list(ins.args[1:])
+    kwargs = dict(ins.kwargs)
+    dims = args[0] if args else kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0 and name != "prims_sum"):
+        dims = list(range(nd))
+    if isinstance(dims, int):
+        dims = [dims]
+    dims = sorted(_norm(d, nd) for d in dims)
+    keepdim = (
+        bool(args[1])
+        if len(args) > 1 and isinstance(args[1], bool)
+        else bool(kwargs.get("keepdim", False))
+    )
+    if name.startswith("prims"):
+        keepdim = False
+    op = REDUCE.get(name.removeprefix("prims_"), None)
+    cands = [Strategy((R,), (R,) * len(c.outs))]
+    for d in range(nd):
+        if not _divisible(x, d, c.n):
+            continue
+        if d in dims:
+            if op is not None:
+                cands.append(Strategy((Shard(d),), (Partial(op),)))
+        else:
+            od = d if keepdim else d - sum(1 for r in dims if r < d)
+            cands.append(Strategy((Shard(d),), (Shard(od),) * len(c.outs)))
+    if op in ("sum", "avg"):
+        for p in ("sum", "avg"):
+            cands.append(Strategy((Partial(p),), (Partial(p),)))
+    cands.sort(key=lambda s: 0 if s.ins[0] == x.placements else 1)
+    return cands
+
+
+def _view_map(src: tuple[int, ...], dst: tuple[int, ...], d: int, n: int) -> int | None:
+    """The dim of ``dst`` that a shard of ``src`` along ``d`` becomes under a reshape, or None
+    if the shard does not stay a contiguous block."""
+    prefix = 1
+    for s in src[:d]:
+        prefix *= s
+    if src[d] % n:
+        return None
+    acc = 1
+    for od, s in enumerate(dst):
+        if acc == prefix and s % n == 0 and s > 0:
+            return od
+        acc *= s
+        if acc > prefix:
+            return None
+    return None
+
+
+def rule_view(ins: Instr, c: Ctx, name: str) -> list[Strategy]:
+    x = c.ins[0]
+    out = c.outs[0]
+    src, dst = tuple(x.shape or ()), tuple(out.shape or ())
+    nd = len(src)
+    cands = [Strategy((R,) + (None,) * (len(c.ins) - 1), (R,) * len(c.outs))]
+    if name not in ("_softmax", "_log_softmax"):
+        for op in ("sum", "avg", "max", "min"):
+            pl = (Partial(op),) + (None,) * (len(c.ins) - 1)
+            cands.append(Strategy(pl, (Partial(op),) * len(c.outs)))
+    for d in range(nd):
+        if not _divisible(x, d, c.n):
+            continue
+        od = _map_dim(ins, name, src, dst, d, c.n)
+        if od is None:
+            continue
+        cands.append(Strategy((Shard(d),) + (None,) * (len(c.ins) - 1), (Shard(od),) * len(c.outs)))
+    cands = [s for s in cands if _valid(s, c)]
+    cands.sort(key=lambda s: 0 if s.ins[0] == x.placements else 1)
+    return cands
+
+
+def _map_dim(ins: Instr, name: str, src, dst, d: int, n: int) -> int | None:
+    nd = len(src)
+    args = ins.args
+    if name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten"):
+        return _view_map(src, dst, d, n)
+    if name in ("t", "transpose"):
+        a, b = (0, 1) if name == "t" else (_norm(args[1], nd), _norm(args[2], nd))
+        return b if d == a else a if d == b else d
+    if name == "permute":
+        perm = [_norm(p, nd) for p in args[1]]
+        return perm.index(d)
+    if name in ("expand", "broadcast_to"):
+        od = d + len(dst) - nd
+        return od if src[d] == dst[od] else None
+    if name == "broadcast_in_dim":
+        return list(args[2])[d]
+    if name == "unsqueeze":
+        u = _norm(args[1], nd + 1)
+        return d if d < u else d + 1
+    if name == "squeeze":
+        sq = args[1] if len(args) > 1 else [i for i, s in enumerate(src) if s == 1]
+        sq = [_norm(s, nd) for s in ([sq] if isinstance(sq, int) else sq) if src[_norm(s, nd)] == 1]
+        return d - sum(1 for s in sq if s < d)
+    if name in ("split", "split_with_sizes", "chunk", "slice", "narrow"):
+        dim = _norm(args[2] if len(args) > 2 else dict(ins.kwargs).get("dim", 0), nd)
+        return None if dim == d else d
+    if name == "select":
+        dim = _norm(args[1], nd)
+        return None if dim == d else (d - 1 if d > dim else d)
+    if name in ("_softmax", "_log_softmax"):
+        dim = _norm(args[1], nd)
+        return None if dim == d else d
+    return None
+
+
+def rule_cat(ins: Instr, c: Ctx) -> list[Strategy]:
+    k = len(c.ins)
+    nd = len(c.outs[0].shape or ())
+    dim = _norm(ins.args[1] if len(ins.args) > 1 else dict(ins.kwargs).get("dim", 0), nd)
+    cands = [Strategy((R,) * k, (R,))]
+    for d in range(nd):
+        if d != dim and all(_divisible(t, d, c.n) for t in c.ins):
+            cands.append(Strategy((Shard(d),) * k, (Shard(d),)))
+    for op in ("sum", "avg"):
+        cands.append(Strategy((Partial(op),) * k, (Partial(op),)))
+    cands.sort(key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return cands
+
+
+def rule_nll(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
+    # forward: (input, target[, weight]) -> (loss, total_weight)
+    # backward: (grad_out, input, target[, weight], total_weight) -> grad_input
+    k = len(c.ins)
+    reduction = ins.args[3] if not backward else ins.args[4]
+    x = c.ins[1] if backward else c.ins[0]
+    cands = [Strategy((R,) * k, (R,) * len(c.outs))]
+    if x.shape and len(x.shape) == 2 and _divisible(x, 0, c.n):
+        if not backward:
+            loss = {0: Shard(0), 1: Partial("avg"), 2: Partial("sum")}[reduction]
+            req = (Shard(0), Shard(0)) + (R,) * (k - 2)
+            cands.append(Strategy(req, (loss, Partial("sum"))))
+        else:
+            g = Shard(0) if reduction == 0 else R
+            req = (g, Shard(0), Shard(0)) + (R,) * (k - 3)
+            cands.append(Strategy(req, (Shard(0),)))
+    cands.sort(key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return cands
+
+
+def rule_embedding(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
+    if not backward:  # (weight[V, D], indices) -> out[..., D]
+        w, idx = c.ins
+        out = c.outs[0]
+        cands = [Strategy((R, R), (R,))]
+        for d in range(len(idx.shape or ())):
+            if _divisible(idx, d, c.n):
+                cands.append(Strategy((R, Shard(d)), (Shard(d),)))
+        if _divisible(w, 1, c.n):
+            cands.append(Strategy((Shard(1), R), (Shard(len(out.shape) - 1),)))
+    else:  # (grad[..., D], indices, num_weights, ...) -> grad_weight[V, D]
+        g, idx = c.ins
+        cands = [Strategy((R, R), (R,))]
+        for d in range(len(idx.shape or ())):
+            if _divisible(idx, d, c.n):
+                cands.append(Strategy((Shard(d), Shard(d)), (Partial("sum"),)))
+        if _divisible(g, len(g.shape) - 1, c.n):
+            cands.append(Strategy((Shard(len(g.shape) - 1), R), (Shard(1),)))
+    cands.sort(key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return [s for s in cands if _valid(s, c)]
+
+
+VIEWS = set(
+    "view _unsafe_view reshape t transpose permute expand broadcast_to broadcast_in_dim "
+    "unsqueeze squeeze split split_with_sizes chunk slice narrow select _softmax "
+    "_log_softmax".split()
+)
+# Ops whose result shares storage with their first input.
+ALIASING = set(
+    "view _unsafe_view reshape t transpose permute expand unsqueeze squeeze split "
+    "split_with_sizes chunk slice narrow select detach alias as_strided unbind".split()
+)
+
+
+def strategies(ins: Instr, c: Ctx) -> list[Strategy] | None:
+    """Candidate strategies of ``ins`` on one mesh dim, or None if the op has no rule."""
+    ns = ins.op.split(".")[0]
+    name, inplace = _base(ins.op)
+    if ns == "prims":
+        if name == "sum":
+            return rule_reduce(ins, c, "prims_sum")
+        if name == "var":
+            return [
+                s
+                for s in rule_reduce(ins, c, "prims_var")
+                if not any(p.is_partial() for p in s.ins)
+            ]
+        if name == "broadcast_in_dim":
+            return rule_view(ins, c, name)
+        if name in ("div", "mul", "add", "sub", "neg", "convert_element_type", "sqrt", "rsqrt"):
+            return rule_pointwise(ins, c, name, False)
+        return None
+    if not c.ins:
+        return [Strategy((), (R,) * len(c.outs))] if name in FACTORY else None
+    if name in LIKE:
+        return rule_like(ins, c)
+    if name in ("mm",):
+        return rule_mm(c, batch=False)
+    if name == "bmm":
+        return rule_mm(c, batch=True)
+    if name in REDUCE:
+        return rule_reduce(ins, c, name)
+    if name == "cat":
+        return rule_cat(ins, c)
+    if name == "nll_loss_forward":
+        return rule_nll(ins, c, backward=False)
+    if name == "nll_loss_backward":
+        return rule_nll(ins, c, backward=True)
+    if name == "embedding":
+        return rule_embedding(ins, c, backward=False)
+    if name == "embedding_dense_backward":
+        return rule_embedding(ins, c, backward=True)
+    if name == "_local_scalar_dense":
+        return [Strategy((R,), (R,))]
+    if name in VIEWS:
+        return rule_view(ins, c, name)
+    if name in POINTWISE:
+        return rule_pointwise(ins, c, name, inplace)
+    return None
+
+
+# ---- the pass --------------------------------------------------------------------------------
+
+
+def propagate(
+    plan: Plan,
+    placements: dict[str, tuple[Placement, ...]],
+    out_placements: dict[str, tuple[Placement, ...]] | None = None,
+) -> Plan:
+    """Placements for every value, starting from ``placements`` of the inputs (by input name;
+    missing: Replicate on every dim), with the communication they need inserted. The
+    function's results get ``out_placements`` (by output name; default Replicate); a
+    gradient kept after the step is its reduced version when the step made one."""
+    t0 = time.perf_counter()
+    sizes = plan.sizes
+    types: dict[str, TensorType] = {}
+    inputs = []
+    for i in plan.inputs:
+        pl = placements.get(i.name, (R,) * len(sizes))
+        t = i.type._replace(placements=tuple(pl))
+        _check_input(i.name, t, plan)
+        types[i.name] = t
+        inputs.append(i._replace(type=t))
+    st = _State(plan, types)
+    for ins in plan.body:
+        st.step(ins)
+    outputs = []
+    for o in plan.outputs:
+        var = o.var
+        t = st.types[var]
+        if o.kind == "out" and t.shape is not None:
+            want = (out_placements or {}).get(o.name, (R,) * len(plan.sizes))
+            if tuple(want) != t.placements:
+                var = st.redistribute(
+                    var,
+                    tuple(want),
+                    Instr((), f"the result {o.name}", (), (), (), loc=st.loc_of.get(var, "")),
+                )
+        elif o.kind == "grad" and t.shape is not None:
+            # Laid out like its parameter (DDP's grads are whole and averaged): usually the
+            # optimizer already made it so, and this costs nothing.
+            param = types.get(o.name.removesuffix(".grad"))
+            want = param.placements if param is not None else (R,) * len(plan.sizes)
+            if tuple(want) != t.placements:
+                var = st.redistribute(
+                    var,
+                    tuple(want),
+                    Instr((), f"the gradient {o.name}", (), (), (), loc=st.loc_of.get(var, "")),
+                )
+        outputs.append(o._replace(var=var))
+    out = plan.replace(inputs=tuple(inputs), body=tuple(st.body), outputs=tuple(outputs))
+    return stamp(out, "propagate", t0)
+
+
+def stamp(plan: Plan, name: str, t0: float) -> Plan:
+    from monarch_dsl.compiler.plan import Stage
+
+    stage = Stage(name, time.perf_counter() - t0, plan)
+    return plan.replace(stages=plan.stages + (stage,))
+
+
+def _check_input(name: str, t: TensorType, plan: Plan) -> None:
+    for (dim, n), p in zip(plan.mesh, t.placements):
+        if isinstance(p, Shard):
+            nd = len(t.shape or ())
+            if not 0 <= p.dim < nd:
+                raise PlanError(
+                    f"placement of {name!r} on {dim!r}: Shard({p.dim}) but the tensor has "
+                    f"{nd} dims (shape {list(t.shape or ())})"
+                )
+            if t.shape[p.dim] % n:
+                raise PlanError(
+                    f"placement of {name!r} on {dim!r}: Shard({p.dim}) needs dim {p.dim} "
+                    f"(size {t.shape[p.dim]}) divisible by the mesh dim's size {n}"
+                )
+
+
+class _State:
+    def __init__(self, plan: Plan, types: dict[str, TensorType]) -> None:
+        self.plan = plan
+        self.types = types
+        self.body: list[Instr] = []
+        self.cache: dict[tuple[str, int, Placement], str] = {}  # (value, dim, placement) -> value
+        self.root: dict[str, str] = {}
+        self.canon: dict[str, str] = {}
+        self.loc_of: dict[str, str] = {}
+        self.counter = 0
+        self.taken = set(types) | {o for i in plan.body for o in i.outs}
+
+    def fresh(self, base: str) -> str:
+        while True:
+            self.counter += 1
+            name = f"{base}_{self.counter}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+    def step(self, ins: Instr) -> None:
+        sizes = self.plan.sizes
+        uses = ins.uses()
+        name, inplace = _base(ins.op)
+        in_types = [self.types[u] for u in uses]
+        current = [list(t.placements) for t in in_types]
+        out_pl: list[list[Placement]] = [[] for _ in ins.outs]
+        required: list[list[Placement]] = [list(p) for p in current]
+        fallback = False
+        for m, n in enumerate(sizes):
+            ctx = Ctx(
+                [t._replace(placements=t.placements[m]) for t in in_types],  # type: ignore[arg-type]
+                tuple(t._replace(placements=R) for t in ins.types),  # type: ignore[arg-type]
+                n,
+            )
+            if n == 1:
+                cands = [Strategy(tuple(R for _ in current), tuple(R for _ in ins.outs))]
+            else:
+                cands = strategies(ins, ctx)
+            if cands is None:
+                fallback = True
+                cands = [Strategy((R,) * len(uses), (R,) * len(ins.outs))]
+            best, best_cost = None, None
+            for s in cands:
+                c = 0.0
+                for t, want in zip(in_types, s.ins):
+                    if want is not None:
+                        c += cost(t.placements[m], want, t, n)
+                if best_cost is None or c < best_cost:
+                    best, best_cost = s, c
+            if best is None:
+                raise PlanError(
+                    f"{ins.op} writes in place into a value whose placement on "
+                    f"{self.plan.dims[m]!r} ({current[0][m]}) it cannot keep",
+                    ins.loc,
+                )
+            for i, want in enumerate(best.ins):
+                if want is not None:
+                    required[i][m] = want
+            for j, p in enumerate(best.outs):
+                out_pl[j].append(p)
+        if fallback:
+            gathered = sum(
+                _bytes(t)
+                for t, cur in zip(in_types, current)
+                if any(not p.is_replicate() for p in cur)
+            )
+            warnings.warn(
+                f"no sharding rule for {ins.op} (at {ins.loc or 'unknown'}): it runs "
+                f"replicated on every rank, after gathering {gathered / 2**20:.2f} MiB of inputs",
+                stacklevel=2,
+            )
+        # Redistribute the inputs that need it.
+        renames: dict[str, str] = {}
+        for u, t, want in zip(uses, in_types, required):
+            if tuple(want) != t.placements and u not in renames:
+                if inplace and u == uses[0]:
+                    raise PlanError(
+                        f"{ins.op} writes in place into %{u}, whose placement "
+                        f"{_fmt(t.placements, self.plan.dims)} would have to change to "
+                        f"{_fmt(tuple(want), self.plan.dims)}",
+                        ins.loc,
+                    )
+                renames[u] = self.redistribute(u, tuple(want), ins)
+        new_args = _rename(ins.args, renames)
+        new_kwargs = tuple((k, _rename(v, renames)) for k, v in ins.kwargs)
+        types = tuple(
+            t._replace(placements=tuple(pl))
+            if t.shape is not None
+            else t._replace(placements=tuple(R for _ in pl))
+            for t, pl in zip(ins.types, out_pl)
+        )
+        new = Instr(
+            ins.outs, ins.op, new_args, new_kwargs, types, ins.stream, ins.on, ins.loc, ins.reason
+        )
+        self.body.append(new)
+        for o, t in zip(ins.outs, types):
+            self.types[o] = t
+            self.loc_of[o] = ins.loc
+        # Storage roots, and what a write in place invalidates.
+        if name in ALIASING and uses:
+            for o in ins.outs:
+                self.root[o] = self.root.get(uses[0], uses[0])
+        if name in ("detach", "alias") and uses:  # the same value under another name
+            self.canon[ins.outs[0]] = self.canon.get(uses[0], uses[0])
+        if inplace and uses:
+            root = self.root.get(uses[0], uses[0])
+            for o in ins.outs:
+                self.root[o] = root
+            self.cache = {k: v for k, v in self.cache.items() if self.root.get(k[0], k[0]) != root}
+            for o in ins.outs:  # a new value: not the same as what it was written from
+                self.canon.pop(o, None)
+
+    def cached(self, var: str, want: tuple[Placement, ...]) -> str | None:
+        """An existing redistribution of ``var`` to ``want``, if the pass made one."""
+        name = var
+        for m, p in enumerate(want):
+            if self.types[name].placements[m] != p:
+                name = self.cache.get((name, m, p))
+                if name is None:
+                    return None
+        return name
+
+    def redistribute(self, var: str, want: tuple[Placement, ...], user: Instr) -> str:
+        """Insert what turns ``var`` into placements ``want``; returns the new value's name.
+        One mesh dim at a time: reductions first, then gathers, then local chunks."""
+        t = self.types[var]
+        cur = list(t.placements)
+        order = sorted(range(len(want)), key=lambda m: _order(cur[m], want[m]))
+        name = var
+        for m in order:
+            if cur[m] == want[m]:
+                continue
+            key = (self.canon.get(name, name), m, want[m])
+            if key in self.cache:
+                name = self.cache[key]
+                cur[m] = want[m]
+                continue
+            before = tuple(cur)
+            for step_op, kwargs, after in _steps(cur[m], want[m], self.plan.dims[m]):
+                cur[m] = after
+                tt = t._replace(placements=tuple(cur))
+                out = self.fresh(step_op)
+                reason = (
+                    f"{_fmt(before, self.plan.dims)} -> {_fmt(tuple(cur), self.plan.dims)} "
+                    f"of %{var} for {user.op}"
+                )
+                stream = "main"
+                self.body.append(
+                    Instr(
+                        (out,),
+                        step_op,
+                        (Var(name),),
+                        kwargs,
+                        (tt,),
+                        stream,
+                        user.on,
+                        user.loc,
+                        reason,
+                    )
+                )
+                self.types[out] = tt
+                name = out
+            self.cache[key] = name
+        return name
+
+
+def _order(src: Placement, dst: Placement) -> int:
+    if src == dst:
+        return 3
+    if src.is_partial():
+        return 0
+    if src.is_shard():
+        return 1
+    return 2
+
+
+def _steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, Placement]]:
+    """The instructions (op, kwargs, resulting placement) from ``src`` to ``dst`` on ``dim``."""
+    dims = ("dims", (dim,))
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard) and src.op in ("sum", "avg"):
+            return [("reduce_scatter", (dims, ("op", src.op), ("dim", dst.dim)), dst)]
+        first = ("all_reduce", (dims, ("op", src.op)), R)
+        return [first] + ([] if dst == R else _steps(R, dst, dim))
+    if isinstance(src, Shard):
+        if isinstance(dst, Shard):
+            return [("all_to_all", (dims, ("split_dim", dst.dim), ("cat_dim", src.dim)), dst)]
+        first = ("all_gather", (dims, ("dim", src.dim)), R)
+        return [first] + ([] if dst == R else _steps(R, dst, dim))
+    # Replicate
+    if isinstance(dst, Shard):
+        return [("shard_local", (dims, ("dim", dst.dim)), dst)]
+    return [("partial_local", (dims, ("op", dst.op)), dst)]
+
+
+def _fmt(pl: tuple[Placement, ...], dims: tuple[str, ...]) -> str:
+    return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, pl)) + "}"
+
+
+def _rename(value: Any, renames: dict[str, str]) -> Any:
+    if isinstance(value, Var):
+        return Var(renames.get(value.name, value.name))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rename(v, renames) for v in value)
+    return value

@@ -1,0 +1,119 @@
+"""Pass: gradient all-reduces in buckets on the communication stream.
+
+Every ``all_reduce`` on the main stream whose input is ready well before it is needed (a
+gradient, made whole for the optimizer) is a candidate. Taken in the order their inputs
+become ready (the backward pass produces the last layer's gradients first), they are
+grouped into buckets of at most ``bucket_cap_mb`` (like DDP's), and each bucket becomes one
+multi-tensor ``all_reduce`` on the ``comms`` stream, placed right after its last gradient is
+computed — so it runs while the rest of the backward pass does. The first use of each result
+waits for it (a cross-stream use; the runtime waits on the collective's handle).
+"""
+
+from __future__ import annotations
+
+import time
+
+from monarch_dsl.compiler.plan import Instr, Plan, Var
+from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, stamp
+
+
+def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
+    t0 = time.perf_counter()
+    body = list(plan.body)
+    defined_at: dict[str, int] = {i.name: -1 for i in plan.inputs}
+    first_use: dict[str, int] = {}
+    root: dict[str, str] = {}
+    for k, ins in enumerate(body):
+        uses = ins.uses()
+        for u in uses:
+            first_use.setdefault(u, k)
+        for o in ins.outs:
+            defined_at[o] = k
+        name, inplace = _base(ins.op) if "." in ins.op else (ins.op, False)
+        if uses and (name in ALIASING or inplace):
+            for o in ins.outs:
+                root[o] = root.get(uses[0], uses[0])
+    writes: dict[str, list[int]] = {}
+    for k, ins in enumerate(body):
+        if "." in ins.op and _base(ins.op)[1] and ins.uses():
+            r = root.get(ins.uses()[0], ins.uses()[0])
+            writes.setdefault(r, []).append(k)
+
+    candidates = []
+    sources: dict[int, str] = {}
+    for k, ins in enumerate(body):
+        if ins.op != "all_reduce" or ins.stream != "main" or len(ins.outs) != 1 or ins.on:
+            continue
+        src = ins.uses()[0]
+        # detach/alias only rename a value: reduce the one they come from, as soon as it is
+        # ready (the backward pass made it; the optimizer's detach comes much later).
+        while defined_at.get(src, -1) >= 0:
+            producer = body[defined_at[src]]
+            if producer.op not in _RENAMES or len(producer.outs) != 1:
+                break
+            src = producer.uses()[0]
+        ready = defined_at[src]
+        if k - ready < 2 or ins.outs[0] not in first_use:
+            continue  # needed right after it is ready: nothing to overlap with
+        r = root.get(src, src)
+        # Not movable above a write into the same storage.
+        if any(ready < w < k for w in writes.get(r, [])):
+            continue
+        candidates.append((ready, k))
+        sources[k] = src
+    if not candidates:
+        return stamp(plan, "schedule", t0)
+
+    candidates.sort()
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    size = 0.0
+    for ready, k in candidates:
+        ins = body[k]
+        # A bucket goes out after its last gradient: all its results must be needed later.
+        needed = min((first_use[body[j].outs[0]] for _, j in current), default=len(body))
+        if current and (size >= cap or _key(ins) != _key(body[current[0][1]]) or ready >= needed):
+            buckets.append(current)
+            current, size = [], 0.0
+        current.append((ready, k))
+        size += _bytes(ins.types[0])
+    if current:
+        buckets.append(current)
+
+    moved = {k for b in buckets for _, k in b}
+    insert_after: dict[int, list[Instr]] = {}
+    for bi, bucket in enumerate(buckets):
+        members = [body[k] for _, k in bucket]
+        first = members[0]
+        srcs = [sources[k] for _, k in bucket]
+        mib = sum(_bytes(m.types[0]) for m in members) / 2**20
+        reason = (
+            f"gradient bucket {bi + 1}/{len(buckets)} ({len(members)} tensors, {mib:.2f} MiB): "
+            f"{', '.join('%' + s for s in srcs)} made whole for the optimizer update"
+        )
+        instr = Instr(
+            tuple(o for m in members for o in m.outs),
+            "all_reduce",
+            tuple(Var(s) for s in srcs),
+            first.kwargs,
+            tuple(m.types[0] for m in members),
+            "comms",
+            (),
+            first.loc,
+            reason,
+        )
+        insert_after.setdefault(max(r for r, _ in bucket), []).append(instr)
+    out: list[Instr] = list(insert_after.get(-1, []))
+    for k, ins in enumerate(body):
+        if k not in moved:
+            out.append(ins)
+        out.extend(insert_after.get(k, []))
+    return stamp(plan.replace(body=tuple(out)), "schedule", t0)
+
+
+_RENAMES = ("aten.detach.default", "aten.alias.default")
+
+
+def _key(ins: Instr) -> tuple:
+    return (ins.kw("dims"), ins.kw("op"), ins.types[0].dtype)

@@ -1,0 +1,355 @@
+"""``@md.mesh_fn``: a whole training step compiled into one plan and run on a mesh.
+
+```python
+@md.mesh_fn(data_parallel="dp")
+def step(x, y):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2"))   # no processes needed
+with pm.activate():
+    loss = step(x, y)        # sends the plan once; later calls send "run plan k"
+step.pull()                  # the trained parameters and optimizer state back in the module
+```
+
+The step keeps the modules' parameters and buffers, the optimizers' state and the gradients
+on the workers (each rank its shard), from the first call on a mesh until ``pull()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from monarch_dsl.compiler import ir
+from monarch_dsl.compiler.capture import used_objects
+from monarch_dsl.compiler.compile import compile_step
+from monarch_dsl.compiler.lower import Program, lower
+from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
+from monarch_dsl.mesh import Mesh
+
+_plan_ids = iter(range(1, 1 << 62))
+_plan_ids_lock = threading.Lock()
+
+
+def mesh_fn(
+    fn: Callable | None = None,
+    *,
+    placements: dict[str, Any] | None = None,
+    data_parallel: str | None = None,
+    out_placements: dict[str, Any] | None = None,
+    mesh: Mesh | None = None,
+    bucket_cap_mb: float = 25,
+    micro_batches: int = 1,
+):
+    """Compile ``fn`` (forward, backward and optimizer step) for a mesh; see the module doc."""
+
+    def wrap(f: Callable) -> MeshFunction:
+        return MeshFunction(
+            f, placements, data_parallel, out_placements, mesh, bucket_cap_mb, micro_batches
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class _Compiled:
+    def __init__(self, plan: Plan, program: Program, captured) -> None:
+        self.plan = plan
+        self.program = program
+        self.captured = captured
+        self.ids: dict[int, int] = {}  # engine id -> plan id on its workers
+
+
+class MeshFunction:
+    def __init__(
+        self, fn, placements, data_parallel, out_placements, mesh, bucket_cap_mb, micro_batches
+    ):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.placements = placements
+        self.data_parallel = data_parallel
+        self.out_placements = out_placements
+        self.mesh = mesh
+        self.bucket_cap_mb = bucket_cap_mb
+        self.micro_batches = micro_batches
+        self.cache: dict[tuple, _Compiled] = {}
+        self.compiles = 0
+        # On a process mesh: name -> (md.Tensor of this rank's shard, whole TensorType, kind:
+        # "param" for parameters and buffers, "state" for optimizer state and gradients)
+        self.state: dict[str, tuple[Any, TensorType, str]] = {}
+        self.state_mesh: Any = None
+
+    # ---- compiling -----------------------------------------------------------------------
+    def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
+        """The plan for these example arguments on ``mesh`` (a ``Mesh`` value: no processes
+        needed), the decorator's mesh, or the active one."""
+        mesh = mesh or self.mesh or _active()
+        if mesh is None:
+            raise ValueError(
+                f"{self.__name__}.compile: no mesh: pass mesh=md.Mesh.from_string('dp=2'), "
+                "give one to @md.mesh_fn(mesh=...), or call it under pm.activate()"
+            )
+        return self._compiled(args, kwargs, _mesh_spec(mesh), None).plan
+
+    def _compiled(self, args, kwargs, spec, state) -> _Compiled:
+        key = (spec, _signature((args, kwargs)), _state_key(state))
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        opt_state = values = placements = None
+        if state is not None:  # what the workers hold: whole shapes, and placements
+
+            def example(t: TensorType) -> torch.Tensor:
+                return torch.empty(t.shape, dtype=getattr(torch, t.dtype))
+
+            opt_state = {n: example(t) for n, (_, t, k) in state.items() if k == "state"}
+            values = {n: example(t) for n, (_, t, k) in state.items() if k != "state"}
+            placements = {n: t.placements for n, (_, t, _k) in state.items()}
+        ex_args, ex_kwargs = self._examples(args, kwargs, spec)
+        plan, captured = compile_step(
+            self.fn,
+            ex_args,
+            ex_kwargs,
+            spec,
+            placements=self.placements,
+            data_parallel=self.data_parallel,
+            out_placements=self.out_placements,
+            state=opt_state,
+            state_placement=placements,
+            values=values,
+            bucket_cap_mb=self.bucket_cap_mb,
+            name=self.__name__,
+        )
+        compiled = _Compiled(plan, lower(plan), captured)
+        self.cache[key] = compiled
+        self.compiles += 1
+        return compiled
+
+    def _examples(self, args, kwargs, spec):
+        """Whole-shape stand-ins for mesh tensors among the arguments: a mesh tensor is each
+        rank's part, so its whole shape is its shape times the shards of its placement."""
+        from monarch_dsl.compiler.compile import arg_leaf_names, normalize_placements
+        from monarch_dsl.tensor import Tensor
+
+        leaves = arg_leaf_names(self.fn, args, kwargs)
+        if not any(isinstance(v, Tensor) for _, v in leaves):
+            return args, kwargs
+        dims = tuple(d for d, _ in spec)
+        names = [n for n, _ in leaves]
+        given = normalize_placements(self.placements, dims, names, self.data_parallel, names)
+        whole = {}
+        for name, v in leaves:
+            if isinstance(v, Tensor):
+                shape = list(v.shape)
+                for (_, n), p in zip(spec, given.get(name, ())):
+                    if isinstance(p, Shard) and p.dim < len(shape):
+                        shape[p.dim] *= n
+                whole[id(v)] = torch.empty(shape, dtype=v.dtype)
+        conv = lambda v: whole.get(id(v), v)  # noqa: E731
+        return pytree.tree_map(conv, args), pytree.tree_map(conv, kwargs)
+
+    # ---- running -------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from monarch_dsl.tensor import _active_mesh
+
+        pm = _active_mesh()
+        if pm is None:
+            raise RuntimeError(
+                f"{self.__name__}: call it under `with pm.activate():` to run it on a mesh, "
+                f"or use {self.__name__}.compile(..., mesh=...) to get its plan"
+            )
+        if self.state_mesh is not None and self.state_mesh is not pm:
+            raise RuntimeError(
+                f"{self.__name__}: its state lives on another mesh ({self.state_mesh}); "
+                f"call {self.__name__}.pull() first to bring it back"
+            )
+        return _run(self, pm, args, kwargs)
+
+    def pull(self) -> None:
+        """Copy the parameters, buffers, optimizer state and gradients the step keeps on the
+        workers back into the local modules and optimizers (whole values), and let go of the
+        workers' copies. The next call on a mesh distributes them again."""
+        if self.state_mesh is None:
+            return
+        from monarch_dsl.tensor import fetch
+
+        pm = self.state_mesh
+        values = {name: _gather(h, t, pm, fetch) for name, (h, t, _) in self.state.items()}
+        modules, optimizers = used_objects(self.fn)
+        named = _named_tensors(modules, optimizers)
+        with torch.no_grad():
+            for name, v in values.items():
+                if name in named:
+                    named[name].copy_(v)
+                    continue
+                pname, _, key = name.rpartition(".")
+                p = named.get(pname)
+                if p is None:
+                    continue
+                if key == "grad":
+                    p.grad = v
+                    continue
+                for opt in optimizers.values():
+                    if any(q is p for g in opt.param_groups for q in g["params"]):
+                        opt.state[p][key] = v
+        self.state = {}
+        self.state_mesh = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole values of the state the step keeps on the workers, by name."""
+        from monarch_dsl.tensor import fetch
+
+        return {n: _gather(h, t, self.state_mesh, fetch) for n, (h, t, _) in self.state.items()}
+
+
+def _active():
+    from monarch_dsl.tensor import _active_mesh
+
+    return _active_mesh()
+
+
+def _mesh_spec(mesh: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((d, n) for d, n in mesh.sizes.items())
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(tree)
+    sig = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            sig.append(("T", tuple(v.shape), v.dtype))
+        else:
+            sig.append(("V", repr(v)))
+    return (str(spec), tuple(sig))
+
+
+def _state_key(state) -> tuple:
+    if state is None:
+        return ()
+    return tuple(sorted((n, t, k) for n, (_, t, k) in state.items()))
+
+
+def _named_tensors(modules, optimizers) -> dict[str, torch.Tensor]:
+    named = {}
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters():
+            named.setdefault(f"{mname}.{pname}", p)
+        for bname, b in mod.named_buffers():
+            named.setdefault(f"{mname}.{bname}", b)
+    return named
+
+
+def _gather(handle, t: TensorType, pm, fetch) -> torch.Tensor:
+    """The whole value of a state tensor from its shards (partials reduced)."""
+    from monarch_dsl.compiler.interpret import coords_of, whole_value
+
+    sizes = tuple(pm.sizes.values())
+    dims = tuple(pm.sizes)
+    parts = {}
+    futures = {c: fetch(handle, **dict(zip(dims, c))) for c in coords_of(sizes)}
+    for c, f in futures.items():
+        parts[c] = f.get(timeout=60)
+    return whole_value(parts, t, sizes)
+
+
+def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
+    from monarch_dsl.tensor import Engine, Tensor, _lift, _user_line
+
+    line = _user_line()
+    spec = _mesh_spec(pm)
+    engine = Engine.of(pm)
+    engine.ensure_collectives()
+    first = mf.state_mesh is None
+    compiled = mf._compiled(args, kwargs, spec, None if first else mf.state)
+    plan, program = compiled.plan, compiled.program
+    mesh_id = engine.mesh_id(pm)
+    pid = compiled.ids.get(id(engine))
+    if pid is None:
+        with _plan_ids_lock:
+            pid = next(_plan_ids)
+        compiled.ids[id(engine)] = pid
+        engine.append(mesh_id, ir.DefinePlan(pid, program))
+    sizes = plan.sizes
+    inputs, split, keep = [], [], []
+    flat_args = [v for v in pytree.tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+    n_args = sum(1 for i in plan.inputs if i.kind == "arg")
+    if len(flat_args) != n_args:
+        raise TypeError(f"{mf.__name__}: expected {n_args} tensor arguments, got {len(flat_args)}")
+    modules, optimizers = used_objects(mf.fn)
+    named = _named_tensors(modules, optimizers)
+    for k, inp in enumerate(plan.inputs):
+        local_shape = inp.type.local_shape(sizes)
+        if inp.kind == "arg":
+            value = flat_args[k]
+        elif inp.name in mf.state:
+            value = mf.state[inp.name][0]
+        elif inp.name in named:
+            value = named[inp.name].detach()
+        else:
+            raise RuntimeError(f"internal: no value for the plan input {inp.name!r}")
+        if isinstance(value, Tensor):
+            if value.mesh is not pm and value._md_mesh_id != mesh_id:
+                raise TypeError(
+                    f"{mf.__name__}: argument {inp.name!r} lives on another mesh ({value.mesh})"
+                )
+            if tuple(value.shape) != local_shape:
+                raise TypeError(
+                    f"{mf.__name__}: argument {inp.name!r} is a mesh tensor of shape "
+                    f"{list(value.shape)}, but each rank's part of a {list(inp.type.shape)} "
+                    f"tensor laid out {_fmt(inp.type.placements, plan.dims)} is {list(local_shape)}"
+                )
+            inputs.append(value._md_ref)
+            keep.append(value)
+            continue
+        whole = _lift(value, pm)
+        ref = engine.new_ref()
+        meta = torch.empty(local_shape, dtype=value.dtype, device="meta")
+        local = Tensor(meta, pm, engine, ref, "main")
+        split.append((whole._md_ref, ref, k))
+        inputs.append(ref)
+        keep.append(whole)
+        if inp.kind != "arg":
+            mf.state[inp.name] = (local, inp.type, "state" if inp.kind == "state" else "param")
+        else:
+            keep.append(local)
+    outs, handles = [], []
+    types = plan.types()
+    for o, shape, dtype in zip(plan.outputs, program.output_shapes, program.output_dtypes):
+        ref = engine.new_ref()
+        meta = torch.empty(shape or (), dtype=getattr(torch, dtype), device="meta")
+        h = Tensor(meta, pm, engine, ref, "main")
+        outs.append(ref)
+        handles.append(h)
+        if o.kind in ("state", "grad"):
+            mf.state[o.name] = (h, types[o.var], "state")
+    mf.state_mesh = pm
+    engine.append(
+        mesh_id,
+        ir.RunPlan(
+            pid,
+            mesh_id,
+            tuple(inputs),
+            tuple(outs),
+            tuple(split),
+            tuple(i.type.placements for i in plan.inputs),
+            "main",
+            line,
+        ),
+    )
+    results = [h for h, o in zip(handles, plan.outputs) if o.kind == "out"]
+    return pytree.tree_unflatten(results, plan.out_spec)
+
+
+def _fmt(pl, dims) -> str:
+    return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, pl)) + "}"
+
+
+__all__ = ["mesh_fn", "MeshFunction", "Shard", "Replicate", "Partial", "Placement"]

@@ -1,0 +1,272 @@
+"""Runs a compiled plan's ``Program`` on this worker (the ``RunPlan`` instruction).
+
+Compute steps call aten ops; communication uses the executor's gloo groups, one per
+(stream, mesh slice). Steps on the ``comms`` stream are issued asynchronously and waited for
+at their result's first use, so a bucket's all-reduce overlaps the rest of the backward pass.
+
+Failures never hang the mesh: a flag all-reduce over the whole mesh before the run (an input
+failed somewhere?) and after it (a step failed somewhere?) makes every rank agree; a rank
+whose step failed skips the remaining compute but still takes part in every communication
+(with zeros), and then all ranks mark the outputs failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from monarch_dsl.compiler import ir
+from monarch_dsl.compiler.interpret import local_value
+from monarch_dsl.compiler.lower import Program, Slot, run_step, runs_on, shard_local
+from monarch_dsl.compiler.plan import TensorType
+
+_REDUCE = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def _slots(value: Any, out: list[int]) -> None:
+    if isinstance(value, Slot):
+        out.append(value.index)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _slots(v, out)
+
+
+def step_uses(program: Program) -> list[tuple[int, ...]]:
+    uses = []
+    for step in program.steps:
+        out: list[int] = []
+        _slots(step.args, out)
+        _slots(tuple(step.kwargs.values()), out)
+        uses.append(tuple(out))
+    return uses
+
+
+class PlanRunner:
+    """One per worker; ``run`` executes a RunPlan on the calling stream thread."""
+
+    def __init__(self, executor: Any) -> None:
+        self.ex = executor
+        self.programs: dict[int, tuple[Program, list]] = {}
+
+    def define(self, ins: ir.DefinePlan) -> None:
+        self.programs[ins.plan] = (ins.program, step_uses(ins.program))
+
+    # ---- groups --------------------------------------------------------------------------
+    def _members(self, mesh: ir.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
+        from monarch_dsl.runtime.executor import _coords
+
+        members = []
+        for i, r in enumerate(mesh.ranks):
+            c = _coords(mesh, i)
+            if all(c[d] == coords[k] for k, d in enumerate(mesh.dims) if k not in dims):
+                members.append(r)
+        return members
+
+    def _group(self, mesh, coords, dims, stream):
+        members = self._members(mesh, coords, dims)
+        return self.ex._pg(members, stream), members.index(self.ex.rank), len(members)
+
+    # ---- the run -------------------------------------------------------------------------
+    def run(self, ins: ir.RunPlan) -> None:
+        from monarch_dsl.runtime.executor import Failure, _coords
+
+        ex = self.ex
+        program, uses = self.programs[ins.plan]
+        mesh = ex.meshes[ins.mesh]
+        c = _coords(mesh, mesh.ranks.index(ex.rank))
+        coords = tuple(c[d] for d in mesh.dims)
+        sizes = program.sizes
+        failure: Failure | None = None
+        for whole, local, i in ins.split:
+            v = ex.refs.get(whole)
+            if isinstance(v, Failure) or v is None:
+                ex.refs[local] = v
+            else:
+                t = TensorType(tuple(v.shape), "", ins.placements[i])
+                ex.refs[local] = local_value(v, t, coords, sizes)
+        env: list[Any] = [None] * program.n_slots
+        for slot, ref in zip(program.inputs, ins.inputs):
+            v = ex.refs.get(ref)
+            if isinstance(v, Failure):
+                failure = failure or v
+            elif v is None:
+                failure = failure or Failure(
+                    ex.rank, ins.line, program.name, "an input was deleted", ""
+                )
+            env[slot] = v
+        world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
+        failure = self._agree(world, failure, ins, "an input failed on another rank")
+        if failure is not None:
+            ex._fail(ins.outputs, failure, root=False)
+            return
+        pending: dict[int, Any] = {}
+        own = False
+        for k, step in enumerate(program.steps):
+            if not runs_on(step, coords):
+                continue
+            for s in uses[k]:
+                if s in pending:
+                    pending.pop(s)()
+            try:
+                if step.comm or step.op in ("send", "recv"):
+                    self._comm(step, env, mesh, coords, pending, failure is not None)
+                elif failure is None:
+                    run_step(step, env, ex.device)
+            except Exception as e:  # noqa: BLE001 - the user's op failed on this rank
+                if failure is None:
+                    failure = ex._root_failure(step.loc or ins.line, step.op, e)
+                    own = True
+            for s in step.frees:
+                if s in pending:
+                    pending.pop(s)()
+                env[s] = None
+        for finish in list(pending.values()):
+            finish()
+        failure = self._agree(world, failure, ins, "a step failed on another rank")
+        if failure is not None:
+            ex._fail(ins.outputs, failure, root=own)
+            return
+        for slot, ref in zip(program.outputs, ins.outputs):
+            ex.refs[ref] = env[slot]
+
+    def _agree(self, group, failure, ins, why):
+        from monarch_dsl.runtime.executor import Failure
+
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        group.allreduce([flag], opts).wait()
+        if failure is None and int(flag.item()):
+            return Failure(self.ex.rank, ins.line, "plan", why, "")
+        return failure
+
+    def _comm(self, step, env, mesh, coords, pending, failed: bool) -> None:
+        op = step.op
+        comm = step.comm
+        shapes = comm.get("shapes", ())
+        dtype = getattr(torch, comm.get("dtype") or "float32")
+
+        def value(i: int) -> torch.Tensor:
+            v = env[step.args[i].index] if isinstance(step.args[i], Slot) else None
+            if failed or not isinstance(v, torch.Tensor):
+                return torch.zeros(shapes[i] if i < len(shapes) else (), dtype=dtype)
+            return v
+
+        if op == "shard_local":
+            d = comm["dims"][0]
+            env[step.outs[0]] = shard_local(value(0), comm["dim"], coords[d], mesh.sizes[d])
+            return
+        if op == "partial_local":
+            d = comm["dims"][0]
+            v = value(0)
+            env[step.outs[0]] = v if comm["op"] != "sum" or coords[d] == 0 else torch.zeros_like(v)
+            return
+        if op in ("send", "recv"):
+            d = comm["dims"][0]
+            peer_coords = coords[:d] + (comm["peer"],) + coords[d + 1 :]
+            mine = self._rank_at(mesh, coords)
+            peer = self._rank_at(mesh, peer_coords)
+            members = sorted((mine, peer))
+            group = self.ex._pg(members, step.stream)
+            if op == "send":
+                group.send([value(0).contiguous()], members.index(peer), 0).wait()
+            else:
+                buf = torch.empty(shapes[0], dtype=dtype)
+                group.recv([buf], members.index(peer), 0).wait()
+                env[step.outs[0]] = buf
+            return
+        group, index, n = self._group(mesh, coords, comm["dims"], step.stream)
+        if op == "all_reduce":
+            tensors = [value(i) for i in range(len(step.args))]
+            if len(tensors) == 1:
+                flat = tensors[0].contiguous().clone()
+            else:
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _REDUCE[comm["op"]]
+            work = group.allreduce([flat], opts)
+
+            def finish(flat=flat, tensors=tensors, work=work):
+                work.wait()
+                if comm["op"] == "avg":
+                    flat.div_(n)
+                if len(tensors) == 1:
+                    env[step.outs[0]] = flat
+                    return
+                offset = 0
+                for slot, t in zip(step.outs, tensors):
+                    env[slot] = flat[offset : offset + t.numel()].view(t.shape)
+                    offset += t.numel()
+
+            self._issue(step, finish, pending)
+            return
+        x = value(0)
+        if op == "all_gather":
+            outs = [torch.empty_like(x.contiguous()) for _ in range(n)]
+            work = group.allgather([outs], [x.contiguous()])
+
+            def finish(outs=outs, work=work):
+                work.wait()
+                env[step.outs[0]] = torch.cat(outs, comm["dim"])
+
+        elif op == "reduce_scatter":
+            chunks = [t.contiguous() for t in x.chunk(n, comm["dim"])]
+            out = torch.empty_like(chunks[index])
+            ropts = dist.ReduceScatterOptions()
+            ropts.reduceOp = _REDUCE[comm["op"]]
+            work = group.reduce_scatter([out], [chunks], ropts)
+
+            def finish(out=out, work=work):
+                work.wait()
+                if comm["op"] == "avg":
+                    out.div_(n)
+                env[step.outs[0]] = out
+
+        elif op == "all_to_all":
+            split, cat = comm["split_dim"], comm["cat_dim"]
+            src = x.movedim(split, 0).contiguous()
+            out = torch.empty_like(src)
+            work = group.alltoall_base(out, src, [], [])
+
+            def finish(out=out, work=work):
+                work.wait()
+                pieces = [p.movedim(0, split) for p in out.chunk(n, 0)]
+                env[step.outs[0]] = torch.cat(pieces, cat).contiguous()
+
+        else:
+            raise RuntimeError(f"unknown communication {op!r}")
+        self._issue(step, finish, pending)
+
+    @staticmethod
+    def _issue(step, finish, pending) -> None:
+        if step.stream == "main":
+            finish()
+        else:
+            for slot in step.outs:
+                pending[slot] = _Once(finish)
+
+    @staticmethod
+    def _rank_at(mesh, coords) -> int:
+        index = 0
+        for c, n in zip(coords, mesh.sizes):
+            index = index * n + c
+        return mesh.ranks[index]
+
+
+class _Once:
+    """A finish function shared by a bucket's outputs: runs the first time any is needed."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()

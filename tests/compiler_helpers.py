@@ -1,0 +1,60 @@
+"""Shared by the compiler tests: train a model with a compiled step in the in-process mesh
+simulation and with plain torch, and compare."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from monarch_dsl.compiler.capture import capture, to_plan
+from monarch_dsl.compiler.interpret import simulate_values
+from monarch_dsl.compiler.lower import lower
+from monarch_dsl.compiler.propagate import propagate
+
+
+def write_back(captured, outs, after, modules, optimizers) -> None:
+    """Put a simulated step's results into the local modules and optimizers."""
+    named = {}
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters():
+            named[f"{mname}.{pname}"] = p
+        for bname, b in mod.named_buffers():
+            named[f"{mname}.{bname}"] = b
+    with torch.no_grad():
+        for name, kind, v in zip(captured.input_names, captured.input_kinds, after):
+            if kind in ("param", "buffer"):
+                named[name].copy_(v)
+        for oname, kind, v in zip(captured.output_names, captured.output_kinds, outs):
+            if kind == "state":
+                pname, _, key = oname.rpartition(".")
+                for opt in optimizers:
+                    if any(named[pname] is q for g in opt.param_groups for q in g["params"]):
+                        opt.state[named[pname]][key] = v.clone()
+            elif kind == "grad":
+                named[oname.removesuffix(".grad")].grad = v.clone()
+
+
+def simulate_training(make, mesh, placements, batches, steps=3):
+    """``make()`` -> (model, optimizer, step_fn(model, opt) -> fn(x, y)). Trains one copy
+    compiled on ``mesh`` (simulated in process) and one in plain torch; returns both models,
+    the losses of both and the plans."""
+    model, opt, step_of = make()
+    ref_model = copy.deepcopy(model)
+    accepted = inspect.signature(type(opt)).parameters
+    ref_opt = type(opt)(
+        ref_model.parameters(), **{k: v for k, v in opt.defaults.items() if k in accepted}
+    )
+    fn, ref_fn = step_of(model, opt), step_of(ref_model, ref_opt)
+    losses, ref_losses, plans = [], [], []
+    for i in range(steps):
+        x, y = batches[i]
+        c = capture(fn, (x, y), {})
+        plan = propagate(to_plan(c, mesh, "step"), placements(c))
+        plans.append(plan)
+        outs, after = simulate_values(plan, lower(plan), c.input_values)
+        write_back(c, outs, after, {"model": model}, [opt])
+        losses.append(outs[0])
+        ref_losses.append(ref_fn(x, y))
+    return model, ref_model, losses, ref_losses, plans
