@@ -33,6 +33,7 @@ from monarch_dsl.tensor import (
 from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.grads import grad_generator
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, PlanError, Replicate, Shard
+from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.runtime.future import Future
 
@@ -55,6 +56,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "mesh_fn",
+    "pipeline_stage",
     "MonarchError",
     "Point",
     "ProcMesh",

@@ -86,6 +86,7 @@ class MeshFunction:
         # "param" for parameters and buffers, "state" for optimizer state and gradients)
         self.state: dict[str, tuple[Any, TensorType, str]] = {}
         self.state_mesh: Any = None
+        self.home: dict[str, tuple] = {}  # state name -> the pipeline stage that holds it
 
     # ---- compiling -----------------------------------------------------------------------
     def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
@@ -127,6 +128,7 @@ class MeshFunction:
             values=values,
             bucket_cap_mb=self.bucket_cap_mb,
             name=self.__name__,
+            micro_batches=self.micro_batches,
         )
         compiled = _Compiled(plan, lower(plan), captured)
         self.cache[key] = compiled
@@ -182,7 +184,10 @@ class MeshFunction:
         from monarch_dsl.tensor import fetch
 
         pm = self.state_mesh
-        values = {name: _gather(h, t, pm, fetch) for name, (h, t, _) in self.state.items()}
+        values = {
+            name: _gather(h, t, pm, fetch, self.home.get(name, ()))
+            for name, (h, t, _) in self.state.items()
+        }
         modules, optimizers = used_objects(self.fn)
         named = _named_tensors(modules, optimizers)
         with torch.no_grad():
@@ -207,7 +212,10 @@ class MeshFunction:
         """Whole values of the state the step keeps on the workers, by name."""
         from monarch_dsl.tensor import fetch
 
-        return {n: _gather(h, t, self.state_mesh, fetch) for n, (h, t, _) in self.state.items()}
+        return {
+            n: _gather(h, t, self.state_mesh, fetch, self.home.get(n, ()))
+            for n, (h, t, _) in self.state.items()
+        }
 
 
 def _active():
@@ -247,14 +255,17 @@ def _named_tensors(modules, optimizers) -> dict[str, torch.Tensor]:
     return named
 
 
-def _gather(handle, t: TensorType, pm, fetch) -> torch.Tensor:
-    """The whole value of a state tensor from its shards (partials reduced)."""
+def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
+    """The whole value of a state tensor from its shards (partials reduced); ``home``: the
+    pipeline stage ((dim, index),) whose ranks hold it (the others' copies are stale)."""
     from monarch_dsl.compiler.interpret import coords_of, whole_value
 
     sizes = tuple(pm.sizes.values())
     dims = tuple(pm.sizes)
-    parts = {}
-    futures = {c: fetch(handle, **dict(zip(dims, c))) for c in coords_of(sizes)}
+    ranks = [c for c in coords_of(sizes) if all(c[dims.index(d)] == i for d, i in home)]
+    parts = {c: None for c in coords_of(sizes)}
+    own = handle.mesh.sizes  # a stage's value lives on a slice of the mesh
+    futures = {c: fetch(handle, **{d: x for d, x in zip(dims, c) if d in own}) for c in ranks}
     for c, f in futures.items():
         parts[c] = f.get(timeout=60)
     return whole_value(parts, t, sizes)
@@ -285,6 +296,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         raise TypeError(f"{mf.__name__}: expected {n_args} tensor arguments, got {len(flat_args)}")
     modules, optimizers = used_objects(mf.fn)
     named = _named_tensors(modules, optimizers)
+    home = _homes(plan)
     for k, inp in enumerate(plan.inputs):
         local_shape = inp.type.local_shape(sizes)
         if inp.kind == "arg":
@@ -296,7 +308,8 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         else:
             raise RuntimeError(f"internal: no value for the plan input {inp.name!r}")
         if isinstance(value, Tensor):
-            if value.mesh is not pm and value._md_mesh_id != mesh_id:
+            inside = set(value.mesh.ranks) <= set(pm.ranks)  # pm or a stage's slice of it
+            if value.mesh is not pm and value._md_mesh_id != mesh_id and not inside:
                 raise TypeError(
                     f"{mf.__name__}: argument {inp.name!r} lives on another mesh ({value.mesh})"
                 )
@@ -318,18 +331,23 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         keep.append(whole)
         if inp.kind != "arg":
             mf.state[inp.name] = (local, inp.type, "state" if inp.kind == "state" else "param")
+            mf.home[inp.name] = home.get(inp.name, ())
         else:
             keep.append(local)
     outs, handles = [], []
     types = plan.types()
+    home = _homes(plan)
     for o, shape, dtype in zip(plan.outputs, program.output_shapes, program.output_dtypes):
         ref = engine.new_ref()
         meta = torch.empty(shape or (), dtype=getattr(torch, dtype), device="meta")
-        h = Tensor(meta, pm, engine, ref, "main")
+        where = home.get(o.var, ())
+        # A pipeline stage's result lives on that stage's ranks.
+        h = Tensor(meta, pm.slice(**dict(where)) if where else pm, engine, ref, "main")
         outs.append(ref)
         handles.append(h)
         if o.kind in ("state", "grad"):
             mf.state[o.name] = (h, types[o.var], "state")
+            mf.home[o.name] = where
     mf.state_mesh = pm
     engine.append(
         mesh_id,
@@ -346,6 +364,18 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     )
     results = [h for h, o in zip(handles, plan.outputs) if o.kind == "out"]
     return pytree.tree_unflatten(results, plan.out_spec)
+
+
+def _homes(plan: Plan) -> dict[str, tuple]:
+    """For values that live on one pipeline stage: its ``on`` filter. Inputs: the stage of
+    their first user; results: the stage of the instruction that makes them."""
+    out: dict[str, tuple] = {}
+    for ins in plan.body:
+        for u in ins.uses():
+            out.setdefault(u, ins.on)
+        for o in ins.outs:
+            out[o] = ins.on
+    return {k: v for k, v in out.items() if v}
 
 
 def _fmt(pl, dims) -> str:

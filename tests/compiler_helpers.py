@@ -8,10 +8,9 @@ import inspect
 
 import torch
 
-from monarch_dsl.compiler.capture import capture, to_plan
+from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.interpret import simulate_values
 from monarch_dsl.compiler.lower import lower
-from monarch_dsl.compiler.propagate import propagate
 
 
 def write_back(captured, outs, after, modules, optimizers) -> None:
@@ -36,10 +35,11 @@ def write_back(captured, outs, after, modules, optimizers) -> None:
                 named[oname.removesuffix(".grad")].grad = v.clone()
 
 
-def simulate_training(make, mesh, placements, batches, steps=3):
-    """``make()`` -> (model, optimizer, step_fn(model, opt) -> fn(x, y)). Trains one copy
-    compiled on ``mesh`` (simulated in process) and one in plain torch; returns both models,
-    the losses of both and the plans."""
+def simulate_training(make, mesh, batches, steps=3, **options):
+    """``make()`` -> (model, optimizer, step_of(model, opt) -> fn(x, y)). Trains one copy
+    compiled for ``mesh`` (((dim, size), ...); simulated in this process, ``options`` as for
+    ``@md.mesh_fn``) and one in plain torch; returns both models, the losses of both and the
+    plans."""
     model, opt, step_of = make()
     ref_model = copy.deepcopy(model)
     accepted = inspect.signature(type(opt)).parameters
@@ -50,8 +50,7 @@ def simulate_training(make, mesh, placements, batches, steps=3):
     losses, ref_losses, plans = [], [], []
     for i in range(steps):
         x, y = batches[i]
-        c = capture(fn, (x, y), {})
-        plan = propagate(to_plan(c, mesh, "step"), placements(c))
+        plan, c = compile_step(fn, (x, y), {}, mesh, **options)
         plans.append(plan)
         outs, after = simulate_values(plan, lower(plan), c.input_values)
         write_back(c, outs, after, {"model": model}, [opt])

@@ -54,7 +54,7 @@ def _assert_parity(model, ref, losses, ref_losses):
         torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
 
 
-DP = ((("dp", 2),), lambda c: {"x": (S(0),), "y": (S(0),)})
+DP = {"mesh": (("dp", 2),), "data_parallel": "dp"}
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ DP = ((("dp", 2),), lambda c: {"x": (S(0),), "y": (S(0),)})
 )
 def test_data_parallel_matches_one_process(opt):
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(opt[0], **opt[1]), *DP, _batches()
+        _mlp(opt[0], **opt[1]), batches=_batches(), **DP
     )
     _assert_parity(model, ref, losses, ref_losses)
     for plan in plans:
@@ -85,23 +85,9 @@ TP = {
 }
 
 
-def _placements(mesh, spec, data_parallel=None):
-    from monarch_dsl.compiler.compile import normalize_placements, state_placements
-
-    dims = tuple(d for d, _ in mesh)
-
-    def of(c):
-        args = [n for n, k in zip(c.input_names, c.input_kinds) if k == "arg"]
-        given = normalize_placements(spec, dims, c.input_names, data_parallel, args)
-        return state_placements(c, given, len(dims))
-
-    return of
-
-
 def test_megatron_mlp_tp2():
-    mesh = (("tp", 2),)
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(), mesh, _placements(mesh, TP), _batches()
+        _mlp(), (("tp", 2),), _batches(), placements=TP
     )
     _assert_parity(model, ref, losses, ref_losses)
     plan = plans[0].check()
@@ -115,20 +101,13 @@ def test_megatron_mlp_tp2():
 
 
 def test_dp_times_tp():
-    mesh = (("dp", 2), ("tp", 2))
+    tp = {
+        "model.1.weight": {"tp": S(0)},
+        "model.1.bias": {"tp": S(0)},
+        "model.3.weight": {"tp": S(1)},
+    }
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(ln=True),
-        mesh,
-        _placements(
-            mesh,
-            {
-                "model.1.weight": {"tp": S(0)},
-                "model.1.bias": {"tp": S(0)},
-                "model.3.weight": {"tp": S(1)},
-            },
-            "dp",
-        ),
-        _batches(),
+        _mlp(ln=True), (("dp", 2), ("tp", 2)), _batches(), placements=tp, data_parallel="dp"
     )
     _assert_parity(model, ref, losses, ref_losses)
     plans[0].check()
@@ -182,7 +161,7 @@ def test_transformer_block_dp2():
         (torch.randn(4, 8, 16, generator=g), torch.randint(0, 16, (4, 8), generator=g))
         for _ in range(3)
     ]
-    model, ref, losses, ref_losses, plans = simulate_training(make, *DP, batches)
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
     _assert_parity(model, ref, losses, ref_losses)
     for plan in plans:
         plan.check()
@@ -269,3 +248,48 @@ def test_op_without_rule_falls_back_with_a_warning():
     msgs = [str(w.message) for w in caught]
     assert any("no sharding rule for aten.cumsum.default" in m and "MiB" in m for m in msgs), msgs
     assert [c.kind for c in plan.collectives][0] == "all_gather"
+
+
+class TwoStages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.second = nn.Linear(32, 16)
+
+    def forward(self, x):
+        with md.pipeline_stage(0):
+            h = self.first(x)
+        with md.pipeline_stage(1):
+            return self.second(h)
+
+
+def _pipeline():
+    torch.manual_seed(0)
+    model = TwoStages()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _sgd_step
+
+
+@pytest.mark.parametrize("mesh", [(("pp", 2),), (("dp", 2), ("pp", 2))], ids=["pp2", "dp2xpp2"])
+def test_pipeline_gpipe_micro_batches(mesh):
+    dp = "dp" if len(mesh) == 2 else None
+    model, ref, losses, ref_losses, plans = simulate_training(
+        _pipeline, mesh, _batches(), micro_batches=4, data_parallel=dp
+    )
+    _assert_parity(model, ref, losses, ref_losses)
+    plan = plans[0].check()
+    kinds = [c.kind for c in plan.collectives]
+    # Every micro-batch's activation goes forward and its gradient back: 4 + 4 transfers.
+    assert kinds.count("send") == kinds.count("recv") == 8
+    sends = [ins for ins in plan.body if ins.op == "send"]
+    assert [s.on for s in sends[:4]] == [(("pp", 0),)] * 4  # forward, stage 0 -> 1
+    assert [s.on for s in sends[4:]] == [(("pp", 1),)] * 4  # backward, stage 1 -> 0
+    # GPipe: all forwards (on stage 0) before any backward.
+    first_bwd_recv = next(
+        i for i, ins in enumerate(plan.body) if ins.op == "recv" and ins.on == (("pp", 0),)
+    )
+    assert all(
+        i < first_bwd_recv
+        for i, ins in enumerate(plan.body)
+        if ins.op == "send" and ins.on == (("pp", 0),)
+    )
+    assert plan.micro_batches == 4

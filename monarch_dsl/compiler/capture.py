@@ -276,7 +276,9 @@ def capture(
     anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
     if anchor is not None:
         anchor(fn)
-    with unittest.mock.patch("torch.compiler.is_compiling", lambda: True):
+    from monarch_dsl.compiler.stages import tracing_stages
+
+    with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), tracing_stages():
         try:
             gm = make_fx(
                 flat_step,
@@ -483,6 +485,8 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
             getitems[node.args[0]][node.args[1]] = node
 
     outputs: list[Output] = []
+    phase: dict[str, str] = {}  # by an instruction's first out
+    stage: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
@@ -533,8 +537,11 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
             outs = [fresh(node.name)]
             names[node] = outs[0]
             types = (_type_of(val, nd),)
-        if op == "aten._local_scalar_dense.default" or any(t.shape is None for t in types):
-            pass
+        custom = node.meta.get("custom") or {}
+        if outs:
+            phase[outs[0]] = custom.get("md_phase", "forward")
+            if "md_stage" in custom:
+                stage[outs[0]] = custom["md_stage"]
         body.append(
             Instr(
                 tuple(outs),
@@ -552,6 +559,7 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
         body=tuple(body),
         outputs=tuple(outputs),
         out_spec=captured.out_spec,
+        notes={"phase": phase, "stage": stage},
     )
 
 

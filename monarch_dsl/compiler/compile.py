@@ -112,23 +112,54 @@ def compile_step(
     values: dict[str, torch.Tensor] | None = None,
     bucket_cap_mb: float = 25,
     name: str | None = None,
+    micro_batches: int = 1,
+    pipeline_dim: str = "pp",
 ) -> tuple[Plan, Captured]:
-    """Compile ``fn`` for ``mesh`` (((dim, size), ...)) on these example arguments."""
+    """Compile ``fn`` for ``mesh`` (((dim, size), ...)) on these example arguments.
+
+    ``micro_batches`` > 1: the batch arguments (dim 0) are split into that many micro-batches
+    run one after the other (GPipe over the ``pipeline_dim`` stages, if the mesh has it), their
+    gradients accumulated before the update."""
+    from monarch_dsl.compiler.pipeline import MB, microbatch, split_stages
     from monarch_dsl.compiler.schedule import schedule
 
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if micro_batches > 1:
+        if MB in (d for d, _ in mesh):
+            raise ValueError(f"the mesh dim name {MB!r} is reserved for micro-batches")
+        mesh = tuple(mesh) + ((MB, micro_batches),)
     dims = tuple(d for d, _ in mesh)
     t0 = time.perf_counter()
     captured = capture(fn, args, kwargs, state=state, values=values)
     plan = stamp(to_plan(captured, mesh, name or fn.__name__), "capture", t0)
     arg_names = [n for n, k in zip(captured.input_names, captured.input_kinds) if k == "arg"]
-    given = normalize_placements(placements, dims, captured.input_names, data_parallel, arg_names)
+    real_dims = tuple(d for d in dims if d != MB)
+    given = normalize_placements(
+        placements, real_dims, captured.input_names, data_parallel, arg_names
+    )
+    if micro_batches > 1:  # batch arguments split along dim 0, the rest whole
+        mb = dims.index(MB)
+        given = {k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in given.items()}
+        for a in arg_names:
+            pl = list(given.get(a, (R,) * len(dims)))
+            pl[mb] = Shard(0)
+            given[a] = tuple(pl)
+        state_placement = {
+            k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in (state_placement or {}).items()
+        }
     given.update(state_placement or {})
     given = state_placements(captured, given, len(dims))
     outs = None
     if out_placements:
         out_names = [o for o, k in zip(captured.output_names, captured.output_kinds) if k == "out"]
-        outs = normalize_placements(out_placements, dims, out_names, None, [])
-    plan = propagate(plan, given, outs)
+        outs = normalize_placements(out_placements, real_dims, out_names, None, [])
+    if outs and micro_batches > 1:
+        mb = dims.index(MB)
+        outs = {k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in outs.items()}
+    plan = propagate(plan, given, outs, pipeline_dim=pipeline_dim)
+    plan = microbatch(plan)
+    plan = split_stages(plan, pipeline_dim)
     plan = schedule(plan, bucket_cap_mb=bucket_cap_mb)
     t0 = time.perf_counter()
     plan.check()

@@ -46,8 +46,8 @@ def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes) -> Any:
                 merged[c] = torch.cat(group, p.dim)
             elif isinstance(p, Partial):
                 merged[c] = _reduce(group, p.op)
-            else:
-                merged[c] = group[0]
+            else:  # whole everywhere; a pipeline stage's value exists on its stage only
+                merged[c] = next((g for g in group if g is not None), None)
         cur = merged
     return cur[()]
 
@@ -155,10 +155,18 @@ def simulate_values(plan: Plan, program: Program, values: list) -> tuple[list, l
     result = []
     for k, o in enumerate(plan.outputs):
         result.append(whole_value({c: outs[c][k] for c in ranks}, types[o.var], sizes))
-    after = [
-        whole_value({c: inputs[c][k] for c in ranks}, i.type, sizes)
-        for k, i in enumerate(plan.inputs)
-    ]
+    # An input updated in place by a pipeline stage: that stage's copy is the new value.
+    home: dict[str, tuple] = {}
+    for ins in plan.body:
+        for u in ins.uses():
+            if u not in home and ins.on:
+                home[u] = ins.on
+    index = {d: k for k, d in enumerate(plan.dims)}
+    after = []
+    for k, i in enumerate(plan.inputs):
+        on = home.get(i.name, ())
+        parts = {c: inputs[c][k] if all(c[index[d]] == v for d, v in on) else None for c in ranks}
+        after.append(whole_value(parts, i.type, sizes))
     return result, after
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Var
+from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Shard, Var
 
 
 class Slot(NamedTuple):
@@ -114,6 +114,17 @@ def lower(plan: Plan) -> Program:
             kwargs = {}
         else:
             name = ins.op.split(".")[1]
+            if name == "slice" and len(args) >= 4:
+                # A slice along a sharded dim (a micro-batch of a data-parallel shard): the
+                # same fraction of this rank's part.
+                src = types[ins.uses()[0]]
+                d = args[1] % len(src.shape)
+                f = 1
+                for p, n in zip(src.placements, sizes):
+                    if isinstance(p, Shard) and p.dim == d:
+                        f *= n
+                if f > 1:
+                    args[2], args[3] = args[2] // f, args[3] // f
             if name in _SIZE_ARG and ins.types and ins.types[0].shape is not None:
                 idx = _SIZE_ARG[name]
                 local = list(ins.types[0].local_shape(sizes))

@@ -250,6 +250,9 @@ class Plan:
     # function's result from the flat outputs.
     stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
     out_spec: Any = field(default=None, compare=False, repr=False)
+    # Facts passes hand on to later passes (not part of the plan): "phase" and "stage" of
+    # each instruction, by its first out's name.
+    notes: Any = field(default=None, compare=False, repr=False)
 
     @property
     def dims(self) -> tuple[str, ...]:

@@ -454,6 +454,7 @@ def propagate(
     plan: Plan,
     placements: dict[str, tuple[Placement, ...]],
     out_placements: dict[str, tuple[Placement, ...]] | None = None,
+    pipeline_dim: str | None = None,
 ) -> Plan:
     """Placements for every value, starting from ``placements`` of the inputs (by input name;
     missing: Replicate on every dim), with the communication they need inserted. The
@@ -470,6 +471,8 @@ def propagate(
         types[i.name] = t
         inputs.append(i._replace(type=t))
     st = _State(plan, types)
+    if pipeline_dim in plan.dims:  # stages, not data: everything is whole along it
+        st.flat_dims.add(plan.dims.index(pipeline_dim))
     for ins in plan.body:
         st.step(ins)
     outputs = []
@@ -533,6 +536,7 @@ class _State:
         self.canon: dict[str, str] = {}
         self.loc_of: dict[str, str] = {}
         self.counter = 0
+        self.flat_dims: set[int] = set()  # mesh dims along which everything is Replicate
         self.taken = set(types) | {o for i in plan.body for o in i.outs}
 
     def fresh(self, base: str) -> str:
@@ -558,7 +562,7 @@ class _State:
                 tuple(t._replace(placements=R) for t in ins.types),  # type: ignore[arg-type]
                 n,
             )
-            if n == 1:
+            if n == 1 or m in self.flat_dims:
                 cands = [Strategy(tuple(R for _ in current), tuple(R for _ in ins.outs))]
             else:
                 cands = strategies(ins, ctx)

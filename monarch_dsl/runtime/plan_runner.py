@@ -96,11 +96,7 @@ class PlanRunner:
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
                 failure = failure or v
-            elif v is None:
-                failure = failure or Failure(
-                    ex.rank, ins.line, program.name, "an input was deleted", ""
-                )
-            env[slot] = v
+            env[slot] = v  # None: a pipeline stage's value held by other ranks
         world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
         failure = self._agree(world, failure, ins, "an input failed on another rank")
         if failure is not None:

@@ -1,0 +1,388 @@
+"""Passes for pipelines: micro-batches (GPipe), and stages with transfers between them.
+
+``microbatch``: propagation ran with an extra mesh dim ``mb`` of size M over which every
+batch argument is ``Shard(0)``; so it already knows which values are per micro-batch (sharded
+or partial over ``mb``) and where micro-batches must be combined (gradient accumulation and
+the loss are Partial over ``mb`` and were given an ``all_reduce`` over it). This pass makes
+``mb`` sequential: an instruction on per-micro-batch values is repeated for each micro-batch
+(its values renamed ``name.mbK``), a communication over ``mb`` becomes a local op on the
+copies (all_reduce → sum/mean of the copies, all_gather → cat, shard_local → slice, ...),
+and the instructions are ordered as GPipe runs them: the forward of every micro-batch, then
+the backward of every micro-batch, then the update.
+
+``split_stages``: each instruction runs on the ranks of its pipeline stage (``on pp=i``): the
+stage the user's ``md.pipeline_stage(i)`` markers gave it while tracing (backward ops: the
+stage of the forward op they differentiate), else the latest stage of its inputs. A value
+used on a stage other than its own is sent there (``send`` / ``recv`` over ``pp``) just
+before its first use on that stage — in the forward (activations) and the backward
+(their gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from monarch_dsl.compiler.plan import (
+    COMM_OPS,
+    LOCAL_OPS,
+    Instr,
+    Partial,
+    Plan,
+    PlanError,
+    Replicate,
+    Shard,
+    TensorType,
+    Var,
+)
+from monarch_dsl.compiler.propagate import _rename, stamp
+
+MB = "mb"
+R = Replicate()
+
+
+# ---- micro-batches ---------------------------------------------------------------------------
+
+
+def microbatch(plan: Plan) -> Plan:
+    """Unroll the ``mb`` dim (see the module docstring)."""
+    t0 = time.perf_counter()
+    dims = plan.dims
+    if MB not in dims:
+        return plan
+    m_index = dims.index(MB)
+    M = plan.sizes[m_index]
+    notes = plan.notes or {}
+    phase_of = _phases(plan)
+
+    def drop(t: TensorType) -> TensorType:
+        pl = t.placements[:m_index] + t.placements[m_index + 1 :]
+        return t._replace(placements=pl)
+
+    def per_mb(t: TensorType) -> bool:
+        return t.shape is not None and not t.placements[m_index].is_replicate()
+
+    def copy_type(t: TensorType) -> TensorType:
+        p = t.placements[m_index]
+        if isinstance(p, Shard):
+            shape = list(t.shape)
+            shape[p.dim] //= M
+            t = t._replace(shape=tuple(shape))
+        return drop(t)
+
+    def name(v: str, m: int) -> str:
+        return f"{v}.mb{m}"
+
+    types = plan.types()
+    split: dict[str, bool] = {}  # value -> has copies
+    inputs = tuple(i._replace(type=drop(i.type)) for i in plan.inputs)
+    groups: dict[str, list[list[Instr]]] = {"forward": [], "backward": [], "update": []}
+    prologue: list[Instr] = []
+    stage_notes = dict(notes.get("stage", {}))
+
+    def add(phase: str, copies: list[Instr]) -> None:
+        groups.setdefault(phase, []).append(copies)
+
+    # Inputs sharded over mb: one slice per micro-batch, before anything else.
+    for i in plan.inputs:
+        p = i.type.placements[m_index]
+        if isinstance(p, Shard):
+            split[i.name] = True
+            length = i.type.shape[p.dim] // M
+            t = copy_type(i.type)
+            for m in range(M):
+                prologue.append(
+                    Instr(
+                        (name(i.name, m),),
+                        "aten.slice.Tensor",
+                        (Var(i.name), p.dim, m * length, (m + 1) * length),
+                        (),
+                        (t,),
+                        reason=f"micro-batch {m} of %{i.name}",
+                    )
+                )
+        elif not p.is_replicate():
+            raise PlanError(f"input {i.name!r}: {p} over micro-batches is not supported")
+
+    for ins in plan.body:
+        phase = phase_of.get(id(ins), "update")
+        uses = ins.uses()
+        mb_comm = (ins.op in COMM_OPS or ins.op in LOCAL_OPS) and MB in (ins.kw("dims") or ())
+        if mb_comm:
+            add(phase, _combine(ins, uses, M, split, types, name, drop))
+            for o, t in zip(ins.outs, ins.types):
+                split[o] = per_mb(t)
+            continue
+        repeat = any(split.get(u, False) for u in uses) or any(per_mb(t) for t in ins.types)
+        if not repeat:
+            add(phase, [dataclasses.replace(ins, types=tuple(drop(t) for t in ins.types))])
+            for o in ins.outs:
+                split[o] = False
+            continue
+        copies = []
+        for m in range(M):
+            renames = {u: name(u, m) for u in uses if split.get(u, False)}
+            outs = tuple(name(o, m) for o in ins.outs)
+            copies.append(
+                Instr(
+                    outs,
+                    ins.op,
+                    _rename(ins.args, renames),
+                    tuple((k, _rename(v, renames)) for k, v in ins.kwargs),
+                    tuple(copy_type(t) if per_mb(t) else drop(t) for t in ins.types),
+                    ins.stream,
+                    ins.on,
+                    ins.loc,
+                    ins.reason,
+                )
+            )
+            if ins.outs and ins.outs[0] in stage_notes:
+                stage_notes[outs[0]] = stage_notes[ins.outs[0]]
+        for o in ins.outs:
+            split[o] = True
+        add(phase, copies)
+
+    # GPipe order: forward of each micro-batch, backward of each, then the rest.
+    body: list[Instr] = list(prologue)
+    for phase in ("forward", "backward"):
+        chunks = groups.get(phase, [])
+        singles_done: set[int] = set()
+        for m in range(M):
+            for k, copies in enumerate(chunks):
+                if len(copies) == M:
+                    body.append(copies[m])
+                elif k not in singles_done and m == 0:
+                    body.extend(copies)
+                    singles_done.add(k)
+    for phase, chunks in groups.items():
+        if phase not in ("forward", "backward"):
+            for copies in chunks:
+                body.extend(copies)
+    body = _order_by_dependencies(body, {i.name for i in inputs})
+    outputs = []
+    for o in plan.outputs:
+        if split.get(o.var, False):
+            raise PlanError(
+                f"the result {o.name!r} differs per micro-batch; return a value combined over "
+                "the batch (a loss's mean) or a parameter's state"
+            )
+        outputs.append(o)
+    mesh = tuple(x for x in plan.mesh if x[0] != MB)
+    notes = {**notes, "stage": stage_notes}
+    out = plan.replace(
+        mesh=mesh,
+        inputs=inputs,
+        body=tuple(body),
+        outputs=tuple(outputs),
+        micro_batches=M,
+        notes=notes,
+    )
+    return stamp(out, "microbatch", t0)
+
+
+def _combine(ins, uses, M, split, types, name, drop) -> list[Instr]:
+    """A communication over ``mb`` as local ops on the micro-batch copies."""
+    src = uses[0]
+    t_out = drop(ins.types[0])
+    copies = [Var(name(src, m)) if split.get(src) else Var(src) for m in range(M)]
+    op = ins.op
+    why = f"micro-batches of %{src} combined" + (f" ({ins.reason})" if ins.reason else "")
+    if op == "all_reduce" and len(uses) == 1 and ins.kw("op") in ("sum", "avg"):
+        stacked = TensorType((M, *t_out.shape), t_out.dtype, t_out.placements)
+        tmp = f"{ins.outs[0]}.mbs"
+        how = "aten.sum.dim_IntList" if ins.kw("op") == "sum" else "aten.mean.dim"
+        return [
+            Instr(
+                (tmp,),
+                "aten.stack.default",
+                (copies, 0),
+                (),
+                (stacked,),
+                ins.stream,
+                ins.on,
+                ins.loc,
+                why,
+            ),
+            Instr(ins.outs, how, (Var(tmp), [0]), (), (t_out,), ins.stream, ins.on, ins.loc, why),
+        ]
+    if op == "all_gather":
+        return [
+            Instr(
+                ins.outs,
+                "aten.cat.default",
+                (copies, ins.kw("dim")),
+                (),
+                (t_out,),
+                ins.stream,
+                ins.on,
+                ins.loc,
+                why,
+            )
+        ]
+    raise PlanError(
+        f"{op} over micro-batches is not supported yet (value %{src}, {types[src].placements})",
+        ins.loc,
+    )
+
+
+def _phases(plan: Plan) -> dict[int, str]:
+    """Each instruction's phase: recorded while tracing; an inserted communication takes the
+    phase of the next instruction that has one (it was inserted for that instruction)."""
+    recorded = (plan.notes or {}).get("phase", {})
+    out: dict[int, str] = {}
+    pending: list[Instr] = []
+    for ins in plan.body:
+        ph = recorded.get(ins.outs[0]) if ins.outs else None
+        if ph is None:
+            pending.append(ins)
+            continue
+        for p in pending:
+            out[id(p)] = ph
+        pending = []
+        out[id(ins)] = ph
+    for p in pending:
+        out[id(p)] = "update"
+    return out
+
+
+def _order_by_dependencies(body: list[Instr], available: set[str]) -> list[Instr]:
+    """``body`` in its order, except that an instruction waits until its inputs are defined."""
+    done = set(available)
+    out: list[Instr] = []
+    waiting: list[Instr] = []
+    for ins in body:
+        waiting.append(ins)
+        progressed = True
+        while progressed:
+            progressed = False
+            rest = []
+            for w in waiting:
+                if all(u in done for u in w.uses()):
+                    out.append(w)
+                    done.update(w.outs)
+                    progressed = True
+                else:
+                    rest.append(w)
+            waiting = rest
+    if waiting:
+        missing = sorted({u for w in waiting for u in w.uses() if u not in done})
+        raise PlanError(f"internal: values never defined after micro-batching: {missing[:5]}")
+    return out
+
+
+# ---- stages ----------------------------------------------------------------------------------
+
+
+def split_stages(plan: Plan, dim: str) -> Plan:
+    """Put each instruction on its stage's ranks and insert the transfers (module docstring)."""
+    t0 = time.perf_counter()
+    if dim not in plan.dims:
+        return plan
+    n_stages = plan.sizes[plan.dims.index(dim)]
+    tagged = (plan.notes or {}).get("stage", {})
+    if not tagged:
+        raise PlanError(
+            f"the mesh has a pipeline dim {dim!r} but the step marks no stages: use "
+            "`with md.pipeline_stage(i):` around each stage's part of the forward pass"
+        )
+    for s in set(tagged.values()):
+        if s >= n_stages:
+            raise PlanError(f"md.pipeline_stage({s}) but {dim!r} has only {n_stages} stages")
+    input_names = {i.name for i in plan.inputs}
+    stage_of_value: dict[str, int] = {}
+    stage_of: list[int | None] = []
+    for ins in plan.body:
+        s = tagged.get(ins.outs[0]) if ins.outs else None
+        if s is None:
+            known = [stage_of_value[u] for u in ins.uses() if u in stage_of_value]
+            s = max(known) if known else None
+        stage_of.append(s)
+        for o in ins.outs:
+            if s is not None:
+                stage_of_value[o] = s
+    # Instructions without inputs (constants): their first user's stage.
+    first_user: dict[str, int] = {}
+    for k, ins in enumerate(plan.body):
+        for u in ins.uses():
+            if u not in first_user and stage_of[k] is not None:
+                first_user[u] = stage_of[k]
+    for k, ins in enumerate(plan.body):
+        if stage_of[k] is None:
+            stage_of[k] = min((first_user.get(o, 0) for o in ins.outs), default=0)
+            for o in ins.outs:
+                stage_of_value[o] = stage_of[k]
+
+    body: list[Instr] = []
+    received: dict[tuple[str, int], str] = {}
+    types = plan.types()
+    taken = set(types)
+    for k, ins in enumerate(plan.body):
+        s = stage_of[k]
+        renames = {}
+        for u in ins.uses():
+            if u in input_names or stage_of_value.get(u, s) == s:
+                continue
+            key = (u, s)
+            if key not in received:
+                src = stage_of_value[u]
+                new = _fresh(f"{u}.from{src}", taken)
+                t = types[u]
+                why = f"%{u} of stage {src} is used on stage {s}"
+                body.append(
+                    Instr(
+                        (),
+                        "send",
+                        (Var(u),),
+                        (("dims", (dim,)), ("peer", s)),
+                        (),
+                        ins.stream,
+                        ((dim, src),),
+                        ins.loc,
+                        why,
+                    )
+                )
+                body.append(
+                    Instr(
+                        (new,),
+                        "recv",
+                        (),
+                        (("dims", (dim,)), ("peer", src)),
+                        (t,),
+                        ins.stream,
+                        ((dim, s),),
+                        ins.loc,
+                        why,
+                    )
+                )
+                received[key] = new
+            renames[u] = received[key]
+        on = tuple(x for x in ins.on if x[0] != dim) + ((dim, s),)
+        body.append(
+            Instr(
+                ins.outs,
+                ins.op,
+                _rename(ins.args, renames),
+                tuple((kk, _rename(v, renames)) for kk, v in ins.kwargs),
+                ins.types,
+                ins.stream,
+                on,
+                ins.loc,
+                ins.reason,
+            )
+        )
+    notes = {
+        **(plan.notes or {}),
+        "output_stage": {o.name: stage_of_value.get(o.var) for o in plan.outputs},
+    }
+    return stamp(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+__all__ = ["microbatch", "split_stages", "MB", "Partial"]
