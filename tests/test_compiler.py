@@ -293,3 +293,71 @@ def test_pipeline_gpipe_micro_batches(mesh):
         if ins.op == "send" and ins.on == (("pp", 0),)
     )
     assert plan.micro_batches == 4
+
+
+def test_megatron_input_gradient_one_all_reduce_each_way():
+    """Column- then row-parallel with the input's gradient wanted (as inside a transformer):
+    exactly one all-reduce in the forward pass and one in the backward."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    tp = {"mlp.0.weight": {"tp": S(0)}, "mlp.0.bias": {"tp": S(0)}, "mlp.2.weight": {"tp": S(1)}}
+
+    @md.mesh_fn(placements=tp)
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(mlp(x), y)
+        loss.backward()
+        opt.step()
+        return loss, x.grad
+
+    x = torch.randn(8, 16, requires_grad=True)
+    plan = step.compile(x, torch.randn(8, 16), mesh=md.Mesh.from_string("tp=2"))
+    seed = next(i for i, ins in enumerate(plan.body) if ins.op == "aten.ones_like.default")
+    where = [
+        "forward" if i < seed else "backward" for i, ins in enumerate(plan.body) if ins.is_comm
+    ]
+    assert where == ["forward", "backward"]
+    assert all(c.kind == "all_reduce" and c.dims == ("tp",) for c in plan.collectives)
+    assert all(c.loc.startswith("tests/test_compiler.py:") for c in plan.collectives)
+
+
+def test_autograd_grad_and_embedding():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step_of(model, opt):
+            def step(ids, y):
+                params = list(model.parameters())
+                loss = F.mse_loss(model(ids), y)
+                grads = torch.autograd.grad(loss, params)
+                with torch.no_grad():
+                    for p, g in zip(params, grads):
+                        p.sub_(0.5 * g)
+                return loss
+
+            return step
+
+        return model, opt, step_of
+
+    g = torch.Generator().manual_seed(4)
+    batches = [
+        (torch.randint(0, 32, (8, 4), generator=g), torch.randn(8, 4, 16, generator=g))
+        for _ in range(3)
+    ]
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    _assert_parity(model, ref, losses, ref_losses)
+
+
+def test_every_pass_is_recorded_in_stages():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = md.mesh_fn(_sgd_step(model, opt), data_parallel="dp").compile(
+        *_batches(1)[0], mesh=md.Mesh.from_string("dp=2")
+    )
+    assert [s.name for s in plan.stages] == ["capture", "propagate", "schedule", "check"]
+    assert all(s.seconds >= 0 for s in plan.stages)
+    assert plan.stages[-1].plan == plan

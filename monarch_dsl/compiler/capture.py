@@ -263,7 +263,7 @@ def capture(
 
     example = []
     for v in arg_values:
-        example.append(v.detach())
+        example.append(v.detach().requires_grad_(v.requires_grad))
     for name, v in zip(param_names, param_values):
         t = v.detach()
         if kinds[name] == "param":
