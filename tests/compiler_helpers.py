@@ -11,6 +11,7 @@ import torch
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.interpret import simulate_values
 from monarch_dsl.compiler.lower import lower
+from monarch_dsl.compiler.plan import Plan
 
 
 def write_back(captured, outs, after, modules, optimizers) -> None:
@@ -51,6 +52,8 @@ def simulate_training(make, mesh, batches, steps=3, **options):
     for i in range(steps):
         x, y = batches[i]
         plan, c = compile_step(fn, (x, y), {}, mesh, **options)
+        text = str(plan)  # every compiled plan prints and parses back exactly
+        assert Plan.parse(text) == plan and str(Plan.parse(text)) == text
         plans.append(plan)
         outs, after = simulate_values(plan, lower(plan), c.input_values)
         write_back(c, outs, after, {"model": model}, [opt])

@@ -35,3 +35,11 @@ def mesh4():
         yield pm
     finally:
         pm.stop()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/*.plan from the current compiler instead of comparing",
+    )

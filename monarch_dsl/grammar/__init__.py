@@ -15,7 +15,20 @@ if TYPE_CHECKING:
 GRAMMAR_PATH = Path(__file__).with_name("plan.lark")
 
 # How the grammar's terminals read in error messages ("expected a name, found ',' ...").
-_TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "$END": "end of input"}
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "$END": "end of input",
+    "SIGNED_INT": "an integer",
+    "FLOAT": "a float",
+    "STRING": "a string",
+    "VAR": "a %value",
+    "DOTTED": "an op name",
+    "OPSTRING": "a quoted op name",
+    "LOC": "a file:line",
+    "LABEL": "a mesh dim label (dp:)",
+    "TORCH": "a torch value (torch.float32)",
+}
 
 
 @functools.cache
@@ -57,6 +70,7 @@ def explain(error: Exception, text: str, start: str) -> str:
     line, column = getattr(error, "line", -1), getattr(error, "column", -1)
     if column in (None, -1):
         return f"at end of input: expected {wanted}, found {found}"
-    where = f"at column {column}" if line == 1 else f"at line {line}, column {column}"
+    one_line = line == 1 and "\n" not in text.strip()
+    where = f"at column {column}" if one_line else f"at line {line}, column {column}"
     context = error.get_context(text).rstrip("\n") if text else ""
     return f"{where}: expected {wanted}, found {found}" + (f"\n{context}" if context else "")
