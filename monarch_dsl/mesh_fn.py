@@ -173,7 +173,11 @@ class MeshFunction:
                 f"{self.__name__}: its state lives on another mesh ({self.state_mesh}); "
                 f"call {self.__name__}.pull() first to bring it back"
             )
-        return _run(self, pm, args, kwargs)
+        # Tracing and the local bookkeeping below are not mesh ops: outside the mesh's mode.
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return _run(self, pm, args, kwargs)
 
     def pull(self) -> None:
         """Copy the parameters, buffers, optimizer state and gradients the step keeps on the

@@ -10,6 +10,7 @@ op. The workers run the instructions (``runtime/executor.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -48,23 +49,35 @@ _MD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-# code object -> "" for our and torch's code, else the file's base name
-_code_files: dict[Any, str] = {}
+# id(code object) -> (code, its file's base name or "" for our and torch's code, {bytecode
+# offset: "file:line"}); the code object is kept so that its id is not reused.
+_code_files: dict[int, tuple] = {}
 
 
-def _user_line() -> str:
-    """``file:line`` of the innermost frame outside monarch_dsl and torch."""
-    f = sys._getframe(2)
+def _user_line(depth: int = 2) -> str:
+    """``file:line`` of the innermost frame outside monarch_dsl and torch, looked for from
+    ``depth`` frames up (2: from the caller's caller)."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:  # no Python frame up there
+        return ""
     files = _code_files
     while f is not None:
         code = f.f_code
-        name = files.get(code)
-        if name is None:
+        entry = files.get(id(code))
+        if entry is None:
             path = code.co_filename
             inside = path.startswith((_MD_DIR, _TORCH_DIR, "<"))
-            name = files[code] = "" if inside else os.path.basename(path)
-        if name:
-            return f"{name}:{f.f_lineno}"
+            entry = files[id(code)] = (code, "" if inside else os.path.basename(path), {})
+        if entry[1]:
+            lines = entry[2]
+            at = f.f_lasti
+            line = lines.get(at)
+            if line is None:
+                line = f"{entry[1]}:{f.f_lineno}"
+                if len(lines) < 4096:
+                    lines[at] = line
+            return line
         f = f.f_back
     return ""
 
@@ -79,6 +92,7 @@ class Engine:
         self.job = job
         self.ranks = tuple(range(job.world))
         self.batch: list[tuple[int, Any]] = []
+        self.held = False  # a flush is due a moment from now (see append)
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.dead: list[tuple[int, str]] = []  # (ref, stream) of collected tensors
@@ -97,25 +111,37 @@ class Engine:
 
     # ---- batching --------------------------------------------------------------------------
     def append(self, mesh: int, ins: Any) -> None:
-        with self.lock:
-            if self.dead and type(ins) is ir.Fetch:  # a fetch or barrier comes after them
+        # No lock for an op: list.append is atomic, and flush takes the items it found from
+        # the front of the same list, so one appended meanwhile stays for the next batch.
+        batch = self.batch
+        if self.dead and type(ins) is ir.Fetch:  # a fetch or barrier comes after them
+            with self.lock:
                 self._append_deletes()
-            self.batch.append((mesh, ins))
-            n = len(self.batch)
-        if n >= BATCH_MAX:
+                batch.append((mesh, ins))
+        else:
+            batch.append((mesh, ins))
+        if len(batch) >= BATCH_MAX:
             self.flush()
-        elif n == 1:
-            controller.flusher().hold(self)  # sent at the latest a moment from now
+        elif not self.held:  # flush clears it before taking the items: none is left behind
+            self.held = True
+            try:
+                controller.flusher().hold(self)  # sent at the latest a moment from now
+            except BaseException:
+                self.held = False
+                raise
 
     def flush(self) -> None:
         # The caller's thread and the flusher thread both flush: taking a batch and sending it
         # happen under one lock, so batches go out in the order they were taken.
         with self.send_lock:
             with self.lock:
+                self.held = False
                 self._append_deletes()
-                if not self.batch:
+                batch = self.batch
+                if not batch:
                     return
-                items, self.batch = tuple(self.batch), []
+                items = tuple(batch)
+                del batch[: len(items)]
             if self.job.stopped or self.job.stopping:
                 return
             self.batches_sent += 1
@@ -193,10 +219,11 @@ class Tensor(torch.Tensor):
     _md_desc: tuple  # ("T", shape, stride, dtype, storage offset): for caches
     _md_mesh: Any
     _md_mesh_id: int
-    _md_engine: Engine
     _md_ref: int
     _md_stream: str
-    _md_state: tuple | None
+    # ("borrowed" | "lent", Borrow) or ("dropped", file:line); None: a plain tensor
+    _md_state: tuple | None = None
+    _md_engine: Engine = None  # type: ignore[assignment]  # None: __new__ failed (see __del__)
 
     @staticmethod
     def __new__(
@@ -211,17 +238,21 @@ class Tensor(torch.Tensor):
         """From a meta tensor, or (the fast path) from its description alone."""
         if desc is None:
             desc = ("T", *_desc(meta))
-        _, shape, stride, dtype, offset = desc
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=engine.device
-        )
-        t._md_desc = desc
-        t._md_mesh = mesh
-        t._md_mesh_id = engine.mesh_id(mesh)
-        t._md_engine = engine
-        t._md_ref = ref
-        t._md_stream = stream
-        t._md_state = None  # ("borrowed" | "lent", Borrow) or ("dropped", file:line)
+        if cls is Tensor:
+            t = _maker(desc, engine.device)[1]()
+        else:
+            _, shape, stride, dtype, offset = desc
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=engine.device
+            )
+        t.__dict__ = {
+            "_md_desc": desc,
+            "_md_mesh": mesh,
+            "_md_mesh_id": engine.mesh_id(mesh),
+            "_md_engine": engine,
+            "_md_ref": ref,
+            "_md_stream": stream,
+        }
         return t
 
     @property
@@ -332,9 +363,9 @@ class Tensor(torch.Tensor):
     __hash__ = torch.Tensor.__hash__
 
     def __del__(self) -> None:
-        engine = getattr(self, "_md_engine", None)
+        engine = self._md_engine
         if engine is not None:
-            engine.delete(self._md_ref, self._md_stream)
+            engine.dead.append((self._md_ref, self._md_stream))  # engine.delete, inlined
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
@@ -373,56 +404,96 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
 
     The fast path covers flat arguments (tensors, scalars, lists of scalars) of an op seen
     before with the same shapes: no pytree walks, no meta execution."""
-    mesh = None
-    stream = _current_stream()
+    info = _func_info.get(id(func))
+    if info is None:
+        info = _new_func_info(func)
+    pointwise = info[1]  # the output's shape cannot depend on a scalar's value
+    stream = _current_stream() if _streams_used else "main"
+    mesh = first = None
+    key: Any = [id(func)]
+    wargs = []
     for a in args:
-        if isinstance(a, Tensor):
+        kind = type(a)
+        if kind in _SCALAR_TYPES:  # for a pointwise op only the type matters (type promotion)
+            key.append(kind if pointwise else a)
+            wargs.append(a)
+        elif isinstance(a, Tensor):
             if a._md_state is not None or a._md_stream != stream:
                 return _dispatch_general(func, args, kwargs, active)  # checks, with details
-            if mesh is None:
-                mesh = a._md_mesh
+            if first is None:
+                first, mesh = a, a._md_mesh
             elif a._md_mesh is not mesh and a._md_mesh != mesh:
                 return _dispatch_general(func, args, kwargs, active)  # raises, with the details
+            key.append(a._md_desc)
+            wargs.append(_tuple_new(ir.Ref, (a._md_ref,)))
         elif isinstance(a, torch.device) or (
             isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a)
         ):
             return _dispatch_general(func, args, kwargs, active)  # (devices are rewritten)
-    for a in kwargs.values():
-        if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict)):
-            return _dispatch_general(func, args, kwargs, active)
+        else:
+            key.append(tuple(a) if isinstance(a, list) else a)
+            wargs.append(a)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict)):
+                return _dispatch_general(func, args, kwargs, active)
+        key.extend(kwargs.items())
     if mesh is None:
         return _dispatch_general(func, args, kwargs, active)
-    key: tuple | None
+    key = tuple(key)
     try:
-        if _is_pointwise(func):  # the output's shape cannot depend on a scalar's value
-            key = (
-                func,
-                *[a._md_desc if isinstance(a, Tensor) else _scalar_kind(a) for a in args],
-                *kwargs.items(),
-            )
-        else:
-            key = (
-                func,
-                *[a._md_desc if isinstance(a, Tensor) else _hashable(a) for a in args],
-                *kwargs.items(),
-            )
         hit = _fast_cache.get(key)
     except TypeError:  # an unhashable argument: no caching
         key = hit = None
     if hit is None:
         return _dispatch_general(func, args, kwargs, active, fast_key=key)
+    return _emit(hit, args, first, mesh, tuple(wargs), kwargs, stream, 3)
+
+
+def _emit(
+    hit: tuple,
+    args: tuple,
+    first: Tensor,
+    mesh: Any,
+    wargs: tuple,
+    kwargs: dict,
+    stream: str,
+    depth: int,
+) -> Any:
+    """The fast path's end: the output handle and the instruction, from the cache entry
+    ``hit``; ``first`` is the first tensor argument, ``wargs`` the arguments for the workers.
+    The user's line is looked for from ``depth`` frames up (the frames below are ours)."""
     op, out = hit
     engine = mesh._job.engine
-    wargs = tuple(ir.Ref(a._md_ref) if isinstance(a, Tensor) else a for a in args)
     if type(out) is int:  # the op returns its input #out (in place)
         result = args[out]
         outs = (result._md_ref,)
     else:
         ref = next(engine.refs)
-        result = Tensor(None, mesh, engine, ref, stream, ("T", *out))
+        desc, device, make = out
+        if device is engine.device:  # Tensor(None, mesh, engine, ref, stream, desc), inlined
+            result = make()
+            result.__dict__ = {
+                "_md_desc": desc,
+                "_md_mesh": mesh,
+                "_md_mesh_id": first._md_mesh_id,
+                "_md_engine": engine,
+                "_md_ref": ref,
+                "_md_stream": stream,
+            }
+        else:
+            result = Tensor(None, mesh, engine, ref, stream, desc)
         outs = (ref,)
-    engine.append(result._md_mesh_id, ir.CallOp(op, wargs, kwargs, outs, stream, _user_line()))
+    engine.append(
+        first._md_mesh_id,
+        _tuple_new(ir.CallOp, (op, wargs, kwargs, outs, stream, _user_line(depth))),
+    )
     return result
+
+
+_tuple_new = tuple.__new__  # a named tuple without the Python-level __new__ of its class
+
+
 
 
 def _holds_tensor(a: Any) -> bool:
@@ -431,29 +502,21 @@ def _holds_tensor(a: Any) -> bool:
     )
 
 
-def _hashable(a: Any) -> Any:
-    return tuple(a) if isinstance(a, list) else a
+_SCALAR_TYPES = frozenset((int, float, bool, complex))
+
+# id(op overload) -> (the op overload, whether it is pointwise); the op is kept so that its
+# id is not reused (and the fast cache's keys, which hold that id, stay its own).
+_func_info: dict[int, tuple[Any, bool]] = {}
 
 
-_SCALARS = (int, float, bool, complex)
-_pointwise: dict[Any, bool] = {}
+def _new_func_info(func) -> tuple[Any, bool]:
+    info = _func_info[id(func)] = (func, torch.Tag.pointwise in getattr(func, "tags", ()))
+    return info
 
 
-def _is_pointwise(func) -> bool:
-    known = _pointwise.get(func)
-    if known is None:
-        known = _pointwise[func] = torch.Tag.pointwise in func.tags
-    return known
-
-
-def _scalar_kind(a: Any) -> Any:
-    """For a pointwise op only the type of a Python scalar matters (type promotion)."""
-    t = type(a)
-    return t if t in _SCALARS else _hashable(a)
-
-
-# (func, argument descriptions) -> (op name, output): the meta description of a single new
-# output tensor, or the index of the input an in-place op returns.
+# (id(func), argument descriptions) -> (op name, output): (the description of a single new
+# output tensor, the device and the wrapper maker of ``_maker``), or the index of the input
+# an in-place op returns.
 _fast_cache: dict[tuple, tuple] = {}
 
 
@@ -537,7 +600,8 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             same = flat[leaf.index]
             _fast_cache[fast_key] = (op, next(j for j, a in enumerate(args) if a is same))
         elif isinstance(leaf, torch.Tensor):
-            _fast_cache[fast_key] = (op, _desc(leaf))
+            desc = results[0]._md_desc
+            _fast_cache[fast_key] = (op, (desc, *_maker(desc, engine.device)))
     return pytree.tree_unflatten(results, out_spec)
 
 
@@ -611,6 +675,28 @@ def _desc(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
 
 
+# (description, device) -> (device, a maker of md.Tensor wrappers of that description): the
+# arguments of _make_wrapper_subclass, bound once (leaving out default strides and offset).
+_makers: dict[tuple, tuple] = {}
+
+
+def _maker(desc: tuple, device: torch.device) -> tuple:
+    found = _makers.get((desc, device))
+    if found is None:
+        _, shape, stride, dtype, offset = desc
+        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
+        if offset or stride != torch.empty(shape, device="meta").stride():
+            kwargs["strides"] = stride
+            kwargs["storage_offset"] = offset
+        found = (
+            device,
+            functools.partial(torch.Tensor._make_wrapper_subclass, Tensor, shape, **kwargs),
+        )
+        if len(_makers) < _META_CACHE_MAX:
+            _makers[(desc, device)] = found
+    return found
+
+
 def _new_meta(desc: tuple) -> torch.Tensor:
     shape, stride, dtype, offset = desc
     t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
@@ -648,6 +734,8 @@ class Stream:
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
+        global _streams_used
+        _streams_used = True
         stack = _stream_stack()
         stack.append(self)
         try:
@@ -736,6 +824,9 @@ def get_active_stream() -> Stream:
 def _current_stream() -> str:
     stack = getattr(_state, "streams", None)
     return stack[-1].name if stack else "main"
+
+
+_streams_used = False  # until a stream is activated, every thread's stream is "main"
 
 
 def _check_usable(t: Tensor, op: str, i: int, write: bool) -> None:

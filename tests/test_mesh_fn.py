@@ -138,3 +138,35 @@ def test_pipeline_on_workers(pm):
     assert got == pytest.approx(_train(ref, ref_opt, batches), abs=1e-5)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
+
+
+def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
+    from monarch_dsl.compiler import ir
+    from monarch_dsl.tensor import Engine
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    sent = []
+    real = Engine.append
+    monkeypatch.setattr(
+        Engine, "append", lambda self, m, ins: (sent.append(ins), real(self, m, ins))[1]
+    )
+    x, y = _batches(1)[0]
+    with pm.activate():
+        for _ in range(5):
+            loss = step(x, y)
+        md.inspect(loss)
+    kinds = [type(i).__name__ for i in sent]
+    # Two plans (before and after the optimizer has state), each defined once; five runs.
+    assert kinds.count("DefinePlan") == 2 and kinds.count("RunPlan") == 5
+    assert all(not isinstance(i, ir.CallOp) or i.op == "aten::_to_copy.default" for i in sent)
