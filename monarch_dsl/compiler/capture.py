@@ -86,7 +86,6 @@ class Captured:
     output_names: list[str]
     output_kinds: list[str]
     out_spec: Any  # pytree spec of the function's own result
-    new_state: list[tuple[str, Any, str]]  # (name, optimizer or module, key) of created state
 
 
 # ---- what the function uses ------------------------------------------------------------------
@@ -315,7 +314,6 @@ def capture(
         output_names=output_names,
         output_kinds=output_kinds,
         out_spec=out_info["spec"],
-        new_state=[],
     )
 
 

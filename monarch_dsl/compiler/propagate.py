@@ -640,16 +640,6 @@ class _State:
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
 
-    def cached(self, var: str, want: tuple[Placement, ...]) -> str | None:
-        """An existing redistribution of ``var`` to ``want``, if the pass made one."""
-        name = var
-        for m, p in enumerate(want):
-            if self.types[name].placements[m] != p:
-                name = self.cache.get((name, m, p))
-                if name is None:
-                    return None
-        return name
-
     def redistribute(self, var: str, want: tuple[Placement, ...], user: Instr) -> str:
         """Insert what turns ``var`` into placements ``want``; returns the new value's name.
         One mesh dim at a time: reductions first, then gathers, then local chunks."""
