@@ -61,11 +61,59 @@ def mesh_fn(
 
 
 class _Compiled:
+    """A compiled plan, with what every call of it needs worked out once."""
+
     def __init__(self, plan: Plan, program: Program, captured) -> None:
         self.plan = plan
         self.program = program
         self.captured = captured
         self.ids: dict[int, int] = {}  # engine id -> plan id on its workers
+        sizes = plan.sizes
+        self.types = plan.types()
+        self.home = _homes(plan)
+        self.n_args = sum(1 for i in plan.inputs if i.kind == "arg")
+        # per input: (name, kind, whole type, local shape, stage)
+        self.inputs = [
+            (i.name, i.kind, i.type, i.type.local_shape(sizes), self.home.get(i.name, ()))
+            for i in plan.inputs
+        ]
+        self.placements = tuple(i.type.placements for i in plan.inputs)
+        # per output: (name, kind, whole type, md.Tensor description, stage, in place); in
+        # place: state the step updated in place (a momentum buffer): its input's ref stays.
+        roots = _roots(plan)
+        inputs = {i.name: i.type for i in plan.inputs}
+        self.outputs = []
+        for o, shape, dtype in zip(plan.outputs, program.output_shapes, program.output_dtypes):
+            shape = tuple(shape or ())
+            stride = tuple(_contiguous_strides(shape))
+            desc = ("T", shape, stride, getattr(torch, dtype), 0)
+            t = self.types[o.var]
+            inplace = o.kind == "state" and roots.get(o.var) == o.name and inputs.get(o.name) == t
+            self.outputs.append((o.name, o.kind, t, desc, self.home.get(o.var, ()), inplace))
+
+
+def _roots(plan: Plan) -> dict[str, str]:
+    """Value -> the input whose storage it is (through writes in place and aliasing views)."""
+    from monarch_dsl.compiler.propagate import ALIASING, _base
+
+    root = {i.name: i.name for i in plan.inputs}
+    for ins in plan.body:
+        uses = ins.uses()
+        if not uses or "." not in ins.op or uses[0] not in root:
+            continue
+        name, inplace = _base(ins.op)
+        if inplace or name in ALIASING:
+            for o in ins.outs:
+                root[o] = root[uses[0]]
+    return root
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return strides[::-1]
 
 
 class MeshFunction:
@@ -87,6 +135,7 @@ class MeshFunction:
         self.state: dict[str, tuple[Any, TensorType, str]] = {}
         self.state_mesh: Any = None
         self.home: dict[str, tuple] = {}  # state name -> the pipeline stage that holds it
+        self._state_key: tuple | None = None  # of the state's layout, while it is unchanged
 
     # ---- compiling -----------------------------------------------------------------------
     def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
@@ -101,7 +150,13 @@ class MeshFunction:
         return self._compiled(args, kwargs, _mesh_spec(mesh), None).plan
 
     def _compiled(self, args, kwargs, spec, state) -> _Compiled:
-        key = (spec, _signature((args, kwargs)), _state_key(state))
+        if state is None:
+            skey = ()
+        else:
+            if self._state_key is None:
+                self._state_key = _state_key(state)
+            skey = self._state_key
+        key = (spec, _signature((args, kwargs)), skey)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -210,6 +265,7 @@ class MeshFunction:
                     if any(q is p for g in opt.param_groups for q in g["params"]):
                         opt.state[p][key] = v
         self.state = {}
+        self._state_key = None
         self.state_mesh = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -284,74 +340,79 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     engine.ensure_collectives()
     first = mf.state_mesh is None
     compiled = mf._compiled(args, kwargs, spec, None if first else mf.state)
-    plan, program = compiled.plan, compiled.program
+    plan = compiled.plan
     mesh_id = engine.mesh_id(pm)
     pid = compiled.ids.get(id(engine))
     if pid is None:
         with _plan_ids_lock:
             pid = next(_plan_ids)
         compiled.ids[id(engine)] = pid
-        engine.append(mesh_id, ir.DefinePlan(pid, program))
-    sizes = plan.sizes
+        engine.append(mesh_id, ir.DefinePlan(pid, compiled.program))
     inputs, split, keep = [], [], []
     flat_args = [v for v in pytree.tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-    n_args = sum(1 for i in plan.inputs if i.kind == "arg")
-    if len(flat_args) != n_args:
-        raise TypeError(f"{mf.__name__}: expected {n_args} tensor arguments, got {len(flat_args)}")
-    modules, optimizers = used_objects(mf.fn)
-    named = _named_tensors(modules, optimizers)
-    home = _homes(plan)
-    for k, inp in enumerate(plan.inputs):
-        local_shape = inp.type.local_shape(sizes)
-        if inp.kind == "arg":
+    if len(flat_args) != compiled.n_args:
+        raise TypeError(
+            f"{mf.__name__}: expected {compiled.n_args} tensor arguments, got {len(flat_args)}"
+        )
+    named = None  # the modules' own tensors: needed only before the state is on the mesh
+    state = mf.state
+    for k, (name, kind, whole_type, local_shape, stage) in enumerate(compiled.inputs):
+        if kind == "arg":
             value = flat_args[k]
-        elif inp.name in mf.state:
-            value = mf.state[inp.name][0]
-        elif inp.name in named:
-            value = named[inp.name].detach()
+        elif name in state:
+            value = state[name][0]
         else:
-            raise RuntimeError(f"internal: no value for the plan input {inp.name!r}")
+            if named is None:
+                named = _named_tensors(*used_objects(mf.fn))
+            if name not in named:
+                raise RuntimeError(f"internal: no value for the plan input {name!r}")
+            value = named[name].detach()
         if isinstance(value, Tensor):
-            inside = set(value.mesh.ranks) <= set(pm.ranks)  # pm or a stage's slice of it
-            if value.mesh is not pm and value._md_mesh_id != mesh_id and not inside:
-                raise TypeError(
-                    f"{mf.__name__}: argument {inp.name!r} lives on another mesh ({value.mesh})"
-                )
+            if value._md_mesh_id != mesh_id and value.mesh is not pm:
+                if not set(value.mesh.ranks) <= set(pm.ranks):  # not even a stage's slice
+                    raise TypeError(
+                        f"{mf.__name__}: argument {name!r} lives on another mesh ({value.mesh})"
+                    )
             if tuple(value.shape) != local_shape:
                 raise TypeError(
-                    f"{mf.__name__}: argument {inp.name!r} is a mesh tensor of shape "
-                    f"{list(value.shape)}, but each rank's part of a {list(inp.type.shape)} "
-                    f"tensor laid out {_fmt(inp.type.placements, plan.dims)} is {list(local_shape)}"
+                    f"{mf.__name__}: argument {name!r} is a mesh tensor of shape "
+                    f"{list(value.shape)}, but each rank's part of a {list(whole_type.shape)} "
+                    f"tensor laid out {_fmt(whole_type.placements, plan.dims)} is "
+                    f"{list(local_shape)}"
                 )
             inputs.append(value._md_ref)
             keep.append(value)
             continue
         whole = _lift(value, pm)
         ref = engine.new_ref()
-        meta = torch.empty(local_shape, dtype=value.dtype, device="meta")
-        local = Tensor(meta, pm, engine, ref, "main")
+        desc = ("T", local_shape, tuple(_contiguous_strides(local_shape)), value.dtype, 0)
+        local = Tensor(None, pm, engine, ref, "main", desc=desc)
         split.append((whole._md_ref, ref, k))
         inputs.append(ref)
         keep.append(whole)
-        if inp.kind != "arg":
-            mf.state[inp.name] = (local, inp.type, "state" if inp.kind == "state" else "param")
-            mf.home[inp.name] = home.get(inp.name, ())
+        if kind != "arg":
+            state[name] = (local, whole_type, "state" if kind == "state" else "param")
+            mf.home[name] = stage
+            mf._state_key = None
         else:
             keep.append(local)
-    outs, handles = [], []
-    types = plan.types()
-    home = _homes(plan)
-    for o, shape, dtype in zip(plan.outputs, program.output_shapes, program.output_dtypes):
+    outs, results = [], []
+    for name, kind, whole_type, desc, stage, inplace in compiled.outputs:
+        if inplace and name in state:
+            outs.append(-1)  # updated in place: the input's ref holds it
+            continue
         ref = engine.new_ref()
-        meta = torch.empty(shape or (), dtype=getattr(torch, dtype), device="meta")
-        where = home.get(o.var, ())
         # A pipeline stage's result lives on that stage's ranks.
-        h = Tensor(meta, pm.slice(**dict(where)) if where else pm, engine, ref, "main")
+        h = Tensor(None, pm.slice(**dict(stage)) if stage else pm, engine, ref, "main", desc=desc)
         outs.append(ref)
-        handles.append(h)
-        if o.kind in ("state", "grad"):
-            mf.state[o.name] = (h, types[o.var], "state")
-            mf.home[o.name] = where
+        if kind == "out":
+            results.append(h)
+        else:
+            old = state.get(name)
+            if old is None or old[1] != whole_type or old[2] != "state":
+                mf._state_key = None  # the state's layout changed: a new cache key
+            state[name] = (h, whole_type, "state")
+            mf.home[name] = stage
     mf.state_mesh = pm
     engine.append(
         mesh_id,
@@ -361,12 +422,11 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             tuple(inputs),
             tuple(outs),
             tuple(split),
-            tuple(i.type.placements for i in plan.inputs),
+            compiled.placements,
             "main",
             line,
         ),
     )
-    results = [h for h, o in zip(handles, plan.outputs) if o.kind == "out"]
     return pytree.tree_unflatten(results, plan.out_spec)
 
 

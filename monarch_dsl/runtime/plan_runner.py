@@ -100,7 +100,7 @@ class PlanRunner:
         world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
         failure = self._agree(world, failure, ins, "an input failed on another rank")
         if failure is not None:
-            ex._fail(ins.outputs, failure, root=False)
+            ex._fail([r for r in ins.outputs if r >= 0], failure, root=False)
             return
         pending: dict[int, Any] = {}
         own = False
@@ -127,10 +127,11 @@ class PlanRunner:
             finish()
         failure = self._agree(world, failure, ins, "a step failed on another rank")
         if failure is not None:
-            ex._fail(ins.outputs, failure, root=own)
+            ex._fail([r for r in ins.outputs if r >= 0], failure, root=own)
             return
         for slot, ref in zip(program.outputs, ins.outputs):
-            ex.refs[ref] = env[slot]
+            if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
+                ex.refs[ref] = env[slot]
 
     def _agree(self, group, failure, ins, why):
         from monarch_dsl.runtime.executor import Failure
