@@ -38,5 +38,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c 'import m
     "${PIP[@]}" install --no-build-isolation -e ".[dev]"
     echo "$want" > "$stamp"
 fi
+# The C++ runtime: compiled once against this torch (about a minute per source file on two
+# cores), then only loaded; a failed build prints the compiler's output.
+"$PY" -m monarch_dsl._build
+
 "$PY" -c 'import platform, torch, monarch_dsl
 print(f"setup: ok (python {platform.python_version()}, torch {torch.__version__}, monarch_dsl {monarch_dsl.__version__})")'

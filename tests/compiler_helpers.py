@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from monarch_dsl import _build
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.interpret import simulate_values
 from monarch_dsl.compiler.lower import lower
@@ -55,7 +56,13 @@ def simulate_training(make, mesh, batches, steps=3, **options):
         text = str(plan)  # every compiled plan prints and parses back exactly
         assert Plan.parse(text) == plan and str(Plan.parse(text)) == text
         plans.append(plan)
-        outs, after = simulate_values(plan, lower(plan), c.input_values)
+        program = lower(plan)
+        values = [v.clone() for v in c.input_values]
+        outs, after = simulate_values(plan, program, c.input_values)
+        # Differential: the C++ runtime's compute gives the very same values.
+        cpp_outs, cpp_after = simulate_values(plan, program, values, core=_build.load(build=False))
+        for a, b in zip(outs + after, cpp_outs + cpp_after):
+            assert torch.equal(a, b), "the C++ executor differs from the reference executor"
         write_back(c, outs, after, {"model": model}, [opt])
         losses.append(outs[0])
         ref_losses.append(ref_fn(x, y))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler.lower import Program, resolve, run_step, runs_on, shard_local
+from monarch_dsl.compiler.lower import Program, Slot, resolve, run_step, runs_on, shard_local
 from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
 
 
@@ -64,18 +64,25 @@ def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def run_program(
-    program: Program, inputs: dict[tuple[int, ...], list]
+    program: Program, inputs: dict[tuple[int, ...], list], core: Any = None
 ) -> dict[tuple[int, ...], list]:
     """Run ``program`` on every rank: ``inputs[coords]`` are that rank's input values; returns
-    each rank's output values."""
+    each rank's output values. ``core``: the C++ runtime module, to run the compute steps in
+    its ``Program`` (as workers do) instead of in Python."""
     sizes = program.sizes
     ranks = coords_of(sizes)
-    envs = {c: [None] * program.n_slots for c in ranks}
+    if core is not None:
+        from monarch_dsl.runtime.plan_runner import core_steps
+
+        compiled = core.Program(core_steps(program, None, None), Slot)
+        envs = {c: core.Env(program.n_slots) for c in ranks}
+    else:
+        envs = {c: [None] * program.n_slots for c in ranks}
     for c in ranks:
         for slot, v in zip(program.inputs, inputs[c]):
             envs[c][slot] = v
     mail: dict[tuple, deque] = defaultdict(deque)
-    for step in program.steps:
+    for k, step in enumerate(program.steps):
         active = [c for c in ranks if runs_on(step, c)]
         op = step.op
         if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
@@ -124,6 +131,12 @@ def run_program(
                 v = resolve(step.args[0], envs[c])
                 keep = step.comm["op"] != "sum" or c[d] == 0
                 envs[c][step.outs[0]] = v if keep else torch.zeros_like(v)
+        elif core is not None:
+            for c in active:
+                failed = compiled.run(envs[c], k, k + 1)
+                if failed >= 0:
+                    raise RuntimeError(f"{step.op} at {step.loc}: {compiled.last_error()}")
+            continue  # (the C++ program freed what the step was the last use of)
         else:
             for c in active:
                 run_step(step, envs[c])
@@ -141,7 +154,9 @@ def _groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[t
     return [sorted(g) for g in by_rest.values()]
 
 
-def simulate_values(plan: Plan, program: Program, values: list) -> tuple[list, list]:
+def simulate_values(
+    plan: Plan, program: Program, values: list, core: Any = None
+) -> tuple[list, list]:
     """Run ``plan`` on whole input ``values`` (in input order): shards each input by its
     placement, runs every rank, and joins each output by its placement. Returns the whole
     outputs and the whole inputs after the run (a training step updates them in place)."""
@@ -150,7 +165,7 @@ def simulate_values(plan: Plan, program: Program, values: list) -> tuple[list, l
     inputs = {
         c: [local_value(v, i.type, c, sizes) for v, i in zip(values, plan.inputs)] for c in ranks
     }
-    outs = run_program(program, inputs)
+    outs = run_program(program, inputs, core)
     types = plan.types()
     result = []
     for k, o in enumerate(plan.outputs):

@@ -366,6 +366,30 @@ def rule_nll(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
     return cands
 
 
+def rule_layer_norm(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
+    """native_layer_norm(x, shape, w, b, eps) -> (out, mean, rstd); its backward
+    (grad, x, shape, mean, rstd, w, b, mask) -> (grad_x, grad_w, grad_b). Sharding a batch dim
+    (not a normalized one) keeps everything sharded, and the weight's gradients partial."""
+    x = c.ins[1] if backward else c.ins[0]
+    nd = len(x.shape or ())
+    normalized = len(ins.args[2] if backward else ins.args[1])
+    k = len(c.ins)
+    cands = [Strategy((R,) * k, (R,) * len(c.outs))]
+    for d in range(nd - normalized):
+        if not _divisible(x, d, c.n):
+            continue
+        if not backward:  # x, then weight and bias whole
+            cands.append(Strategy((Shard(d),) + (R,) * (k - 1), (Shard(d),) * 3))
+        else:  # grad, x, mean, rstd sharded alike; weight and bias whole
+            req = (Shard(d), Shard(d), Shard(d), Shard(d)) + (R,) * (k - 4)
+            cands.append(Strategy(req, (Shard(d), Partial("sum"), Partial("sum"))))
+    if backward:  # linear in the incoming gradient
+        req = (Partial("sum"),) + (R,) * (k - 1)
+        cands.append(Strategy(req, (Partial("sum"),) * 3))
+    cands.sort(key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return [s for s in cands if _valid(s, c)]
+
+
 def rule_embedding(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
     if not backward:  # (weight[V, D], indices) -> out[..., D]
         w, idx = c.ins
@@ -434,6 +458,10 @@ def strategies(ins: Instr, c: Ctx) -> list[Strategy] | None:
         return rule_nll(ins, c, backward=False)
     if name == "nll_loss_backward":
         return rule_nll(ins, c, backward=True)
+    if name == "native_layer_norm":
+        return rule_layer_norm(ins, c, backward=False)
+    if name == "native_layer_norm_backward":
+        return rule_layer_norm(ins, c, backward=True)
     if name == "embedding":
         return rule_embedding(ins, c, backward=False)
     if name == "embedding_dense_backward":

@@ -54,9 +54,25 @@ class PlanRunner:
     def __init__(self, executor: Any) -> None:
         self.ex = executor
         self.programs: dict[int, tuple[Program, list]] = {}
+        self.core = _core()  # the C++ runtime, or None: compute steps run in Python
+        self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
+        self._compute: dict[int, list[bool]] = {}  # per plan: which steps are compute
 
     def define(self, ins: ir.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
+        self._compute[ins.plan] = [
+            not (s.comm or s.op in ("send", "recv")) for s in ins.program.steps
+        ]
+
+    def _compiled(self, plan: int, program: Program, coords: tuple[int, ...]) -> Any:
+        """The C++ program of ``plan`` for the rank at ``coords`` (steps of other ranks and
+        communication left out: None)."""
+        key = (plan, coords)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            steps = core_steps(program, coords, self.ex.device)
+            compiled = self.compiled[key] = self.core.Program(steps, Slot)
+        return compiled
 
     # ---- groups --------------------------------------------------------------------------
     def _members(self, mesh: ir.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
@@ -91,7 +107,9 @@ class PlanRunner:
             else:
                 t = TensorType(tuple(v.shape), "", ins.placements[i])
                 ex.refs[local] = local_value(v, t, coords, sizes)
-        env: list[Any] = [None] * program.n_slots
+        core = self.core
+        env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
+        compiled = self._compiled(ins.plan, program, coords) if core else None
         for slot, ref in zip(program.inputs, ins.inputs):
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
@@ -104,12 +122,34 @@ class PlanRunner:
             return
         pending: dict[int, Any] = {}
         own = False
-        for k, step in enumerate(program.steps):
+        steps = program.steps
+        k = -1
+        while k + 1 < len(steps):
+            k += 1
+            step = steps[k]
             if not runs_on(step, coords):
                 continue
             for s in uses[k]:
                 if s in pending:
                     pending.pop(s)()
+            if compiled is not None and not (step.comm or step.op in ("send", "recv")):
+                if failure is None:
+                    # A run of compute steps in C++, up to the next communication or the next
+                    # use of a collective still in flight.
+                    end = k + 1
+                    while end < len(steps) and self._compute[ins.plan][end]:
+                        if any(s in pending for s in uses[end]):
+                            break
+                        end += 1
+                    failed = compiled.run(env, k, end)
+                    if failed >= 0:
+                        bad = steps[failed]
+                        failure = Failure(
+                            ex.rank, bad.loc or ins.line, bad.op, compiled.last_error(), ""
+                        )
+                        own = True
+                    k = end - 1
+                continue
             try:
                 if step.comm or step.op in ("send", "recv"):
                     self._comm(step, env, mesh, coords, pending, failure is not None)
@@ -255,6 +295,44 @@ class PlanRunner:
         for c, n in zip(coords, mesh.sizes):
             index = index * n + c
         return mesh.ranks[index]
+
+
+def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list:
+    """The steps of ``program`` as ``_core.Program`` takes them: compute steps of the rank at
+    ``coords`` (None: of every rank), None for the others."""
+    steps: list = []
+    for step in program.steps:
+        comm = step.comm or step.op in ("send", "recv")
+        if comm or (coords is not None and not runs_on(step, coords)):
+            steps.append(None)
+            continue
+        ns, name, overload = step.op.split(".")
+        kwargs = dict(step.kwargs)
+        if device is not None and "device" in kwargs:
+            kwargs["device"] = device
+        steps.append(
+            (f"{ns}::{name}", overload, tuple(step.args), kwargs, list(step.outs), list(step.frees))
+        )
+    return steps
+
+
+def _core() -> Any:
+    """The C++ runtime, unless ``MD_EXECUTOR=python`` asks for the reference executor. A
+    worker never builds it (setup does): without a build, compute runs in Python, and says so
+    once."""
+    import os
+    import sys
+
+    if os.environ.get("MD_EXECUTOR", "cpp") == "python":
+        return None
+    from monarch_dsl import _build
+
+    try:
+        return _build.load(build=False)
+    except _build.BuildError as e:
+        print(f"monarch_dsl worker: {e}; compiled plans run in Python", file=sys.stderr)
+        os.environ["MD_EXECUTOR"] = "python"
+        return None
 
 
 class _Once:

@@ -1,0 +1,12 @@
+// monarch_dsl._core: the C++ runtime's Python module. Each part binds itself here.
+
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+void bind_program(py::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "monarch_dsl's C++ runtime (see monarch_dsl/_core.pyi)";
+  bind_program(m);
+}

@@ -1,0 +1,217 @@
+// The compute part of a compiled plan, run through the c10 dispatcher.
+//
+// A Program is built once per plan on each worker from the lowered steps (op name, arguments
+// with slot markers, outputs, slots to free). Building resolves every operator to its
+// dispatcher handle and converts every constant argument to an IValue by the operator's schema,
+// so running a step is: copy the argument template, put the slot values in, callBoxed, store the
+// results. No Python on that path (an op whose kernel is Python, such as prims, takes the GIL
+// itself).
+
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// Where a step's argument takes a slot's value.
+struct Patch {
+  size_t arg;                 // index in the boxed stack
+  std::vector<int64_t> slots; // one slot, or the slots of a Tensor[] / Tensor?[] argument
+  bool list = false;          // build a list from `slots`
+  bool optional_list = false; // Tensor?[]
+};
+
+struct Step {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> stack;  // the arguments, slots still empty
+  std::vector<Patch> patches;
+  std::vector<int64_t> outs;
+  std::vector<int64_t> frees;
+  bool spread = false;  // the op returns one list whose elements are the outs
+  std::string name;
+};
+
+bool is_slot(py::handle obj, py::handle slot_type) {
+  return py::isinstance(obj, slot_type);
+}
+
+int64_t slot_index(py::handle obj) { return obj.attr("index").cast<int64_t>(); }
+
+}  // namespace
+
+class Env {
+ public:
+  explicit Env(int64_t n) : values(n) {}
+  void set(int64_t i, py::handle obj) {
+    if (THPVariable_Check(obj.ptr())) {
+      values.at(i) = THPVariable_Unpack(obj.ptr());
+    } else if (obj.is_none()) {
+      values.at(i) = c10::IValue();
+    } else if (py::isinstance<py::bool_>(obj)) {
+      values.at(i) = obj.cast<bool>();
+    } else if (py::isinstance<py::int_>(obj)) {
+      values.at(i) = obj.cast<int64_t>();
+    } else if (py::isinstance<py::float_>(obj)) {
+      values.at(i) = obj.cast<double>();
+    } else {
+      throw std::runtime_error("Env.set: not a tensor or a number");
+    }
+  }
+  void set_none(int64_t i) { values.at(i) = c10::IValue(); }
+  py::object get(int64_t i) { return torch::jit::toPyObject(values.at(i)); }
+  bool has(int64_t i) const { return !values.at(i).isNone(); }
+  int64_t size() const { return static_cast<int64_t>(values.size()); }
+  std::vector<c10::IValue> values;
+};
+
+class Program {
+ public:
+  // steps: list of (qualified op name "aten::mm", overload, args tuple, kwargs dict,
+  //                 outs list, frees list), compute steps only (None for others).
+  Program(const py::list& steps, py::handle slot_type) {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& item : steps) {
+      if (item.is_none()) {
+        steps_.emplace_back(std::nullopt);
+        continue;
+      }
+      auto t = item.cast<py::tuple>();
+      auto qualified = t[0].cast<std::string>();
+      auto overload = t[1].cast<std::string>();
+      auto handle = dispatcher.findSchemaOrThrow(
+          qualified.c_str(), overload == "default" ? "" : overload.c_str());
+      Step step{handle, {}, {}, {}, {}, false, qualified + "." + overload};
+      const auto& schema = handle.schema();
+      auto args = t[2].cast<py::tuple>();
+      auto kwargs = t[3].cast<py::dict>();
+      const auto& formals = schema.arguments();
+      for (size_t i = 0; i < formals.size(); ++i) {
+        const auto& formal = formals[i];
+        py::object value;
+        if (i < args.size() && !formal.kwarg_only()) {
+          value = args[i];
+        } else if (kwargs.contains(formal.name())) {
+          value = kwargs[py::str(formal.name())];
+        } else if (formal.default_value()) {
+          step.stack.push_back(*formal.default_value());
+          continue;
+        } else {
+          throw std::runtime_error(step.name + ": no value for argument " + formal.name());
+        }
+        if (is_slot(value, slot_type)) {
+          step.patches.push_back({i, {slot_index(value)}});
+          step.stack.emplace_back();
+          continue;
+        }
+        if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+          auto seq = py::reinterpret_borrow<py::sequence>(value);
+          bool any_slot = false;
+          for (auto x : seq) any_slot = any_slot || is_slot(x, slot_type);
+          if (any_slot) {
+            Patch p{i, {}, true, false};
+            for (auto x : seq) {
+              if (!is_slot(x, slot_type))
+                throw std::runtime_error(step.name + ": a list mixing values and tensors");
+              p.slots.push_back(slot_index(x));
+            }
+            auto elem = formal.type()->castRaw<c10::ListType>();
+            p.optional_list = elem && elem->getElementType()->kind() == c10::TypeKind::OptionalType;
+            step.patches.push_back(p);
+            step.stack.emplace_back();
+            continue;
+          }
+        }
+        if (formal.type()->kind() == c10::TypeKind::TensorType &&
+            (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value))) {
+          // A Python number where the schema has a Tensor (x * 2 as mul.Tensor): a wrapped
+          // number, as torch's Python binding makes it (it does not promote the dtype).
+          at::Tensor t = py::isinstance<py::bool_>(value)
+                             ? at::scalar_to_tensor(c10::Scalar(value.cast<bool>()))
+                         : py::isinstance<py::int_>(value)
+                             ? at::scalar_to_tensor(c10::Scalar(value.cast<int64_t>()))
+                             : at::scalar_to_tensor(c10::Scalar(value.cast<double>()));
+          t.unsafeGetTensorImpl()->set_wrapped_number(true);
+          step.stack.emplace_back(std::move(t));
+          continue;
+        }
+        step.stack.push_back(torch::jit::toIValue(value, formal.type()));
+      }
+      for (auto o : t[4].cast<py::list>()) step.outs.push_back(o.cast<int64_t>());
+      for (auto f : t[5].cast<py::list>()) step.frees.push_back(f.cast<int64_t>());
+      const auto& returns = schema.returns();
+      step.spread = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
+      steps_.emplace_back(std::move(step));
+    }
+  }
+
+  // Run steps [begin, end) on env; compute steps only (others are skipped: the caller runs
+  // them). Returns -1, or the index of the step that raised (its message in last_error).
+  int64_t run(Env& env, int64_t begin, int64_t end) {
+    py::gil_scoped_release nogil;
+    auto& values = env.values;
+    for (int64_t k = begin; k < end; ++k) {
+      auto& maybe = steps_.at(k);
+      if (!maybe) continue;
+      Step& step = *maybe;
+      try {
+        torch::jit::Stack stack = step.stack;
+        for (const auto& p : step.patches) {
+          if (!p.list) {
+            stack[p.arg] = values.at(p.slots[0]);
+          } else if (p.optional_list) {
+            c10::List<std::optional<at::Tensor>> list;
+            for (auto s : p.slots) list.push_back(values.at(s).toOptional<at::Tensor>());
+            stack[p.arg] = list;
+          } else {
+            c10::List<at::Tensor> list;
+            for (auto s : p.slots) list.push_back(values.at(s).toTensor());
+            stack[p.arg] = list;
+          }
+        }
+        step.op.callBoxed(&stack);
+        if (step.spread) {
+          auto list = stack.at(0).toList();
+          for (size_t i = 0; i < step.outs.size() && i < list.size(); ++i)
+            values.at(step.outs[i]) = list.get(i);
+        } else {
+          for (size_t i = 0; i < step.outs.size() && i < stack.size(); ++i)
+            values.at(step.outs[i]) = std::move(stack[i]);
+        }
+      } catch (const std::exception& e) {
+        last_error_ = e.what();
+        return k;
+      }
+      for (auto f : step.frees) values.at(f) = c10::IValue();
+    }
+    return -1;
+  }
+
+  std::string last_error() const { return last_error_; }
+  int64_t size() const { return static_cast<int64_t>(steps_.size()); }
+
+ private:
+  std::vector<std::optional<Step>> steps_;
+  std::string last_error_;
+};
+
+void bind_program(py::module& m) {
+  py::class_<Env>(m, "Env")
+      .def(py::init<int64_t>())
+      .def("set", &Env::set)
+      .def("__setitem__", &Env::set)
+      .def("__getitem__", &Env::get)
+      .def("set_none", &Env::set_none)
+      .def("get", &Env::get)
+      .def("has", &Env::has)
+      .def("__len__", &Env::size);
+  py::class_<Program>(m, "Program")
+      .def(py::init<const py::list&, py::handle>())
+      .def("run", &Program::run)
+      .def("last_error", &Program::last_error)
+      .def("__len__", &Program::size);
+}
