@@ -153,6 +153,9 @@ class Program {
   // them). Returns -1, or the index of the step that raised (its message in last_error).
   int64_t run(Env& env, int64_t begin, int64_t end) {
     py::gil_scoped_release nogil;
+    // A plan spells out its backward pass: no autograd bookkeeping for its ops (what the
+    // GraphModule peer pays on every call).
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
     for (int64_t k = begin; k < end; ++k) {
       auto& maybe = steps_.at(k);

@@ -1,0 +1,157 @@
+"""Executor benchmark (issue 5, part 1): time per instruction of a 200-op plan of small aten ops
+on 8x8 tensors, run by
+
+- the C++ runtime (``monarch_dsl._core.Program``: dispatcher handles resolved once, boxed calls),
+- the Python reference executor (``compiler.lower.run_step`` per step, as workers do with
+  ``MD_EXECUTOR=python``),
+- the peer: the same graph as a ``make_fx`` GraphModule (generated Python code calling
+  ``torch.ops.aten.*``), and ``torch.fx.Interpreter`` for reference.
+
+Target: the C++ runtime >= 3x faster per instruction than the GraphModule. Medians of several
+repetitions; the three alternate so machine noise hits them alike.
+
+    python benchmarks/executor.py [--ops 200] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from monarch_dsl import _build
+from monarch_dsl.compiler.lower import Program, Slot, Step, run_step
+from monarch_dsl.runtime.plan_runner import core_steps
+
+
+def chain(n_ops: int):
+    """A function of two 8x8 tensors doing ``n_ops`` small aten ops."""
+
+    def f(a, b):
+        x, y = a, b
+        for i in range(n_ops // 5):
+            x = torch.mm(x, y)
+            x = x * 0.5
+            x = torch.tanh(x)
+            y = y + x
+            x = torch.relu(x - 0.1 * i)
+        return x, y
+
+    return f
+
+
+def to_program(gm: torch.fx.GraphModule) -> tuple[Program, int]:
+    """The graph's ops as the executors' steps (slots for values, frees at last uses)."""
+    slots: dict = {}
+    steps = []
+    n_inputs = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            slots[node] = len(slots)
+            n_inputs += 1
+        elif node.op == "call_function":
+            slots[node] = len(slots)
+
+            def conv(v):
+                if isinstance(v, torch.fx.Node):
+                    return Slot(slots[v])
+                if isinstance(v, (list, tuple)):
+                    return type(v)(conv(x) for x in v)
+                return v
+
+            op = str(node.target)
+            steps.append(
+                Step(
+                    op,
+                    conv(tuple(node.args)),
+                    {k: conv(v) for k, v in node.kwargs.items()},
+                    (slots[node],),
+                    (),
+                    "main",
+                    "",
+                    {},
+                    (),
+                )
+            )
+    program = Program("bench", (), (), tuple(steps), len(slots), tuple(range(n_inputs)), (), (), ())
+    return program, len(steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    core = _build.load(build=False)
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    gm = make_fx(chain(args.ops))(a, b)
+    program, n = to_program(gm)
+    compiled = core.Program(core_steps(program, None, None), Slot)
+    interp = torch.fx.Interpreter(gm)
+
+    def run_cpp():
+        env = core.Env(program.n_slots)
+        env[0], env[1] = a, b
+        if compiled.run(env, 0, len(program.steps)) != -1:
+            raise RuntimeError(compiled.last_error())
+
+    def run_python():
+        env = [None] * program.n_slots
+        env[0], env[1] = a, b
+        for s in program.steps:
+            run_step(s, env)
+
+    def run_graph():
+        gm(a, b)
+
+    def run_interp():
+        interp.run(a, b)
+
+    # The same results first.
+    env = core.Env(program.n_slots)
+    env[0], env[1] = a, b
+    compiled.run(env, 0, len(program.steps))
+    ref = gm(a, b)
+    assert torch.equal(env[program.n_slots - 1], ref[1]) or torch.equal(
+        env[program.n_slots - 1], ref[0]
+    ), "the C++ runtime's result differs from the GraphModule's"
+
+    runners = {"cpp": run_cpp, "python": run_python, "graph": run_graph, "interp": run_interp}
+    iters = {k: args.iters if k != "interp" else max(args.iters // 4, 10) for k in runners}
+    for fn in runners.values():  # warm up
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(args.reps):
+        for k, fn in runners.items():
+            t0 = time.perf_counter()
+            for _ in range(iters[k]):
+                fn()
+            times[k].append((time.perf_counter() - t0) / iters[k] / n * 1e6)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["graph"] / med["cpp"]
+    print(
+        f"{n}-op plan of small aten ops on 8x8 tensors; medians of {args.reps} repetitions "
+        f"(us per instruction)"
+    )
+    print(f"{'executor':<42}{'us/op':>10}{'vs graph':>10}")
+    rows = [
+        ("C++ runtime (_core.Program)", "cpp"),
+        ("Python reference executor (run_step)", "python"),
+        ("peer: make_fx GraphModule forward", "graph"),
+        ("torch.fx.Interpreter", "interp"),
+    ]
+    for label, k in rows:
+        print(f"{label:<42}{med[k]:>10.2f}{med['graph'] / med[k]:>9.2f}x")
+    check = "PASS" if ratio >= 3 else "MISS"
+    print(f"target: C++ >= 3x faster than the GraphModule per op: {ratio:.2f}x  {check}")
+
+
+if __name__ == "__main__":
+    main()
