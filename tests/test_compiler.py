@@ -361,3 +361,22 @@ def test_every_pass_is_recorded_in_stages():
     assert [s.name for s in plan.stages] == ["capture", "propagate", "schedule", "check"]
     assert all(s.seconds >= 0 for s in plan.stages)
     assert plan.stages[-1].plan == plan
+
+
+def test_dropout_cat_chunk_amax_log_softmax_stay_sharded():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def fn(x):
+        a, b = torch.chunk(lin(x), 2, dim=1)
+        h = torch.cat([F.dropout(a, 0.1), torch.tanh(b)], dim=1)
+        return F.log_softmax(h, dim=-1).amax(dim=1).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every op has a rule: no fallback warning
+        plan = md.mesh_fn(fn, data_parallel="dp").compile(
+            torch.randn(8, 16), mesh=md.Mesh.from_string("dp=2")
+        )
+    plan.check()
+    # Only the final sum over the sharded batch needs communication.
+    assert [(c.kind, c.dims) for c in plan.collectives] == [("all_reduce", ("dp",))]
