@@ -35,7 +35,8 @@ SIZES_MIB = (1, 16, 64)
 
 
 class RawAllReduce(md.Actor):
-    """Times all_reduce on the tensor engine's own gloo group for the 'gpu' dim."""
+    """Times all_reduce on the tensor engine's own group for the 'gpu' dim (shared memory
+    between the processes of one host, gloo otherwise)."""
 
     @md.endpoint
     def run(self, numel: int, reps: int) -> float:
@@ -133,7 +134,10 @@ def main() -> None:
     for name, mine, peer, target, ok in rows:
         check = "-" if ok is None else ("PASS" if ok else "MISS")
         print(f"{name:40s} {mine:12.2f} {peer:12.2f} {mine / peer:7.2f}  {target:>10s}  {check}")
-    print("peer: local eager torch for ops; raw gloo all_reduce on the same group for reduce.")
+    print(
+        "peer: local eager torch for ops; for reduce, a raw all_reduce on the same group "
+        "(shared memory between processes of one host)."
+    )
     print(f"eager runs (controller CPU us/op): {', '.join(f'{c:.1f}' for c in cpu)}")
 
 

@@ -100,7 +100,7 @@ def _compile(directory: Path) -> ModuleType:
                 is_python_module=True,
             )
     except Exception as e:  # noqa: BLE001 - any failure: say so with the compiler's words
-        log = (directory / "build.log")
+        log = directory / "build.log"
         log.write_text(out.getvalue() + f"\n{e}\n")
         raise BuildError(
             f"building the C++ runtime failed ({type(e).__name__}); compiler output in {log}:\n"

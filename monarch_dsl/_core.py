@@ -9,5 +9,6 @@ from monarch_dsl._build import load as _load
 _module = _load(build=False)
 Env = _module.Env
 Program = _module.Program
+ShmGroup = _module.ShmGroup
 
-__all__ = ["Env", "Program"]
+__all__ = ["Env", "Program", "ShmGroup"]

@@ -33,3 +33,47 @@ class Program:
         the step that raised (then ``last_error()`` says why)."""
     def last_error(self) -> str: ...
     def __len__(self) -> int: ...
+
+class ShmGroup:
+    """Collectives through one POSIX shared-memory segment among ``size`` processes of one
+    host (``runtime/shm.py`` wraps it as a process group). Rank 0 creates the segment and
+    unlinks its name once every member has attached, so nothing outlives the processes. Every
+    wait gives up after ``timeout`` seconds, or sooner when a member has died, with an error
+    naming the group, the operation and the ranks waited for. The GIL is released while
+    waiting and copying."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        size: int,
+        capacity_bytes: int = ...,
+        timeout: float = 300.0,
+        ring_bytes: int = ...,
+    ) -> None: ...
+    def all_reduce(self, tensor: Any, op: str = "sum") -> None:
+        """In place: sum / avg / max / min / prod; each rank reduces its slice of each chunk,
+        so every rank gets bit-identical results."""
+    def all_gather(self, tensor: Any) -> Any:
+        """The members' tensors stacked along a new dim 0, in rank order."""
+    def all_gather_into(self, outputs: Sequence[Any], input: Any) -> None: ...
+    def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: str = "sum") -> None: ...
+    def broadcast(self, tensor: Any, root: int) -> None: ...
+    def barrier(self) -> None: ...
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
+        """Through a ring buffer per direction; blocks while the ring is full."""
+    def try_send(self, tensor: Any, dst: int, tag: int = 0) -> bool: ...
+    def recv(self, tensor: Any, src: int, tag: int = 0) -> None:
+        """Into ``tensor``; a size or tag that differs from the send's is an error."""
+    def close(self) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    timeout: float

@@ -494,8 +494,6 @@ def _emit(
 _tuple_new = tuple.__new__  # a named tuple without the Python-level __new__ of its class
 
 
-
-
 def _holds_tensor(a: Any) -> bool:
     return isinstance(a, torch.Tensor) or any(
         isinstance(x, torch.Tensor) for x in pytree.tree_leaves(a)

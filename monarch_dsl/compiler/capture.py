@@ -382,6 +382,7 @@ class _UserFrames:
             f = f.f_back
         return traceback.StackSummary.from_list(frames[::-1])
 
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')

@@ -333,9 +333,14 @@ class ReferenceExecutor:
             if self.store is None:
                 raise RuntimeError("collectives are not set up on this worker")
             prefix = dist.PrefixStore(f"md/{stream}/" + ",".join(map(str, members)), self.store)
-            group = dist.ProcessGroupGloo(
-                prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
-            )
+            # Shared memory between ranks of one host (CPU tensors); gloo otherwise.
+            from monarch_dsl.runtime import shm
+
+            group = shm.make_group(prefix, members, self.rank, COLLECTIVE_TIMEOUT, self.device)
+            if group is None:
+                group = dist.ProcessGroupGloo(
+                    prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
+                )
             self.groups[key] = group
         return group
 
