@@ -157,15 +157,19 @@ class Program {
     // GraphModule peer pays on every call).
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
+    if (end > static_cast<int64_t>(steps_.size()) || begin < 0)
+      throw std::out_of_range("Program.run: steps out of range");
+    torch::jit::Stack stack;  // reused: no allocation per step
+    stack.reserve(16);
     for (int64_t k = begin; k < end; ++k) {
-      auto& maybe = steps_.at(k);
+      auto& maybe = steps_[k];
       if (!maybe) continue;
       Step& step = *maybe;
       try {
-        torch::jit::Stack stack = step.stack;
+        stack.assign(step.stack.begin(), step.stack.end());
         for (const auto& p : step.patches) {
           if (!p.list) {
-            stack[p.arg] = values.at(p.slots[0]);
+            stack[p.arg] = values[p.slots[0]];
           } else if (p.optional_list) {
             c10::List<std::optional<at::Tensor>> list;
             for (auto s : p.slots) list.push_back(values.at(s).toOptional<at::Tensor>());
