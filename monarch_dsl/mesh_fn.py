@@ -150,8 +150,8 @@ class MeshFunction:
         return self._compiled(args, kwargs, _mesh_spec(mesh), None).plan
 
     def _compiled(self, args, kwargs, spec, state) -> _Compiled:
-        if state is None:
-            skey = ()
+        if state is None:  # starting from the local modules and optimizers, as they are now
+            skey = ("local", _local_state_key(self.fn))
         else:
             if self._state_key is None:
                 self._state_key = _state_key(state)
@@ -305,14 +305,37 @@ def _state_key(state) -> tuple:
     return tuple(sorted((n, t, k) for n, (_, t, k) in state.items()))
 
 
-def _named_tensors(modules, optimizers) -> dict[str, torch.Tensor]:
-    named = {}
+def _named_tensors(modules, optimizers, state: bool = False) -> dict[str, torch.Tensor]:
+    """The local tensors a step uses, by the names its plan gives them: parameters and buffers,
+    and with ``state`` also the optimizers' state (``<param>.<key>``) and gradients."""
+    named: dict[str, torch.Tensor] = {}
     for mname, mod in modules.items():
         for pname, p in mod.named_parameters():
             named.setdefault(f"{mname}.{pname}", p)
         for bname, b in mod.named_buffers():
             named.setdefault(f"{mname}.{bname}", b)
+    if state:
+        by_id = {id(t): n for n, t in named.items()}
+        for opt in optimizers.values():
+            for p, entries in opt.state.items():
+                if id(p) in by_id:
+                    for key, value in entries.items():
+                        if isinstance(value, torch.Tensor):
+                            named[f"{by_id[id(p)]}.{key}"] = value
+        for n, t in list(named.items()):
+            if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+                named[f"{n}.grad"] = t.grad
     return named
+
+
+def _local_state_key(fn) -> tuple:
+    """The layout of the optimizer state and gradients a step would start from locally."""
+    modules, optimizers = used_objects(fn)
+    params = _named_tensors(modules, optimizers)
+    named = _named_tensors(modules, optimizers, state=True)
+    return tuple(
+        sorted((n, tuple(t.shape), str(t.dtype)) for n, t in named.items() if n not in params)
+    )
 
 
 def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
@@ -363,7 +386,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             value = state[name][0]
         else:
             if named is None:
-                named = _named_tensors(*used_objects(mf.fn))
+                named = _named_tensors(*used_objects(mf.fn), state=True)
             if name not in named:
                 raise RuntimeError(f"internal: no value for the plan input {name!r}")
             value = named[name].detach()

@@ -380,3 +380,146 @@ def test_dropout_cat_chunk_amax_log_softmax_stay_sharded():
     plan.check()
     # Only the final sum over the sharded batch needs communication.
     assert [(c.kind, c.dims) for c in plan.collectives] == [("all_reduce", ("dp",))]
+
+
+# ---- regressions (found in review) ----------------------------------------------------------
+
+
+def _simulate(fn, args, mesh, **options):
+    from monarch_dsl.compiler.compile import compile_step
+    from monarch_dsl.compiler.interpret import simulate_values
+    from monarch_dsl.compiler.lower import lower
+
+    plan, c = compile_step(fn, args, {}, mesh, **options)
+    plan.check()
+    return simulate_values(plan, lower(plan), c.input_values)[0]
+
+
+def test_a_value_used_twice_can_be_wanted_two_ways():
+    a, b = torch.randn(4, 8), torch.randn(8, 4)
+    out = _simulate(
+        lambda a, b: (a @ b) * (a @ b).clone(),
+        (a, b),
+        (("tp", 2),),
+        placements={"a": {"tp": S(1)}, "b": {"tp": S(0)}},
+    )[0]
+    torch.testing.assert_close(out, (a @ b) ** 2)
+
+    def square(a, b):
+        h = a @ b  # Partial over tp
+        return h * h  # one use made whole, the other kept partial
+
+    out = _simulate(square, (a, b), (("tp", 2),), placements={"a": {"tp": S(1)}, "b": {"tp": S(0)}})
+    torch.testing.assert_close(out[0], (a @ b) ** 2)
+
+
+@pytest.mark.parametrize(
+    "fn,placement",
+    [
+        (lambda x: x[:, 0:4] * 1, S(1)),
+        (lambda x: x[2:6] * 1, S(0)),
+        (lambda x: x.narrow(0, 2, 4) * 1, S(0)),
+    ],
+    ids=["slice-dim1", "slice-dim0", "narrow"],
+)
+def test_slicing_a_sharded_dim_gathers_it_first(fn, placement):
+    x = torch.randn(8, 8)
+    out = _simulate(fn, (x,), (("tp", 2),), placements={"x": {"tp": placement}})[0]
+    torch.testing.assert_close(out, fn(x))
+
+
+def test_mean_cross_entropy_with_ignored_targets_is_the_batch_mean():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 4)
+    x = torch.randn(8, 16)
+    y = torch.tensor([0, 0, 0, 1, 2, 3, 1, 2])  # rank 0 ignores three targets, rank 1 none
+
+    def loss(x, y):
+        return F.cross_entropy(lin(x), y, ignore_index=0)
+
+    out = _simulate(loss, (x, y), (("dp", 2),), data_parallel="dp")[0]
+    torch.testing.assert_close(out, loss(x, y).detach())
+
+
+def test_optimizer_state_that_exists_locally_is_used_and_keyed():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step_fn = _sgd_step(model, opt)
+    x, y = _batches(1)[0]
+    step = md.mesh_fn(step_fn, data_parallel="dp")
+    mesh = md.Mesh.from_string("dp=2")
+    fresh = step.compile(x, y, mesh=mesh)
+    step_fn(x, y)  # a local step: the optimizer now has momentum buffers
+    with_state = step.compile(x, y, mesh=mesh)
+    assert with_state is not fresh  # the cache key covers the local optimizer state
+    assert any(i.name.endswith("momentum_buffer") for i in with_state.inputs)
+    assert not any(i.name.endswith("momentum_buffer") for i in fresh.inputs)
+
+
+def test_state_of_a_sharded_parameter_follows_it_and_step_counts_stay_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step_fn = _sgd_step(model, opt)
+    x, y = _batches(1)[0]
+    step_fn(x, y)  # Adam state exists: exp_avg like the weight, a 0-d step count
+    tp = {"model.0.weight": {"tp": S(0)}, "model.0.bias": {"tp": S(0)}}
+    plan = md.mesh_fn(step_fn, placements=tp).compile(x, y, mesh=md.Mesh.from_string("tp=2"))
+    types = {i.name: i.type for i in plan.inputs}
+    assert types["model.0.weight.exp_avg"].placements == (S(0),)
+    assert types["model.0.weight.step"].placements == (R,)
+
+
+def test_weights_tied_across_pipeline_stages_are_refused():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16, bias=False)
+            self.b = nn.Linear(16, 16, bias=False)
+
+        def forward(self, x):
+            with md.pipeline_stage(0):
+                h = torch.tanh(self.a(x))
+            with md.pipeline_stage(1):
+                return F.linear(torch.tanh(self.b(h)), self.a.weight)
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = md.mesh_fn(_sgd_step(model, opt))
+    with pytest.raises(PlanError, match="weights shared across stages"):
+        step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
+
+
+def test_embedding_gradient_scaled_by_frequency_under_dp():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(8, 16, scale_grad_by_freq=True), nn.Linear(16, 16))
+        return model, torch.optim.SGD(model.parameters(), lr=0.5), _sgd_step
+
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randint(0, 8, (8, 4), generator=g), torch.randn(8, 4, 16, generator=g))
+        for _ in range(3)
+    ]
+    model, ref, losses, ref_losses, _ = simulate_training(make, batches=batches, **DP)
+    _assert_parity(model, ref, losses, ref_losses)
+
+
+def test_megatron_with_gelu_backward_matches():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16)
+        )
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), _sgd_step
+
+    tp = {
+        "model.0.weight": {"tp": S(0)},
+        "model.0.bias": {"tp": S(0)},
+        "model.2.weight": {"tp": S(1)},
+    }
+    model, ref, losses, ref_losses, _ = simulate_training(
+        make, (("tp", 2),), _batches(), placements=tp
+    )
+    _assert_parity(model, ref, losses, ref_losses)

@@ -54,7 +54,13 @@ def normalize_placements(
         for a in arg_names:
             out[a] = tuple(Shard(0) if d == data_parallel else R for d in dims)
     for name, value in (spec or {}).items():
-        targets = [k for k in known if k == name or k.startswith(name + ".")]
+        # An argument's name covers its pytree leaves (x.0, x.1); a parameter's name is exact
+        # (its optimizer state, "<param>.exp_avg", follows it by shape instead).
+        targets = [
+            k
+            for k in known
+            if k == name or (k.startswith(name + ".") and k[len(name) + 1 :].isdigit())
+        ]
         if not targets:
             raise ValueError(
                 f"placements: {name!r} is not an argument or a parameter of the step "

@@ -114,7 +114,7 @@ def lower(plan: Plan) -> Program:
             kwargs = {}
         else:
             name = ins.op.split(".")[1]
-            if name == "slice" and len(args) >= 4:
+            if name == "slice" and len(args) >= 4 and ins.reason.startswith("micro-batch"):
                 # A slice along a sharded dim (a micro-batch of a data-parallel shard): the
                 # same fraction of this rank's part.
                 src = types[ins.uses()[0]]

@@ -35,7 +35,7 @@ from monarch_dsl.compiler.plan import (
     TensorType,
     Var,
 )
-from monarch_dsl.compiler.propagate import _rename, stamp
+from monarch_dsl.compiler.propagate import _base, _rename, stamp
 
 MB = "mb"
 R = Replicate()
@@ -312,6 +312,24 @@ def split_stages(plan: Plan, dim: str) -> Plan:
             for o in ins.outs:
                 stage_of_value[o] = stage_of[k]
 
+    # A parameter updated on one stage but read on another (weights tied across stages) would
+    # go stale on the reader: refused rather than computed wrong.
+    readers: dict[str, set[int]] = {}
+    for k, ins in enumerate(plan.body):
+        for u in ins.uses():
+            if u in input_names:
+                readers.setdefault(u, set()).add(stage_of[k])
+    for k, ins in enumerate(plan.body):
+        uses = ins.uses()
+        if uses and uses[0] in input_names and "." in ins.op and _base(ins.op)[1]:
+            stages = readers.get(uses[0], set())
+            if len(stages) > 1:
+                raise PlanError(
+                    f"%{uses[0]} is used on pipeline stages {sorted(stages)} but updated in "
+                    f"place on stage {stage_of[k]} only ({ins.op}): weights shared across "
+                    "stages are not supported; give each stage its own parameter",
+                    ins.loc,
+                )
     body: list[Instr] = []
     received: dict[tuple[str, int], str] = {}
     types = plan.types()

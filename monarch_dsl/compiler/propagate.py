@@ -320,8 +320,11 @@ def _map_dim(ins: Instr, name: str, src, dst, d: int, n: int) -> int | None:
         sq = args[1] if len(args) > 1 else [i for i, s in enumerate(src) if s == 1]
         sq = [_norm(s, nd) for s in ([sq] if isinstance(sq, int) else sq) if src[_norm(s, nd)] == 1]
         return d - sum(1 for s in sq if s < d)
-    if name in ("split", "split_with_sizes", "chunk", "slice", "narrow"):
+    if name in ("split", "split_with_sizes", "chunk"):  # (x, size(s) / chunks, dim)
         dim = _norm(args[2] if len(args) > 2 else dict(ins.kwargs).get("dim", 0), nd)
+        return None if dim == d else d
+    if name in ("slice", "narrow"):  # (x, dim, start, end / length)
+        dim = _norm(args[1] if len(args) > 1 else dict(ins.kwargs).get("dim", 0), nd)
         return None if dim == d else d
     if name == "select":
         dim = _norm(args[1], nd)
@@ -403,8 +406,9 @@ def rule_embedding(ins: Instr, c: Ctx, backward: bool) -> list[Strategy]:
     else:  # (grad[..., D], indices, num_weights, ...) -> grad_weight[V, D]
         g, idx = c.ins
         cands = [Strategy((R, R), (R,))]
+        by_freq = len(ins.args) > 4 and bool(ins.args[4])  # counts must be the whole batch's
         for d in range(len(idx.shape or ())):
-            if _divisible(idx, d, c.n):
+            if _divisible(idx, d, c.n) and not by_freq:
                 cands.append(Strategy((Shard(d), Shard(d)), (Partial("sum"),)))
         if _divisible(g, len(g.shape) - 1, c.n):
             cands.append(Strategy((Shard(len(g.shape) - 1), R), (Shard(1),)))
@@ -627,20 +631,24 @@ class _State:
                 f"replicated on every rank, after gathering {gathered / 2**20:.2f} MiB of inputs",
                 stacklevel=2,
             )
-        # Redistribute the inputs that need it.
-        renames: dict[str, str] = {}
-        for u, t, want in zip(uses, in_types, required):
-            if tuple(want) != t.placements and u not in renames:
-                if inplace and u == uses[0]:
-                    raise PlanError(
-                        f"{ins.op} writes in place into %{u}, whose placement "
-                        f"{_fmt(t.placements, self.plan.dims)} would have to change to "
-                        f"{_fmt(tuple(want), self.plan.dims)}",
-                        ins.loc,
-                    )
-                renames[u] = self.redistribute(u, tuple(want), ins)
-        new_args = _rename(ins.args, renames)
-        new_kwargs = tuple((k, _rename(v, renames)) for k, v in ins.kwargs)
+        # Redistribute the inputs that need it, use by use: one value used twice may be
+        # wanted two ways (x * x with x Partial: one use made whole, the other kept).
+        names = []
+        for i, (u, t, want) in enumerate(zip(uses, in_types, required)):
+            if tuple(want) == t.placements:
+                names.append(u)
+                continue
+            if inplace and i == 0:
+                raise PlanError(
+                    f"{ins.op} writes in place into %{u}, whose placement "
+                    f"{_fmt(t.placements, self.plan.dims)} would have to change to "
+                    f"{_fmt(tuple(want), self.plan.dims)}",
+                    ins.loc,
+                )
+            names.append(self.redistribute(u, tuple(want), ins))
+        it = iter(names)
+        new_args = _rename_uses(ins.args, it)
+        new_kwargs = tuple((k, _rename_uses(v, it)) for k, v in ins.kwargs)
         types = tuple(
             t._replace(placements=tuple(pl))
             if t.shape is not None
@@ -650,6 +658,11 @@ class _State:
         new = Instr(
             ins.outs, ins.op, new_args, new_kwargs, types, ins.stream, ins.on, ins.loc, ins.reason
         )
+        if ins.op == "aten.nll_loss_forward.default" and any(
+            p == Partial("avg") for p in types[0].placements
+        ):
+            self._mean_loss(new)
+            return
         self.body.append(new)
         for o, t in zip(ins.outs, types):
             self.types[o] = t
@@ -667,6 +680,62 @@ class _State:
             self.cache = {k: v for k, v in self.cache.items() if self.root.get(k[0], k[0]) != root}
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
+
+    def _mean_loss(self, ins: Instr) -> None:
+        """A mean nll_loss of a sharded batch: the mean of the ranks' means is the batch's mean
+        only if every rank counts the same targets (not with ignore_index or class weights).
+        So: each rank's sum and total weight, both made whole, then their quotient."""
+        loss, total = ins.outs
+        t_loss, t_total = ins.types
+        args = list(ins.args)
+        args[3] = 2  # reduction: sum
+        part = tuple(Partial("sum") if p == Partial("avg") else p for p in t_loss.placements)
+        local_sum, local_total = self.fresh(f"{loss}.sum"), self.fresh(f"{total}.local")
+        self.body.append(
+            Instr(
+                (local_sum, local_total),
+                ins.op,
+                tuple(args),
+                ins.kwargs,
+                (t_loss._replace(placements=part), t_total),
+                ins.stream,
+                ins.on,
+                ins.loc,
+                "the loss's sum and count on each rank (a mean is taken of the whole batch)",
+            )
+        )
+        self.types[local_sum] = t_loss._replace(placements=part)
+        self.types[local_total] = t_total
+        whole = (R,) * len(part)
+        s = self.redistribute(local_sum, whole, ins)
+        n = self.redistribute(local_total, whole, ins)
+        self.body.append(
+            Instr(
+                (loss,),
+                "aten.div.Tensor",
+                (Var(s), Var(n)),
+                (),
+                (t_loss._replace(placements=whole),),
+                ins.stream,
+                ins.on,
+                ins.loc,
+            )
+        )
+        self.body.append(
+            Instr(
+                (total,),
+                "aten.alias.default",
+                (Var(n),),
+                (),
+                (t_total._replace(placements=whole),),
+                ins.stream,
+                ins.on,
+                ins.loc,
+            )
+        )
+        self.types[loss] = t_loss._replace(placements=whole)
+        self.types[total] = t_total._replace(placements=whole)
+        self.loc_of[loss] = self.loc_of[total] = ins.loc
 
     def redistribute(self, var: str, want: tuple[Placement, ...], user: Instr) -> str:
         """Insert what turns ``var`` into placements ``want``; returns the new value's name.
@@ -743,6 +812,15 @@ def _steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, P
 
 def _fmt(pl: tuple[Placement, ...], dims: tuple[str, ...]) -> str:
     return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, pl)) + "}"
+
+
+def _rename_uses(value: Any, names: Any) -> Any:
+    """``value`` with its Vars, in ``Instr.uses()`` order, named by the next of ``names``."""
+    if isinstance(value, Var):
+        return Var(next(names))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rename_uses(v, names) for v in value)
+    return value
 
 
 def _rename(value: Any, renames: dict[str, str]) -> Any:
