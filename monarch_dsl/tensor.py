@@ -99,7 +99,9 @@ class Engine:
         self.refs = itertools.count(1)
         self.meshes: dict[tuple, int] = {}
         self.store: Any = None
-        self.device = torch.device("cpu")
+        # What handles report as .device: the workers' device type (their data lives there).
+        types = {hello.device for hello in job.hellos.values()}
+        self.device = torch.device("cuda" if types == {"cuda"} else "cpu")
         self.batches_sent = 0
 
     @classmethod

@@ -43,3 +43,15 @@ def pytest_addoption(parser):
         action="store_true",
         help="rewrite tests/golden/*.plan from the current compiler instead of comparing",
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped on machines without a GPU (CI has none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -31,7 +31,19 @@ def test_actors_example_runs():
 
 
 def test_tutorial_runs():
-    text = run_example("tutorial.py", 300)
+    check_tutorial(run_example("tutorial.py", 300))
+
+
+@pytest.mark.gpu
+def test_tutorial_runs_unchanged_on_cuda():
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip("the tutorial's meshes have 4 ranks: one GPU each")
+    check_tutorial(run_example("tutorial.py", 300))
+
+
+def check_tutorial(text: str) -> None:
     assert "failed as expected" in text and "recovered: [2.0, 2.0]" in text
     assert "largest batch that worked:" in text and "None" not in text
     assert "reduce over gpu: 1.0" in text and "reduce over host: 1.0" in text

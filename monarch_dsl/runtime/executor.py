@@ -338,9 +338,7 @@ class ReferenceExecutor:
 
             group = shm.make_group(prefix, members, self.rank, COLLECTIVE_TIMEOUT, self.device)
             if group is None:
-                group = dist.ProcessGroupGloo(
-                    prefix, members.index(self.rank), len(members), COLLECTIVE_TIMEOUT
-                )
+                group = new_group(prefix, members.index(self.rank), len(members), self.device)
             self.groups[key] = group
         return group
 
@@ -363,13 +361,21 @@ class ReferenceExecutor:
                 peer = members.index(b if self.rank == a else a)
                 if self.rank == a:
                     ok = not isinstance(src, Failure)
-                    value = src if ok else torch.zeros(ins.shape, dtype=getattr(torch, ins.dtype))
-                    flag = torch.tensor([1 if ok else 0])
+                    value = (
+                        src
+                        if ok
+                        else torch.zeros(
+                            ins.shape, dtype=getattr(torch, ins.dtype), device=self.device
+                        )
+                    )
+                    flag = torch.tensor([1 if ok else 0], device=self.device)
                     works.append(group.send([flag], peer, 0))
-                    works.append(group.send([value.detach().contiguous().cpu()], peer, 1))
+                    works.append(group.send([value.detach().contiguous()], peer, 1))
                 else:
-                    flag = torch.zeros(1, dtype=torch.int64)
-                    buf = torch.empty(ins.shape, dtype=getattr(torch, ins.dtype))
+                    flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+                    buf = torch.empty(
+                        ins.shape, dtype=getattr(torch, ins.dtype), device=self.device
+                    )
                     works.append(group.recv([flag], peer, 0))
                     works.append(group.recv([buf], peer, 1))
                     received = (flag, buf)
@@ -382,7 +388,7 @@ class ReferenceExecutor:
         elif isinstance(received, tuple):
             flag, buf = received
             if int(flag.item()) == 1:
-                self.refs[ins.out] = buf.to(self.device)
+                self.refs[ins.out] = buf
             else:
                 self._fail(
                     (ins.out,),
@@ -413,7 +419,7 @@ class ReferenceExecutor:
             group, index, size = self._group(ins)
             # Whether any rank of the group lost its input: then every rank's result is failed
             # (it would mix in a placeholder), and all still take part, so none waits forever.
-            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int32)
+            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int32, device=self.device)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
             group.allreduce([flag], opts).wait()
@@ -445,6 +451,16 @@ class ReferenceExecutor:
 
     def _placeholder_meta(self, ins: ir.Reduce) -> tuple[tuple[int, ...], torch.dtype]:
         return ins.shape, getattr(torch, ins.dtype)
+
+
+def new_group(store: Any, index: int, size: int, device: torch.device) -> Any:
+    """A torch.distributed backend for ``size`` ranks (this one at ``index``): NCCL for CUDA
+    tensors, gloo otherwise."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, index, size, options)
+    return dist.ProcessGroupGloo(store, index, size, COLLECTIVE_TIMEOUT)
 
 
 def _coords(mesh: ir.DefineMesh, index: int) -> dict[str, int]:

@@ -22,6 +22,7 @@ class Hello(NamedTuple):
     rank: int  # rank in its allocation (the root mesh of the ProcMesh)
     pid: int
     hostname: str
+    device: str = "cpu"  # the type of the device its tensors live on: "cpu" or "cuda"
 
 
 class Reply(NamedTuple):

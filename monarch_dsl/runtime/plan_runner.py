@@ -176,7 +176,7 @@ class PlanRunner:
     def _agree(self, group, failure, ins, why):
         from monarch_dsl.runtime.executor import Failure
 
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=self.ex.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         group.allreduce([flag], opts).wait()
@@ -193,7 +193,8 @@ class PlanRunner:
         def value(i: int) -> torch.Tensor:
             v = env[step.args[i].index] if isinstance(step.args[i], Slot) else None
             if failed or not isinstance(v, torch.Tensor):
-                return torch.zeros(shapes[i] if i < len(shapes) else (), dtype=dtype)
+                shape = shapes[i] if i < len(shapes) else ()
+                return torch.zeros(shape, dtype=dtype, device=self.ex.device)
             return v
 
         if op == "shard_local":
@@ -215,7 +216,7 @@ class PlanRunner:
             if op == "send":
                 group.send([value(0).contiguous()], members.index(peer), 0).wait()
             else:
-                buf = torch.empty(shapes[0], dtype=dtype)
+                buf = torch.empty(shapes[0], dtype=dtype, device=self.ex.device)
                 group.recv([buf], members.index(peer), 0).wait()
                 env[step.outs[0]] = buf
             return

@@ -200,8 +200,9 @@ class Worker:
 
             from monarch_dsl.runtime.executor import ReferenceExecutor
 
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+            device = worker_device()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL and new CUDA tensors use this GPU
             self._executor = ReferenceExecutor(
                 self.rank,
                 device,
@@ -224,6 +225,15 @@ class Worker:
 
     def stop(self, msg: StopWorker) -> None:
         _exit(0)
+
+
+def worker_device():
+    """SPEC: a worker uses ``cuda:<local index>`` when GPUs are present, ``cpu`` otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _exit(code: int) -> None:
@@ -261,5 +271,5 @@ def connect_and_serve(
     sock = transport.dial(address)
     transport.handshake_dialer(sock, token)
     conn = transport.Connection(sock, peer=address)
-    conn.send(Hello(rank, os.getpid(), socket.gethostname()))
+    conn.send(Hello(rank, os.getpid(), socket.gethostname(), worker_device().type))
     Worker(conn, rank).run()
