@@ -7,7 +7,10 @@ import copy
 import inspect
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+import monarch_dsl as md
 from monarch_dsl import _build
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.interpret import simulate_values
@@ -67,3 +70,88 @@ def simulate_training(make, mesh, batches, steps=3, **options):
         losses.append(outs[0])
         ref_losses.append(ref_fn(x, y))
     return model, ref_model, losses, ref_losses, plans
+
+
+# ---- models and steps shared by the simulated (test_compiler.py) and worker (test_mesh_fn.py)
+# parity tests ----------------------------------------------------------------------------------
+
+
+def mse_step(model, opt):
+    """A training step: one optimizer step on the mean squared error; returns the loss."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def cross_entropy_step(model, opt):
+    """A training step for a [batch, seq, classes] output and [batch, seq] class targets."""
+
+    def step(x, y):
+        opt.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+# Megatron placements of ``nn.Sequential(Linear(16, 32), GELU(), Linear(32, 16))`` (named
+# ``model`` in the step): column parallel, then row parallel.
+MEGATRON_MLP = {
+    "model.0.weight": {"tp": md.Shard(0)},
+    "model.0.bias": {"tp": md.Shard(0)},
+    "model.2.weight": {"tp": md.Shard(1)},
+}
+
+
+class TwoStages(nn.Module):
+    """A two-stage pipeline: ``Linear + ReLU`` on stage 0, ``Linear`` on stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.second = nn.Linear(32, 16)
+
+    def forward(self, x):
+        with md.pipeline_stage(0):
+            h = self.first(x)
+        with md.pipeline_stage(1):
+            return self.second(h)
+
+
+class Block(nn.Module):
+    """A transformer block: attention + MLP + layer norms."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        att = F.softmax((q @ k.transpose(-2, -1)) * (d // h) ** -0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def block_batches(n=3, seed=2):
+    """``n`` (x [4, 8, 16], class targets [4, 8]) batches for ``Block``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(4, 8, 16, generator=g), torch.randint(0, 16, (4, 8), generator=g))
+        for _ in range(n)
+    ]
