@@ -7,9 +7,7 @@
 // results. No Python on that path (an op whose kernel is Python, such as prims, takes the GIL
 // itself).
 
-#include <torch/extension.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "boxed.h"
 
 #include <string>
 #include <vector>
@@ -18,29 +16,12 @@ namespace py = pybind11;
 
 namespace {
 
-// Where a step's argument takes a slot's value.
-struct Patch {
-  size_t arg;                 // index in the boxed stack
-  std::vector<int64_t> slots; // one slot, or the slots of a Tensor[] / Tensor?[] argument
-  bool list = false;          // build a list from `slots`
-  bool optional_list = false; // Tensor?[]
-};
-
 struct Step {
-  c10::OperatorHandle op;
-  std::vector<c10::IValue> stack;  // the arguments, slots still empty
-  std::vector<Patch> patches;
+  md::BoxedCall call;
   std::vector<int64_t> outs;
   std::vector<int64_t> frees;
   bool spread = false;  // the op returns one list whose elements are the outs
-  std::string name;
 };
-
-bool is_slot(py::handle obj, py::handle slot_type) {
-  return py::isinstance(obj, slot_type);
-}
-
-int64_t slot_index(py::handle obj) { return obj.attr("index").cast<int64_t>(); }
 
 }  // namespace
 
@@ -74,7 +55,9 @@ class Program {
   // steps: list of (qualified op name "aten::mm", overload, args tuple, kwargs dict,
   //                 outs list, frees list), compute steps only (None for others).
   Program(const py::list& steps, py::handle slot_type) {
-    auto& dispatcher = c10::Dispatcher::singleton();
+    auto slot_of = [&](py::handle obj) -> int64_t {
+      return py::isinstance(obj, slot_type) ? obj.attr("index").cast<int64_t>() : -1;
+    };
     for (const auto& item : steps) {
       if (item.is_none()) {
         steps_.emplace_back(std::nullopt);
@@ -83,67 +66,12 @@ class Program {
       auto t = item.cast<py::tuple>();
       auto qualified = t[0].cast<std::string>();
       auto overload = t[1].cast<std::string>();
-      auto handle = dispatcher.findSchemaOrThrow(
-          qualified.c_str(), overload == "default" ? "" : overload.c_str());
-      Step step{handle, {}, {}, {}, {}, false, qualified + "." + overload};
-      const auto& schema = handle.schema();
-      auto args = t[2].cast<py::tuple>();
-      auto kwargs = t[3].cast<py::dict>();
-      const auto& formals = schema.arguments();
-      for (size_t i = 0; i < formals.size(); ++i) {
-        const auto& formal = formals[i];
-        py::object value;
-        if (i < args.size() && !formal.kwarg_only()) {
-          value = args[i];
-        } else if (kwargs.contains(formal.name())) {
-          value = kwargs[py::str(formal.name())];
-        } else if (formal.default_value()) {
-          step.stack.push_back(*formal.default_value());
-          continue;
-        } else {
-          throw std::runtime_error(step.name + ": no value for argument " + formal.name());
-        }
-        if (is_slot(value, slot_type)) {
-          step.patches.push_back({i, {slot_index(value)}});
-          step.stack.emplace_back();
-          continue;
-        }
-        if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
-          auto seq = py::reinterpret_borrow<py::sequence>(value);
-          bool any_slot = false;
-          for (auto x : seq) any_slot = any_slot || is_slot(x, slot_type);
-          if (any_slot) {
-            Patch p{i, {}, true, false};
-            for (auto x : seq) {
-              if (!is_slot(x, slot_type))
-                throw std::runtime_error(step.name + ": a list mixing values and tensors");
-              p.slots.push_back(slot_index(x));
-            }
-            auto elem = formal.type()->castRaw<c10::ListType>();
-            p.optional_list = elem && elem->getElementType()->kind() == c10::TypeKind::OptionalType;
-            step.patches.push_back(p);
-            step.stack.emplace_back();
-            continue;
-          }
-        }
-        if (formal.type()->kind() == c10::TypeKind::TensorType &&
-            (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value))) {
-          // A Python number where the schema has a Tensor (x * 2 as mul.Tensor): a wrapped
-          // number, as torch's Python binding makes it (it does not promote the dtype).
-          at::Tensor t = py::isinstance<py::bool_>(value)
-                             ? at::scalar_to_tensor(c10::Scalar(value.cast<bool>()))
-                         : py::isinstance<py::int_>(value)
-                             ? at::scalar_to_tensor(c10::Scalar(value.cast<int64_t>()))
-                             : at::scalar_to_tensor(c10::Scalar(value.cast<double>()));
-          t.unsafeGetTensorImpl()->set_wrapped_number(true);
-          step.stack.emplace_back(std::move(t));
-          continue;
-        }
-        step.stack.push_back(torch::jit::toIValue(value, formal.type()));
-      }
+      auto handle = md::find_op(qualified, overload);
+      Step step{md::make_call(handle, qualified + "." + overload, t[2].cast<py::tuple>(),
+                              t[3].cast<py::dict>(), slot_of)};
       for (auto o : t[4].cast<py::list>()) step.outs.push_back(o.cast<int64_t>());
       for (auto f : t[5].cast<py::list>()) step.frees.push_back(f.cast<int64_t>());
-      const auto& returns = schema.returns();
+      const auto& returns = handle.schema().returns();
       step.spread = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
       steps_.emplace_back(std::move(step));
     }
@@ -166,21 +94,10 @@ class Program {
       if (!maybe) continue;
       Step& step = *maybe;
       try {
-        stack.assign(step.stack.begin(), step.stack.end());
-        for (const auto& p : step.patches) {
-          if (!p.list) {
-            stack[p.arg] = values[p.slots[0]];
-          } else if (p.optional_list) {
-            c10::List<std::optional<at::Tensor>> list;
-            for (auto s : p.slots) list.push_back(values.at(s).toOptional<at::Tensor>());
-            stack[p.arg] = list;
-          } else {
-            c10::List<at::Tensor> list;
-            for (auto s : p.slots) list.push_back(values.at(s).toTensor());
-            stack[p.arg] = list;
-          }
-        }
-        step.op.callBoxed(&stack);
+        md::fill_stack(step.call, stack, [&](int64_t k) -> const c10::IValue& {
+          return values.at(k);
+        });
+        step.call.op.callBoxed(&stack);
         if (step.spread) {
           auto list = stack.at(0).toList();
           for (size_t i = 0; i < step.outs.size() && i < list.size(); ++i)

@@ -1,6 +1,6 @@
 """The C++ runtime (cpp/). Only simple values cross this boundary: tensors, numbers, lists."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 class Env:
@@ -33,6 +33,56 @@ class Program:
         the step that raised (then ``last_error()`` says why)."""
     def last_error(self) -> str: ...
     def __len__(self) -> int: ...
+
+class Executor:
+    """A worker's executor of eager instructions: the ref table (ref -> tensor, number or
+    ``failure_type`` instance), one thread per stream, events for borrows, and aten ops called
+    through the dispatcher without the GIL. An op with a failed input is skipped and its outputs
+    take that failure; an op that raises gets a new root failure, passed to ``report`` (under
+    the GIL). Every other instruction is a Python callable run under the GIL on its stream's
+    thread, in order (``runtime/core_executor.py``).
+
+    ``ref_type``: the named tuple standing for a ref in arguments (``ir.Ref``);
+    ``device_sentinel``: the object standing for ``device`` (``ir.WORKER_DEVICE``)."""
+
+    def __init__(
+        self,
+        rank: int,
+        ref_type: type,
+        device_sentinel: object,
+        device: Any,
+        failure_type: type,
+        report: Callable[[Any], None],
+    ) -> None: ...
+    # The ref table, as a mapping.
+    def get(self, ref: int, default: Any = None) -> Any: ...
+    def __getitem__(self, ref: int) -> Any: ...
+    def __setitem__(self, ref: int, value: Any) -> None:
+        """A tensor, a Python number, None, or a ``failure_type`` instance."""
+    def pop(self, ref: int, default: Any = None) -> Any: ...
+    def __contains__(self, ref: int) -> bool: ...
+    def __len__(self) -> int: ...
+    def keys(self) -> list[int]: ...
+    # Instructions, queued on a stream (a thread per stream, started on first use).
+    def call_op(
+        self, stream: str, op: str, args: tuple, kwargs: dict, outs: Sequence[int], line: str
+    ) -> None:
+        """``outs = op(*args, **kwargs)``, ``op`` as ``"aten::add.Tensor"``; ``outs`` receive the
+        tensor results in order (-1: not kept). Raises here, before queueing, for what the
+        dispatcher cannot take (unknown op, arguments its schema rejects)."""
+    def delete(self, stream: str, refs: Sequence[int]) -> None: ...
+    def signal(self, stream: str, event: int) -> None: ...
+    def wait(self, stream: str, event: int) -> None: ...
+    def borrow_begin(self, stream: str, event: int, src: int, dst: int) -> None:
+        """Wait for ``event``, then ``dst`` holds the value of ``src``."""
+    def borrow_end(self, stream: str, event: int, dst: int) -> None:
+        """Forget ``dst``, then signal ``event``."""
+    def python(self, stream: str, fn: Callable[[], None]) -> None: ...
+    def barrier(self, done: Callable[[], None]) -> None:
+        """``done()`` once every stream has run what it was given before."""
+    def streams(self) -> list[str]: ...
+    def close(self) -> None:
+        """Stop the stream threads after what they were given; free every ref."""
 
 class ShmGroup:
     """Collectives through one POSIX shared-memory segment among ``size`` processes of one

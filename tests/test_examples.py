@@ -11,13 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.procs
 
 
-def run_example(name: str, timeout: float) -> str:
+def run_example(name: str, timeout: float, **env: str) -> str:
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, MONARCH_DSL_QUIET="1"),
+        env=dict(os.environ, MONARCH_DSL_QUIET="1", **env),
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -31,7 +31,10 @@ def test_actors_example_runs():
 
 
 def test_tutorial_runs():
-    check_tutorial(run_example("tutorial.py", 300))
+    text = run_example("tutorial.py", 300)
+    check_tutorial(text)
+    # The same walkthrough on workers with the Python reference executor prints the same.
+    assert run_example("tutorial.py", 300, MD_EXECUTOR="python") == text
 
 
 @pytest.mark.gpu

@@ -20,9 +20,10 @@ class RefCounter(md.Actor):
         return 0 if ex is None else len(ex.refs)
 
 
-@pytest.fixture(scope="module")
-def pm():
-    mesh = md.this_host().spawn_procs({"host": 2, "gpu": 2})
+@pytest.fixture(scope="module", params=["cpp", "python"])
+def pm(request):
+    """Every test runs on workers with the C++ executor and with the Python reference one."""
+    mesh = md.this_host().spawn_procs({"host": 2, "gpu": 2}, env={"MD_EXECUTOR": request.param})
     try:
         yield mesh
     finally:
@@ -271,6 +272,7 @@ def _fails_on_gpu1(t):
 
 
 def test_remote_functions_learn_or_propagate_shapes(pm):
+    _plus_rank._shapes.clear()  # learnt on the other executor's mesh, if that ran first
     with pm.activate():
         x = torch.ones(3)
         y = _plus_rank(x, 5)

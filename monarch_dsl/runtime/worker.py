@@ -199,19 +199,25 @@ class Worker:
             import torch
 
             from monarch_dsl.runtime.executor import ReferenceExecutor
+            from monarch_dsl.runtime.plan_runner import _core
 
             device = worker_device()
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL and new CUDA tensors use this GPU
-            self._executor = ReferenceExecutor(
-                self.rank,
-                device,
+            callbacks = dict(
                 reply=lambda call_id, value: self.reply(Reply(call_id, self.rank, value)),
                 reply_failure=lambda call_id, f: self.reply(
                     FetchFailed(call_id, self.rank, f.as_tuple())
                 ),
                 report=lambda f: self.reply(FailureReport(self.rank, f.as_tuple())),
             )
+            core = _core()  # None: MD_EXECUTOR=python, or no build (said once on stderr)
+            if core is None:
+                self._executor = ReferenceExecutor(self.rank, device, **callbacks)
+            else:
+                from monarch_dsl.runtime.core_executor import CoreExecutor
+
+                self._executor = CoreExecutor(core, self.rank, device, **callbacks)
         return self._executor
 
     def run_batch(self, msg: RunBatch) -> None:

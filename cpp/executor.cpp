@@ -1,0 +1,564 @@
+// The worker's executor of eager instructions: the ref table, one thread per stream, events
+// for borrows, and aten ops called through the dispatcher without the GIL.
+//
+// runtime/core_executor.py feeds it. Ops, deletes and borrows run here; every other
+// instruction (collectives, transfers, fetches, remote functions, plans) is a Python callable
+// that the stream's thread runs under the GIL, in its place in the stream's order, working on
+// the same ref table through the mapping interface below.
+//
+// A ref holds a value or a failure (the root cause: rank, controller line, op, error). An op
+// with a failed input is not run: its outputs take that failure. An op that raises gets a new
+// root failure, reported to Python once.
+//
+// Locking: `refs_lock_` guards the table and is never held while taking the GIL or while a
+// value is destroyed (a tensor's destructor may take the GIL), so Python threads that wait for
+// it cannot deadlock with stream threads.
+
+#include "boxed.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <thread>
+
+namespace py = pybind11;
+
+namespace {
+
+struct Failure {
+  int64_t rank;
+  std::string line, op, error, traceback;
+};
+using FailurePtr = std::shared_ptr<const Failure>;
+
+struct Entry {
+  c10::IValue value;
+  FailurePtr failure;  // set: the ref failed, `value` is empty
+};
+
+enum class Kind { Op, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
+
+struct OpCall {
+  md::BoxedCall call;
+  std::vector<int64_t> outs;  // -1: a tensor output nobody holds
+  std::string line;
+};
+
+struct Item {
+  Kind kind;
+  std::shared_ptr<OpCall> op;
+  std::vector<int64_t> refs;  // Delete
+  int64_t event = 0, src = 0, dst = 0;
+  PyObject* fn = nullptr;  // Python / Barrier: a callable (owned; released under the GIL)
+  std::shared_ptr<std::atomic<int64_t>> counter;  // Barrier: streams still to arrive
+};
+
+// Python error types of c10's exceptions, as torch's binding raises them.
+std::string error_type(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return "OutOfMemoryError";
+  if (dynamic_cast<const c10::IndexError*>(&e)) return "IndexError";
+  if (dynamic_cast<const c10::ValueError*>(&e)) return "ValueError";
+  if (dynamic_cast<const c10::TypeError*>(&e)) return "TypeError";
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return "NotImplementedError";
+  if (dynamic_cast<const c10::LinAlgError*>(&e)) return "LinAlgError";
+  return "RuntimeError";
+}
+
+std::string error_text(const std::exception& e) {
+  if (auto c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
+class Executor {
+ public:
+  Executor(int64_t rank, py::object ref_type, py::object device_sentinel, py::object device,
+           py::object failure_type, py::object report)
+      : rank_(rank),
+        ref_type_(std::move(ref_type)),
+        device_sentinel_(std::move(device_sentinel)),
+        device_(torch::jit::toIValue(device, c10::DeviceObjType::get())),
+        failure_type_(std::move(failure_type)),
+        report_(std::move(report)) {}
+
+  ~Executor() { close(); }
+
+  // ---- the ref table, as a mapping (Python handlers use it like the reference's dict) ----
+  py::object get(int64_t ref, py::object missing) {
+    Entry e;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto it = refs_.find(ref);
+      if (it == refs_.end()) return missing;
+      e = it->second;
+    }
+    return to_python(e);
+  }
+
+  py::object getitem(int64_t ref) {
+    Entry e;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto it = refs_.find(ref);
+      if (it == refs_.end()) throw py::key_error(std::to_string(ref));
+      e = it->second;
+    }
+    return to_python(e);
+  }
+
+  void set(int64_t ref, py::handle value) {
+    Entry e = from_python(value);
+    Entry old;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto& slot = refs_[ref];
+      old = std::move(slot);
+      slot = std::move(e);
+    }
+  }  // `old` dies here, outside the lock
+
+  py::object pop(int64_t ref, py::object missing) {
+    Entry e;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto it = refs_.find(ref);
+      if (it == refs_.end()) return missing;
+      e = std::move(it->second);
+      refs_.erase(it);
+    }
+    return to_python(e);
+  }
+
+  bool contains(int64_t ref) {
+    std::lock_guard<std::mutex> g(refs_lock_);
+    return refs_.count(ref) > 0;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> g(refs_lock_);
+    return refs_.size();
+  }
+
+  std::vector<int64_t> keys() {
+    std::lock_guard<std::mutex> g(refs_lock_);
+    std::vector<int64_t> out;
+    for (const auto& kv : refs_) out.push_back(kv.first);
+    return out;
+  }
+
+  // ---- instructions, queued on a stream (called with the GIL) ----------------------------
+  // Prepare an op call: raises if it cannot be called from C++ (the caller runs it in
+  // Python instead).
+  void call_op(const std::string& stream, const std::string& op, const py::tuple& args,
+               const py::dict& kwargs, const std::vector<int64_t>& outs, std::string line) {
+    auto call = std::make_shared<OpCall>(OpCall{prepare(op, args, kwargs), outs, std::move(line)});
+    Item item{Kind::Op, std::move(call)};
+    push(stream, std::move(item));
+  }
+
+  void delete_refs(const std::string& stream, std::vector<int64_t> refs) {
+    Item item{Kind::Delete};
+    item.refs = std::move(refs);
+    push(stream, std::move(item));
+  }
+
+  void signal(const std::string& stream, int64_t event) {
+    Item item{Kind::Signal};
+    item.event = event;
+    push(stream, std::move(item));
+  }
+
+  void wait(const std::string& stream, int64_t event) {
+    Item item{Kind::Wait};
+    item.event = event;
+    push(stream, std::move(item));
+  }
+
+  void borrow_begin(const std::string& stream, int64_t event, int64_t src, int64_t dst) {
+    Item item{Kind::BorrowBegin};
+    item.event = event;
+    item.src = src;
+    item.dst = dst;
+    push(stream, std::move(item));
+  }
+
+  void borrow_end(const std::string& stream, int64_t event, int64_t dst) {
+    Item item{Kind::BorrowEnd};
+    item.event = event;
+    item.dst = dst;
+    push(stream, std::move(item));
+  }
+
+  void python(const std::string& stream, const py::function& fn) {
+    Item item{Kind::Python};
+    item.fn = fn.inc_ref().ptr();
+    push(stream, std::move(item));
+  }
+
+  // `done()` runs (under the GIL) once every stream has run what it was given before.
+  void barrier(const py::function& done) {
+    std::vector<Stream*> all;
+    {
+      std::lock_guard<std::mutex> g(streams_lock_);
+      for (auto& kv : streams_) all.push_back(kv.second.get());
+    }
+    if (all.empty()) {
+      done();
+      return;
+    }
+    auto left = std::make_shared<std::atomic<int64_t>>(static_cast<int64_t>(all.size()));
+    for (auto* s : all) {
+      Item item{Kind::Barrier};
+      item.fn = done.inc_ref().ptr();  // each arrival releases one reference
+      item.counter = left;
+      enqueue(*s, std::move(item));
+    }
+  }
+
+  std::vector<std::string> streams() {
+    std::lock_guard<std::mutex> g(streams_lock_);
+    std::vector<std::string> out;
+    for (const auto& kv : streams_) out.push_back(kv.first);
+    return out;
+  }
+
+  // Stop the stream threads after what they were given (called with the GIL; releases it).
+  void close() {
+    std::vector<std::unique_ptr<Stream>> all;
+    {
+      std::lock_guard<std::mutex> g(streams_lock_);
+      for (auto& kv : streams_) all.push_back(std::move(kv.second));
+      streams_.clear();
+      closed_ = true;
+    }
+    {
+      py::gil_scoped_release nogil;
+      for (auto& s : all) {
+        {
+          std::lock_guard<std::mutex> g(s->lock);
+          s->stop = true;
+        }
+        s->cv.notify_all();
+        if (s->thread.joinable()) s->thread.join();
+      }
+    }
+    std::unordered_map<int64_t, Entry> dead;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      dead.swap(refs_);
+    }
+  }
+
+ private:
+  struct Stream {
+    std::mutex lock;
+    std::condition_variable cv;
+    std::deque<Item> queue;
+    bool stop = false;
+    std::thread thread;
+  };
+
+  md::BoxedCall prepare(const std::string& op, const py::tuple& args, const py::dict& kwargs) {
+    auto sep = op.find("::");
+    auto dot = op.find('.', sep == std::string::npos ? 0 : sep + 2);
+    std::string qualified = dot == std::string::npos ? op : op.substr(0, dot);
+    std::string overload = dot == std::string::npos ? "default" : op.substr(dot + 1);
+    auto handle = md::find_op(qualified, overload);
+    auto ref_of = [this](py::handle obj) -> int64_t {
+      if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(ref_type_.ptr())) return -1;
+      return PyLong_AsLongLong(PyTuple_GET_ITEM(obj.ptr(), 0));
+    };
+    auto special = [this](py::handle obj) -> std::optional<c10::IValue> {
+      if (obj.ptr() == device_sentinel_.ptr()) return device_;
+      return std::nullopt;
+    };
+    return md::make_call(handle, op, args, kwargs, ref_of, special);
+  }
+
+  py::object to_python(const Entry& e) {
+    if (e.failure) {
+      const auto& f = *e.failure;
+      return failure_type_(f.rank, f.line, f.op, f.error, f.traceback);
+    }
+    return torch::jit::toPyObject(e.value);
+  }
+
+  Entry from_python(py::handle value) {
+    Entry e;
+    if (py::isinstance(value, failure_type_)) {
+      e.failure = std::make_shared<Failure>(Failure{
+          value.attr("rank").cast<int64_t>(), value.attr("line").cast<std::string>(),
+          value.attr("op").cast<std::string>(), value.attr("error").cast<std::string>(),
+          value.attr("traceback").cast<std::string>()});
+    } else if (THPVariable_Check(value.ptr())) {
+      e.value = THPVariable_Unpack(value.ptr());
+    } else if (py::isinstance<py::bool_>(value)) {
+      e.value = value.cast<bool>();
+    } else if (py::isinstance<py::int_>(value)) {
+      e.value = value.cast<int64_t>();
+    } else if (py::isinstance<py::float_>(value)) {
+      e.value = value.cast<double>();
+    } else if (!value.is_none()) {
+      throw py::type_error("a ref holds a tensor, a number, None or a Failure");
+    }
+    return e;
+  }
+
+  void push(const std::string& name, Item item) {
+    Stream* s;
+    {
+      std::lock_guard<std::mutex> g(streams_lock_);
+      if (closed_) throw std::runtime_error("the executor is closed");
+      auto& slot = streams_[name];
+      if (!slot) {
+        slot = std::make_unique<Stream>();
+        Stream* raw = slot.get();
+        raw->thread = std::thread([this, raw] { loop(*raw); });
+      }
+      s = slot.get();
+    }
+    enqueue(*s, std::move(item));
+  }
+
+  static void enqueue(Stream& s, Item item) {
+    {
+      std::lock_guard<std::mutex> g(s.lock);
+      s.queue.push_back(std::move(item));
+    }
+    s.cv.notify_one();
+  }
+
+  void loop(Stream& s) {
+    while (true) {
+      Item item;
+      {
+        std::unique_lock<std::mutex> g(s.lock);
+        s.cv.wait(g, [&] { return s.stop || !s.queue.empty(); });
+        if (s.queue.empty()) return;  // stopped, and nothing left
+        item = std::move(s.queue.front());
+        s.queue.pop_front();
+      }
+      try {
+        run(item);
+      } catch (const std::exception& e) {  // a bug of ours: keep the stream alive, say so
+        py::gil_scoped_acquire gil;
+        PySys_WriteStderr("monarch_dsl executor: internal error: %s\n", e.what());
+      }
+    }
+  }
+
+  void run(Item& item) {
+    switch (item.kind) {
+      case Kind::Op:
+        run_op(*item.op);
+        break;
+      case Kind::Delete: {
+        std::vector<Entry> dead;
+        {
+          std::lock_guard<std::mutex> g(refs_lock_);
+          for (auto r : item.refs) {
+            auto it = refs_.find(r);
+            if (it == refs_.end()) continue;
+            dead.push_back(std::move(it->second));
+            refs_.erase(it);
+          }
+        }
+        break;
+      }
+      case Kind::Signal:
+        set_event(item.event);
+        break;
+      case Kind::Wait:
+        wait_event(item.event);
+        break;
+      case Kind::BorrowBegin: {
+        wait_event(item.event);  // the origin stream got here: the value is ready
+        std::lock_guard<std::mutex> g(refs_lock_);
+        auto it = refs_.find(item.src);
+        if (it != refs_.end()) refs_[item.dst] = it->second;
+        break;
+      }
+      case Kind::BorrowEnd: {
+        Entry dead;
+        {
+          std::lock_guard<std::mutex> g(refs_lock_);
+          auto it = refs_.find(item.dst);
+          if (it != refs_.end()) {
+            dead = std::move(it->second);
+            refs_.erase(it);
+          }
+        }
+        set_event(item.event);
+        break;
+      }
+      case Kind::Python: {
+        py::gil_scoped_acquire gil;
+        auto fn = py::reinterpret_steal<py::object>(item.fn);
+        item.fn = nullptr;
+        try {
+          fn();
+        } catch (py::error_already_set& e) {
+          PySys_WriteStderr("monarch_dsl executor: internal error in a Python step:\n");
+          e.restore();
+          PyErr_Print();
+        }
+        break;
+      }
+      case Kind::Barrier: {
+        bool last = item.counter->fetch_sub(1) == 1;
+        py::gil_scoped_acquire gil;
+        auto fn = py::reinterpret_steal<py::object>(item.fn);
+        item.fn = nullptr;
+        if (last) {
+          try {
+            fn();
+          } catch (py::error_already_set& e) {
+            e.restore();
+            PyErr_Print();
+          }
+        }
+        break;
+      }
+    }
+  }
+
+  void run_op(OpCall& op) {
+    // The inputs, or the failure of one of them.
+    FailurePtr failed;
+    torch::jit::Stack stack;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      for (const auto& p : op.call.patches) {
+        for (auto k : p.keys) {
+          auto it = refs_.find(k);
+          if (it == refs_.end()) {
+            failed = std::make_shared<Failure>(Failure{
+                rank_, op.line, op.call.name, "internal error: no value for %" + std::to_string(k),
+                ""});
+          } else if (it->second.failure) {
+            failed = it->second.failure;
+          }
+          if (failed) break;
+        }
+        if (failed) break;
+      }
+      if (!failed) {
+        md::fill_stack(op.call, stack, [&](int64_t k) -> const c10::IValue& {
+          return refs_.at(k).value;
+        });
+      }
+    }
+    if (failed) {
+      fail(op.outs, failed, false);
+      return;
+    }
+    try {
+      op.call.op.callBoxed(&stack);
+    } catch (const std::exception& e) {
+      stack.clear();
+      auto f = std::make_shared<Failure>(Failure{rank_, op.line, op.call.name,
+                                                 error_type(e) + ": " + error_text(e), e.what()});
+      fail(op.outs, f, true);
+      return;
+    }
+    // The tensor results in order (a list return spreads), as pytree leaves would be.
+    std::vector<c10::IValue> tensors;
+    for (auto& v : stack) {
+      if (v.isTensor()) {
+        tensors.push_back(std::move(v));
+      } else if (v.isList()) {
+        for (const auto& x : v.toListRef())
+          if (x.isTensor()) tensors.push_back(x);
+      }
+    }
+    std::vector<Entry> dead;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      for (size_t i = 0; i < op.outs.size() && i < tensors.size(); ++i) {
+        if (op.outs[i] < 0) continue;
+        auto& slot = refs_[op.outs[i]];
+        dead.push_back(std::move(slot));
+        slot = Entry{std::move(tensors[i]), nullptr};
+      }
+    }
+    stack.clear();
+  }
+
+  void fail(const std::vector<int64_t>& outs, const FailurePtr& f, bool root) {
+    std::vector<Entry> dead;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      for (auto r : outs) {
+        if (r < 0) continue;
+        auto& slot = refs_[r];
+        dead.push_back(std::move(slot));
+        slot = Entry{c10::IValue(), f};
+      }
+    }
+    if (root) {
+      py::gil_scoped_acquire gil;
+      try {
+        report_(to_python(Entry{c10::IValue(), f}));
+      } catch (py::error_already_set& e) {
+        e.restore();
+        PyErr_Print();
+      }
+    }
+  }
+
+  void set_event(int64_t event) {
+    {
+      std::lock_guard<std::mutex> g(events_lock_);
+      events_[event] = true;
+    }
+    events_cv_.notify_all();
+  }
+
+  void wait_event(int64_t event) {
+    std::unique_lock<std::mutex> g(events_lock_);
+    events_cv_.wait(g, [&] { return events_[event]; });
+    events_.erase(event);
+  }
+
+  int64_t rank_;
+  py::object ref_type_, device_sentinel_;
+  c10::IValue device_;
+  py::object failure_type_, report_;
+
+  std::mutex refs_lock_;
+  std::unordered_map<int64_t, Entry> refs_;
+
+  std::mutex streams_lock_;
+  std::unordered_map<std::string, std::unique_ptr<Stream>> streams_;
+  bool closed_ = false;
+
+  std::mutex events_lock_;
+  std::condition_variable events_cv_;
+  std::unordered_map<int64_t, bool> events_;
+};
+
+void bind_executor(py::module& m) {
+  py::class_<Executor>(m, "Executor")
+      .def(py::init<int64_t, py::object, py::object, py::object, py::object, py::object>(),
+           py::arg("rank"), py::arg("ref_type"), py::arg("device_sentinel"), py::arg("device"),
+           py::arg("failure_type"), py::arg("report"))
+      .def("get", &Executor::get, py::arg("ref"), py::arg("default") = py::none())
+      .def("__getitem__", &Executor::getitem)
+      .def("__setitem__", &Executor::set)
+      .def("pop", &Executor::pop, py::arg("ref"), py::arg("default") = py::none())
+      .def("__contains__", &Executor::contains)
+      .def("__len__", &Executor::size)
+      .def("keys", &Executor::keys)
+      .def("call_op", &Executor::call_op)
+      .def("delete", &Executor::delete_refs)
+      .def("signal", &Executor::signal)
+      .def("wait", &Executor::wait)
+      .def("borrow_begin", &Executor::borrow_begin)
+      .def("borrow_end", &Executor::borrow_end)
+      .def("python", &Executor::python)
+      .def("barrier", &Executor::barrier)
+      .def("streams", &Executor::streams)
+      .def("close", &Executor::close);
+}

@@ -1,0 +1,62 @@
+"""The worker's executor in the C++ runtime (``_core.Executor``, cpp/executor.cpp).
+
+The ref table, the stream threads and the borrow events live in C++; aten ops run there
+through the dispatcher without the GIL. What needs Python -- collectives and transfers (the
+executor's process groups), fetches, remote functions, compiled plans, seeding -- is handed to
+the stream's C++ thread as a Python callable, run under the GIL in its place in the stream's
+order, by the same handlers as the reference executor's (they see the C++ table through its
+mapping interface). ``MD_EXECUTOR=python`` selects the reference executor instead; the tests
+run eager batches and plans through both and compare.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from monarch_dsl.compiler import ir
+from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
+
+
+class CoreExecutor(ReferenceExecutor):
+    def __init__(self, core: Any, rank: int, device: Any, **callbacks: Any):
+        super().__init__(rank, device, **callbacks)
+        self.core = core.Executor(rank, ir.Ref, ir.WORKER_DEVICE, device, Failure, self.report)
+        self.refs = self.core  # type: ignore[assignment]  # a mapping of ref -> value
+
+    def run(self, items: tuple) -> None:
+        core = self.core
+        member = self.member
+        for mesh, ins in items:
+            if not (mesh < 0 or member.get(mesh, False)):
+                continue
+            kind = type(ins)
+            if kind is ir.CallOp:
+                outs = [-1 if r is None else r for r in ins.outs]
+                try:
+                    core.call_op(ins.stream, ins.op, ins.args, ins.kwargs, outs, ins.line)
+                    continue
+                except Exception:  # noqa: BLE001 - arguments only Python takes (a mesh coordinate)
+                    core.python(ins.stream, partial(self.call_op, ins))
+            elif kind is ir.Delete:
+                core.delete(ins.stream, list(ins.refs))
+            elif kind is ir.DefineMesh:
+                self.define_mesh(ins)
+            elif kind is ir.DefinePlan:
+                self._plans().define(ins)
+            elif kind is ir.Seed:
+                core.python("main", partial(self.seed, ins))
+            elif kind is ir.Fetch and ins.ref < 0:
+                core.barrier(partial(self.reply, ins.call_id, None))
+            elif kind is ir.BorrowBegin:
+                core.signal(ins.origin, ins.event)
+                core.borrow_begin(ins.stream, ins.event, ins.src, ins.dst)
+            elif kind is ir.BorrowEnd:
+                core.borrow_end(ins.stream, ins.event, ins.dst)
+                core.wait(ins.origin, ins.event)
+            else:
+                core.python(ins.stream, partial(self.handlers[kind], ins))
+
+    def close(self) -> None:
+        """Stop the stream threads once they ran what they were given, and free every ref."""
+        self.core.close()

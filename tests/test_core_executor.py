@@ -1,0 +1,141 @@
+"""The C++ executor (``_core.Executor`` via runtime/core_executor.py) against the Python
+reference executor: the same eager instructions, run in this process by both, give the same
+ref tables -- equal tensors bit for bit, the same failures -- and the same reported root causes.
+The process tests (test_tensor.py, the tutorial in test_examples.py) run on workers with each."""
+
+import threading
+
+import pytest
+import torch
+
+from monarch_dsl import _build
+from monarch_dsl.compiler import ir
+from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
+
+core = pytest.importorskip("monarch_dsl._build").load(build=False)
+
+from monarch_dsl.runtime.core_executor import CoreExecutor  # noqa: E402
+
+R = ir.Ref
+D = ir.WORKER_DEVICE
+
+
+def op(name, args, outs, kwargs=None, stream="main", line="prog.py:1"):
+    return (0, ir.CallOp(name, tuple(args), kwargs or {}, tuple(outs), stream, line))
+
+
+PROGRAM = [
+    (-1, ir.DefineMesh(0, ("gpu",), (1,), (0,))),
+    (0, ir.Seed(7, "prog.py:0")),
+    op("aten::rand", [[4, 4]], [1], {"device": D}),
+    op("aten::randn", [[4, 4]], [2], {"device": D}),
+    op("aten::mm", [R(1), R(2)], [3]),
+    op("aten::add.Tensor", [R(3), 2], [4]),  # a Python number as a wrapped-number tensor
+    op("aten::relu", [R(4)], [5]),
+    op("aten::cat", [[R(1), R(2)], 0], [6]),  # a Tensor[] argument
+    op("aten::split.Tensor", [R(6), 4], [7, 8]),  # a list result
+    op("aten::max.dim", [R(5), 1], [9, 10]),  # a tuple result
+    op("aten::mm", [R(1), R(6)], [11], line="prog.py:11"),  # 4x4 @ 8x4: fails
+    op("aten::add.Tensor", [R(11), R(1)], [12]),  # fails with it
+    op("aten::sum", [R(1)], [13]),  # independent: fine
+    (0, ir.Delete((2,), "main")),
+    op("aten::arange", [2], [14], {"dtype": torch.int64, "device": D}),
+    op("aten::clone", [R(1)], [15]),
+    op("aten::index_put_", [R(15), [R(14)], R(13)], [15]),  # a Tensor?[] argument
+    op("aten::scalar_tensor", [ir.MeshCoord(0, ("gpu",))], [16], {"device": D}),  # Python path
+    op("aten::mul.Tensor", [R(12), 2], [None]),  # an output nobody holds
+    # stream "comms" borrows %5, computes with it, and gives it back
+    (0, ir.BorrowBegin(5, 17, "main", "comms", 1, "prog.py:20")),
+    op("aten::mul.Tensor", [R(17), 3], [18], stream="comms"),
+    (0, ir.BorrowEnd(17, "main", "comms", 2, "prog.py:22")),
+    op("aten::add.Tensor", [R(5), R(18)], [19]),
+    (0, ir.Fetch(99, -1, "main", "")),  # a barrier: replies when every stream got here
+]
+
+
+def run(make):
+    done = threading.Event()
+    reports = []
+    ex = make(
+        reply=lambda call_id, value: done.set(),
+        reply_failure=lambda call_id, f: None,
+        report=reports.append,
+    )
+    ex.run(tuple(PROGRAM))
+    assert done.wait(30), "the barrier never replied"
+    table = {k: ex.refs.get(k) for k in sorted(ex.refs.keys())}
+    return ex, table, reports
+
+
+def test_both_executors_give_the_same_ref_table():
+    cpp, got, cpp_reports = run(lambda **cb: CoreExecutor(core, 0, torch.device("cpu"), **cb))
+    py, want, py_reports = run(lambda **cb: ReferenceExecutor(0, torch.device("cpu"), **cb))
+    assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
+    assert sorted(got) == sorted(want) == [
+        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19
+    ]  # fmt: skip
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, Failure):
+            assert isinstance(g, Failure), k
+            assert (g.rank, g.line, g.op, g.error) == (w.rank, w.line, w.op, w.error), k
+        else:
+            assert g.dtype == w.dtype and torch.equal(g, w), k
+    assert "mat1 and mat2 shapes cannot be multiplied" in got[11].error
+    assert got[12].line == "prog.py:11"  # a dependent carries its root cause
+    assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]
+    assert len(cpp_reports) == 1  # one root cause, reported once
+    cpp.close()
+
+
+def test_the_table_is_a_mapping_python_handlers_can_use():
+    cpp = CoreExecutor(
+        core, 0, torch.device("cpu"), reply=None, reply_failure=None, report=lambda f: None
+    )
+    refs = cpp.refs
+    t = torch.arange(3.0)
+    refs[1] = t
+    refs[2] = Failure(0, "a.py:3", "aten::x", "RuntimeError: no", "tb")
+    assert refs[1] is t or torch.equal(refs[1], t)
+    assert refs[1].data_ptr() == t.data_ptr()  # the same tensor, not a copy
+    f = refs.get(2)
+    assert isinstance(f, Failure) and (f.line, f.error) == ("a.py:3", "RuntimeError: no")
+    assert 1 in refs and 3 not in refs and len(refs) == 2
+    assert refs.get(3) is None and refs.pop(3, "gone") == "gone"
+    with pytest.raises(KeyError):
+        refs[3]
+    with pytest.raises(TypeError):
+        refs[4] = "not a value"
+    assert torch.equal(refs.pop(1), t) and len(refs) == 1
+    cpp.close()
+
+
+def test_streams_run_concurrently_and_borrows_wait():
+    """Stream "b" waits for event 1, which only stream "a" signals after its ops: b's op sees
+    a's result. A barrier covers both streams."""
+    ex = core.Executor(0, ir.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    done = threading.Event()
+    ex.call_op("a", "aten::ones", ((3,),), {"device": D}, [1], "x.py:1")
+    ex.call_op("a", "aten::mul.Tensor", (R(1), 5), {}, [2], "x.py:2")
+    ex.borrow_begin("b", 1, 2, 3)
+    ex.signal("a", 1)
+    ex.call_op("b", "aten::add.Tensor", (R(3), 1), {}, [4], "x.py:3")
+    ex.barrier(done.set)
+    assert done.wait(30)
+    assert ex.get(4).tolist() == [6.0, 6.0, 6.0]
+    assert sorted(ex.streams()) == ["a", "b"]
+    ex.close()
+    assert len(ex) == 0
+
+
+def test_an_op_the_dispatcher_cannot_take_is_refused_when_queued():
+    ex = core.Executor(0, ir.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    with pytest.raises(RuntimeError):
+        ex.call_op("main", "aten::no_such_op", (), {}, [1], "")
+    with pytest.raises(RuntimeError, match="unexpected keyword"):
+        ex.call_op("main", "aten::relu", (R(1),), {"bogus": 1}, [2], "")
+    ex.close()
+
+
+def test_the_build_is_current():
+    assert _build.load(build=False) is core
