@@ -3,8 +3,11 @@ inserted communication, errors. The same programs run on real workers in test_me
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import monarch_dsl as md
-from monarch_dsl.compiler.plan import PlanError
+from monarch_dsl.compiler.plan import Partial, Plan, PlanError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compiler_helpers import simulate_training  # noqa: E402
@@ -216,8 +219,10 @@ def test_data_dependent_control_flow_names_the_line():
             y = y * 2
         return y
 
-    with pytest.raises(PlanError, match=r"depends on a tensor's value.*test_compiler.py:\d+"):
+    with pytest.raises(PlanError, match=r"depends on a tensor's value.*test_compiler.py:\d+") as e:
         step.compile(torch.randn(4, 4), mesh=md.Mesh.from_string("dp=2"))
+    _assert_loc(e.value.loc, step.fn, "if y.sum() > 0")
+    assert str(e.value).endswith(f"(at {e.value.loc})")
 
 
 def test_placement_errors():
@@ -523,3 +528,254 @@ def test_megatron_with_gelu_backward_matches():
         make, (("tp", 2),), _batches(), placements=tp
     )
     _assert_parity(model, ref, losses, ref_losses)
+
+
+# ---- every kind of inserted collective, and where each comes from ----------------------------
+
+
+@pytest.fixture(autouse=True)
+def _from_the_repository_root(monkeypatch):
+    """Every test of this module runs from the repository root: plans print the user's file
+    relative to the working directory, and tests that read a ``loc`` as
+    ``tests/test_compiler.py:<line>`` must hold wherever pytest was started."""
+    monkeypatch.chdir(Path(__file__).parent.parent)
+
+
+def _line_of(fn, text: str) -> int:
+    """The line number, in this file, of the one line of ``fn``'s source that contains
+    ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    hits = [start + k for k, line in enumerate(lines) if text in line]
+    assert len(hits) == 1, f"{text!r} is on {len(hits)} lines of {fn.__qualname__}"
+    return hits[0]
+
+
+def _assert_loc(loc: str, fn, text: str) -> None:
+    """``loc`` (a plan's ``file:line``, the file relative to the working directory) is this
+    file, at the line of ``fn`` that contains ``text``."""
+    path, _, line = loc.rpartition(":")
+    assert Path(path).resolve() == Path(__file__).resolve(), loc
+    assert int(line) == _line_of(fn, text), f"{loc}: expected the line of {text!r}"
+
+
+def _fmt(placements, dims) -> str:
+    return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, placements)) + "}"
+
+
+def _run_simulated(fn, args, mesh, **options):
+    """Compile ``fn`` for ``mesh`` (compiling runs ``plan.check()``), check that its text
+    parses back exactly, and run it on the simulated mesh; returns the plan and the whole
+    results."""
+    from monarch_dsl.compiler.compile import compile_step
+    from monarch_dsl.compiler.interpret import simulate_values
+    from monarch_dsl.compiler.lower import lower
+
+    plan, c = compile_step(fn, args, {}, mesh, **options)
+    text = str(plan)
+    assert Plan.parse(text) == plan and str(Plan.parse(text)) == text
+    return plan, simulate_values(plan, lower(plan), c.input_values)[0]
+
+
+def _made_by(plan, value):
+    """The instruction whose first result is ``value``."""
+    return next(ins for ins in plan.body if ins.outs and ins.outs[0] == value)
+
+
+def test_zero_sharded_parameters_reduce_scatter_their_gradients():
+    """ZeRO-like data parallel: every parameter sharded over dp. A gradient is the sum of the
+    ranks' partial gradients, and the update needs only this rank's shard of it, so each is
+    reduce-scattered (never all-reduced) for the optimizer's update."""
+    zero = {f"model.{k}.{p}": {"dp": S(0)} for k in (0, 2) for p in ("weight", "bias")}
+    model, ref, losses, ref_losses, plans = simulate_training(
+        _mlp(), (("dp", 2),), _batches(), placements=zero, data_parallel="dp"
+    )
+    _assert_parity(model, ref, losses, ref_losses)
+    plan = plans[0]
+    assert not [c for c in plan.collectives if c.stream == "comms"]  # no gradient bucket
+    scattered = {c.value: c for c in plan.collectives if c.kind == "reduce_scatter"}
+    updated = set()
+    for ins in plan.body:
+        if ins.op == "aten.add_.Tensor" and ins.args[0].name in zero:  # p.add_(grad, alpha=-lr)
+            updated.add(ins.args[0].name)
+            grad = ins.args[1].name
+            c, rs = scattered[grad], _made_by(plan, grad)
+            assert c.dims == ("dp",) and rs.kw("dim") == 0 and rs.kw("op") == "sum"
+            assert c.reason == f"{{dp: P(sum)}} -> {{dp: S(0)}} of %{rs.uses()[0]} for {ins.op}"
+            _assert_loc(c.loc, _sgd_step, "opt.step()")
+    assert updated == set(zero)
+
+
+def _matmul(x, w):
+    return x @ w  # the op the collectives below come from
+
+
+def _tanh_matmul(x, w):
+    return torch.tanh(x @ w)  # the op the collectives below come from
+
+
+def test_partial_result_wanted_sharded_is_reduce_scattered():
+    """Row-parallel matmul (contracting dim sharded over tp) with its result wanted
+    Shard(1) over tp — and a batch sharded over dp, which it leaves alone."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    plan, outs = _run_simulated(
+        _matmul,
+        (x, w),
+        (("dp", 2), ("tp", 2)),
+        placements={"x": {"dp": S(0), "tp": S(1)}, "w": {"tp": S(0)}},
+        out_placements={"out0": {"dp": S(0), "tp": S(1)}},
+    )
+    torch.testing.assert_close(outs[0], x @ w)
+    [c] = plan.collectives
+    assert (c.kind, c.dims, _made_by(plan, c.value).kw("dim")) == ("reduce_scatter", ("tp",), 1)
+    assert c.reason == "{dp: S(0), tp: P(sum)} -> {dp: S(0), tp: S(1)} of %mm for the result out0"
+    _assert_loc(c.loc, _matmul, "x @ w")
+    assert plan.types()[c.value].placements == (S(0), S(1))
+
+
+def test_result_wanted_sharded_on_another_dim_is_all_to_all():
+    """A batch-sharded result wanted sharded along its features instead."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    plan, outs = _run_simulated(
+        _tanh_matmul,
+        (x, w),
+        (("tp", 2),),
+        placements={"x": {"tp": S(0)}},
+        out_placements={"out0": {"tp": S(1)}},
+    )
+    torch.testing.assert_close(outs[0], torch.tanh(x @ w))
+    [c] = plan.collectives
+    a2a = _made_by(plan, c.value)
+    assert (c.kind, c.dims) == ("all_to_all", ("tp",))
+    assert (a2a.kw("split_dim"), a2a.kw("cat_dim")) == (1, 0)
+    assert c.reason == "{tp: S(0)} -> {tp: S(1)} of %tanh for the result out0"
+    _assert_loc(c.loc, _tanh_matmul, "x @ w")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="propagate.redistribute changes one mesh dim at a time as if it sharded the "
+    "tensor dim alone: with another mesh dim sharding the same tensor dim the chunks are "
+    "nested in the wrong order (the result's values are permuted)",
+)
+def test_all_to_all_onto_a_tensor_dim_another_mesh_dim_shards():
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    plan, outs = _run_simulated(
+        _tanh_matmul,
+        (x, w),
+        (("dp", 2), ("tp", 2)),
+        placements={"x": {"dp": S(0)}, "w": {"tp": S(1)}},  # tanh(x @ w): {dp: S(0), tp: S(1)}
+        out_placements={"out0": {"dp": S(1)}},
+    )
+    assert "all_to_all" in [c.kind for c in plan.collectives]
+    torch.testing.assert_close(outs[0], torch.tanh(x @ w))
+
+
+def _dp_plan():
+    model, opt, step_of = _mlp()()
+    step = md.mesh_fn(step_of(model, opt), data_parallel="dp")
+    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("dp=2"))
+
+
+def _megatron_plan():
+    model, opt, step_of = _mlp()()
+    step = md.mesh_fn(step_of(model, opt), placements=TP)
+    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("tp=2"))
+
+
+def _pipeline_plan():
+    model, opt, step_of = _pipeline()
+    step = md.mesh_fn(step_of(model, opt), micro_batches=2)
+    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
+
+
+@pytest.mark.parametrize(
+    "make,lines",
+    [
+        (_dp_plan, ["opt.step()", "loss = F.mse_loss"]),  # the gradient bucket, the loss
+        (_megatron_plan, ["loss = F.mse_loss"]),  # the row-parallel layer's output
+    ],
+    ids=["dp", "megatron-tp2"],
+)
+def test_each_collective_records_its_op_placement_change_and_user_line(make, lines):
+    """``plan.collectives[i]``: ``.reason`` says which op needed which placement change (the
+    change is the one between its input's and its result's types, the op is what reads the
+    result), ``.loc`` is the step's line the collective comes from."""
+    plan = make()
+    types = plan.types()
+    assert len(plan.collectives) == len(lines)
+    for c, line in zip(plan.collectives, lines):
+        _assert_loc(c.loc, _sgd_step, line)
+        ins = _made_by(plan, c.value)
+        srcs = ins.uses()
+        if c.stream == "comms":  # gradients bucketed for the update: each made whole
+            assert re.fullmatch(r"gradient bucket 1/1 \(\d+ tensors, [\d.]+ MiB\): .*", c.reason)
+            assert c.reason.endswith(
+                f": {', '.join('%' + s for s in srcs)} made whole for the optimizer update"
+            )
+            assert all(types[s].placements == (Partial("sum"),) for s in srcs)
+            assert all(t.placements == (R,) for t in ins.types)
+            continue
+        change = f"{_fmt(types[srcs[0]].placements, plan.dims)} -> "
+        change += f"{_fmt(ins.types[0].placements, plan.dims)} of %{srcs[0]} for "
+        assert c.reason.startswith(change), (c.reason, change)
+        reader = c.reason.removeprefix(change)
+        if reader.startswith("the result "):
+            assert any(o.name == reader.removeprefix("the result ") for o in plan.outputs)
+        else:
+            assert any(i.op == reader and c.value in i.uses() for i in plan.body), c.reason
+
+
+def _with_collective_on_one_rank(plan):
+    """Rank tp=0 issues the first all_reduce a second time: the bug of a collective under a
+    branch on the rank."""
+    k = next(i for i, ins in enumerate(plan.body) if ins.op == "all_reduce")
+    a = plan.body[k]
+    extra = replace(a, outs=(a.outs[0] + "_again",), on=(("tp", 0),))
+    return plan.replace(body=plan.body[: k + 1] + (extra,) + plan.body[k + 1 :])
+
+
+def _without(op, on):
+    """The plan without its first ``op`` (send/recv) that runs ``on``."""
+
+    def drop(plan):
+        k = next(i for i, ins in enumerate(plan.body) if ins.op == op and ins.on == on)
+        return plan.replace(body=plan.body[:k] + plan.body[k + 1 :])
+
+    return drop
+
+
+@pytest.mark.parametrize(
+    "make,brk,fragment,where",
+    [
+        (
+            _megatron_plan,
+            _with_collective_on_one_rank,
+            "issues this as its 2nd collective over ('tp',) on stream main, but rank (tp=1)",
+            (_sgd_step, "loss = F.mse_loss"),
+        ),
+        (
+            _pipeline_plan,
+            _without("send", (("pp", 1),)),  # stage 1's first gradient for stage 0
+            "the recv has no send",
+            (_sgd_step, "loss.backward()"),
+        ),
+        (
+            _pipeline_plan,
+            _without("recv", (("pp", 1),)),  # stage 1's first activation from stage 0
+            "which is never defined",
+            (TwoStages.forward, "return self.second(h)"),
+        ),
+    ],
+    ids=["collective-on-one-rank", "send-dropped", "recv-dropped"],
+)
+def test_broken_compiled_plan_fails_check_at_the_users_line(make, brk, fragment, where):
+    """A real compiled plan, broken the way a wrong pass would break it: ``check()`` refuses
+    it, naming the line of the step (or of the module it calls) the instruction came from."""
+    plan = make()
+    broken = brk(plan)
+    assert Plan.parse(str(broken)) == broken  # still a well-formed plan, only wrong
+    with pytest.raises(PlanError) as e:
+        broken.check()
+    assert fragment in str(e.value)
+    _assert_loc(e.value.loc, *where)
+    assert str(e.value).endswith(f"(at {e.value.loc})")
