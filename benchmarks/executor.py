@@ -10,6 +10,10 @@ on 8x8 tensors, run by
 Target: the C++ runtime >= 3x faster per instruction than the GraphModule. Medians of several
 repetitions; the three alternate so machine noise hits them alike.
 
+Also the same ops as an eager batch (what ``with pm.activate():`` sends: one ``CallOp`` per op)
+through a worker's executor, in this process, from ``run(batch)`` to the barrier's reply: the
+C++ executor (``_core.Executor``, the workers' default) vs the Python reference executor.
+
     python benchmarks/executor.py [--ops 200] [--reps 7]
 """
 
@@ -17,13 +21,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from monarch_dsl import _build
+from monarch_dsl.compiler import ir
 from monarch_dsl.compiler.lower import Program, Slot, Step, run_step
+from monarch_dsl.runtime.core_executor import CoreExecutor
+from monarch_dsl.runtime.executor import ReferenceExecutor
 from monarch_dsl.runtime.plan_runner import core_steps
 
 
@@ -80,6 +88,39 @@ def to_program(gm: torch.fx.GraphModule) -> tuple[Program, int]:
     return program, len(steps)
 
 
+def to_batch(program: Program) -> tuple:
+    """The program's steps as an eager batch: ref ``slot + 1`` for each slot."""
+
+    def conv(v):
+        if isinstance(v, Slot):
+            return ir.Ref(v.index + 1)
+        if isinstance(v, (list, tuple)):
+            return type(v)(conv(x) for x in v)
+        return v
+
+    items = [(-1, ir.DefineMesh(0, ("gpu",), (1,), (0,)))]
+    for s in program.steps:
+        op = s.op.replace(".", "::", 1)  # aten.mm.default -> aten::mm.default
+        outs = tuple(o + 1 for o in s.outs)
+        items.append((0, ir.CallOp(op, conv(s.args), conv(s.kwargs), outs, "main", "")))
+    items.append((0, ir.Delete(tuple(o + 1 for s in program.steps for o in s.outs), "main")))
+    items.append((0, ir.Fetch(1, -1, "main", "")))  # a barrier: replies once all ran
+    return tuple(items)
+
+
+def eager_runner(executor, batch, a, b):
+    done = threading.Semaphore(0)
+    executor.reply = lambda call_id, value: done.release()
+    executor.refs[1], executor.refs[2] = a, b
+
+    def run():
+        executor.run(batch)
+        if not done.acquire(timeout=60):
+            raise RuntimeError("the executor never reached the barrier")
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=200)
@@ -122,7 +163,19 @@ def main() -> None:
         env[program.n_slots - 1], ref[0]
     ), "the C++ runtime's result differs from the GraphModule's"
 
-    runners = {"cpp": run_cpp, "python": run_python, "graph": run_graph, "interp": run_interp}
+    batch = to_batch(program)
+    callbacks = dict(reply=None, reply_failure=None, report=print)
+    cpu = torch.device("cpu")
+    core_ex = CoreExecutor(core, 0, cpu, **callbacks)
+    ref_ex = ReferenceExecutor(0, cpu, **callbacks)
+    runners = {
+        "cpp": run_cpp,
+        "python": run_python,
+        "graph": run_graph,
+        "interp": run_interp,
+        "eager_cpp": eager_runner(core_ex, batch, a, b),
+        "eager_python": eager_runner(ref_ex, batch, a, b),
+    }
     iters = {k: args.iters if k != "interp" else max(args.iters // 4, 10) for k in runners}
     for fn in runners.values():  # warm up
         for _ in range(5):
@@ -149,6 +202,11 @@ def main() -> None:
     ]
     for label, k in rows:
         print(f"{label:<42}{med[k]:>10.2f}{med['graph'] / med[k]:>9.2f}x")
+    print(f"\nthe same {n} ops as an eager batch through a worker's executor (us per instruction)")
+    eager = med["eager_python"] / med["eager_cpp"]
+    print(f"{'C++ executor (_core.Executor)':<42}{med['eager_cpp']:>10.2f}{eager:>9.2f}x")
+    print(f"{'Python reference executor':<42}{med['eager_python']:>10.2f}{1:>9.2f}x")
+    core_ex.close()
     check = "PASS" if ratio >= 3 else "MISS"
     print(f"target: C++ >= 3x faster than the GraphModule per op: {ratio:.2f}x  {check}")
 
