@@ -395,6 +395,11 @@ def _uses_shared_memory():
     return torch.tensor(any(isinstance(g, shm.ShmProcessGroup) for g in groups))
 
 
+def _worker_segments(pids) -> list[str]:
+    """/dev/shm names made by these processes (names carry their creator's pid)."""
+    return [n for n in shm.segments() if int(n.split(".")[1]) in pids]
+
+
 @pytest.mark.procs
 def test_the_tensor_engine_reduces_through_shared_memory_on_one_host():
     pm = md.this_host().spawn_procs({"gpu": 2})
@@ -402,8 +407,13 @@ def test_the_tensor_engine_reduces_through_shared_memory_on_one_host():
         with pm.activate():
             x = torch.ones(1000) * (pm.rank("gpu") + 1)
             total = md.inspect(x.reduce("gpu", "sum"))
+            with md.Stream("comms").activate():  # a second stream: a second group
+                md.inspect(torch.ones(10).reduce("gpu", "sum"))
             uses = bool(md.inspect(_uses_shared_memory()))
         torch.testing.assert_close(total, torch.full((1000,), 3.0))
         assert uses
+        pids = set(pm._job.pids.values())
+        assert len(pids) == 2
     finally:
         pm.stop()
+    assert _worker_segments(pids) == []  # nothing left in /dev/shm after stop()
