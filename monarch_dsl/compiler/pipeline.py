@@ -8,7 +8,9 @@ the loss are Partial over ``mb`` and were given an ``all_reduce`` over it). This
 (its values renamed ``name.mbK``), a communication over ``mb`` becomes a local op on the
 copies (all_reduce → sum/mean of the copies, all_gather → cat, shard_local → slice, ...),
 and the instructions are ordered as GPipe runs them: the forward of every micro-batch, then
-the backward of every micro-batch, then the update.
+the backward of every micro-batch, then the update. A gradient's sum over the micro-batches
+(Partial over ``dp`` still: ``propagate`` reduces over ``mb`` first) is taken as soon as its
+last micro-batch's part is made, not in the update, so its one all-reduce can be issued then.
 
 ``split_stages``: each instruction runs on the ranks of its pipeline stage (``on pp=i``): the
 stage the user's ``md.pipeline_stage(i)`` markers gave it while tracing (backward ops: the
@@ -21,6 +23,7 @@ before its first use on that stage — in the forward (activations) and the back
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 
 from monarch_dsl.compiler.plan import (
@@ -35,9 +38,8 @@ from monarch_dsl.compiler.plan import (
     TensorType,
     Var,
 )
-from monarch_dsl.compiler.propagate import _base, _rename, stamp
+from monarch_dsl.compiler.propagate import ALIASING, MB, _base, _rename, stamp
 
-MB = "mb"
 R = Replicate()
 
 
@@ -104,16 +106,17 @@ def microbatch(plan: Plan) -> Plan:
         elif not p.is_replicate():
             raise PlanError(f"input {i.name!r}: {p} over micro-batches is not supported")
 
+    early = _EarlyUpdate({i.name for i in plan.inputs})
     for ins in plan.body:
-        phase = phase_of.get(id(ins), "update")
         uses = ins.uses()
         mb_comm = (ins.op in COMM_OPS or ins.op in LOCAL_OPS) and MB in (ins.kw("dims") or ())
+        repeat = any(split.get(u, False) for u in uses) or any(per_mb(t) for t in ins.types)
+        phase = early.phase(ins, phase_of.get(id(ins), "update"), mb_comm or repeat)
         if mb_comm:
             add(phase, _combine(ins, uses, M, split, types, name, drop))
             for o, t in zip(ins.outs, ins.types):
                 split[o] = per_mb(t)
             continue
-        repeat = any(split.get(u, False) for u in uses) or any(per_mb(t) for t in ins.types)
         if not repeat:
             add(phase, [dataclasses.replace(ins, types=tuple(drop(t) for t in ins.types))])
             for o in ins.outs:
@@ -142,10 +145,14 @@ def microbatch(plan: Plan) -> Plan:
             split[o] = True
         add(phase, copies)
 
-    # GPipe order: forward of each micro-batch, backward of each, then the rest.
+    # GPipe order: forward of each micro-batch, backward of each, then the rest. The update's
+    # early part goes first in the backward: it waits there (_order_by_dependencies) until
+    # its inputs are made, and runs right after.
     body: list[Instr] = list(prologue)
     for phase in ("forward", "backward"):
         chunks = groups.get(phase, [])
+        if phase == "backward":
+            body.extend(ins for copies in groups.get(EARLY, []) for ins in copies)
         singles_done: set[int] = set()
         for m in range(M):
             for k, copies in enumerate(chunks):
@@ -155,7 +162,7 @@ def microbatch(plan: Plan) -> Plan:
                     body.extend(copies)
                     singles_done.add(k)
     for phase, chunks in groups.items():
-        if phase not in ("forward", "backward"):
+        if phase not in ("forward", "backward", EARLY):
             for copies in chunks:
                 body.extend(copies)
     body = _order_by_dependencies(body, {i.name for i in inputs})
@@ -225,6 +232,48 @@ def _combine(ins, uses, M, split, types, name, drop) -> list[Instr]:
     )
 
 
+EARLY = "early update"
+
+
+class _EarlyUpdate:
+    """Which instructions of the update run with the backward pass instead: the update's
+    per-micro-batch work (the optimizer reading a gradient that is still one partial sum per
+    micro-batch, and the accumulation of those sums over the micro-batches). Run as soon as
+    its inputs are, an accumulated gradient is ready when its last micro-batch's backward is,
+    and its all-reduce can overlap the rest of the backward pass (``schedule``).
+
+    Only pure instructions whose inputs are made before the update (or by an instruction run
+    early) qualify, and none that reads storage the update has already written in place:
+    run earlier, it must still see the same values."""
+
+    def __init__(self, inputs: set[str]) -> None:
+        self.before_update = set(inputs)  # values made before the update, or early
+        self.root: dict[str, str] = {}  # value -> the value whose storage it shares
+        self.written: set[str] = set()  # roots the update has written in place so far
+
+    def phase(self, ins: Instr, phase: str, per_micro_batch: bool) -> str:
+        """``ins``'s phase (``EARLY`` for what runs early); given in program order."""
+        uses = ins.uses()
+        name, inplace = _base(ins.op) if "." in ins.op else (ins.op, False)
+        roots = [self.root.get(u, u) for u in uses]
+        if (
+            phase == "update"
+            and per_micro_batch
+            and not inplace
+            and all(u in self.before_update for u in uses)
+            and not any(r in self.written for r in roots)
+        ):
+            phase = EARLY
+        if phase != "update":
+            self.before_update.update(ins.outs)
+        elif inplace and roots:
+            self.written.add(roots[0])
+        if roots and (name in ALIASING or inplace):
+            for o in ins.outs:
+                self.root[o] = roots[0]
+        return phase
+
+
 def _phases(plan: Plan) -> dict[int, str]:
     """Each instruction's phase: recorded while tracing; an inserted communication takes the
     phase of the next instruction that has one (it was inserted for that instruction)."""
@@ -246,27 +295,42 @@ def _phases(plan: Plan) -> dict[int, str]:
 
 
 def _order_by_dependencies(body: list[Instr], available: set[str]) -> list[Instr]:
-    """``body`` in its order, except that an instruction waits until its inputs are defined."""
+    """``body`` in its order, except that an instruction waits until its inputs are defined.
+
+    Whatever a defined value lets go runs right after it, in sweeps in body order: those
+    later in the body than the instruction that freed them in the same sweep, the others
+    in the next one. Each instruction is looked at once per input it waits for."""
     done = set(available)
     out: list[Instr] = []
-    waiting: list[Instr] = []
-    for ins in body:
-        waiting.append(ins)
-        progressed = True
-        while progressed:
-            progressed = False
-            rest = []
-            for w in waiting:
-                if all(u in done for u in w.uses()):
-                    out.append(w)
-                    done.update(w.outs)
-                    progressed = True
-                else:
-                    rest.append(w)
-            waiting = rest
-    if waiting:
-        missing = sorted({u for w in waiting for u in w.uses() if u not in done})
-        raise PlanError(f"internal: values never defined after micro-batching: {missing[:5]}")
+    waiters: dict[str, list[int]] = {}  # value -> the waiting instructions that need it
+    missing: dict[int, int] = {}  # waiting instruction -> how many of its inputs are not defined
+
+    def run(first: int) -> None:
+        sweep, following = [first], []
+        while sweep:
+            while sweep:
+                k = heapq.heappop(sweep)
+                out.append(body[k])
+                for o in body[k].outs:
+                    done.add(o)
+                    for w in waiters.pop(o, ()):
+                        missing[w] -= 1
+                        if not missing[w]:
+                            del missing[w]
+                            heapq.heappush(sweep if w > k else following, w)
+            sweep, following = following, []
+
+    for k, ins in enumerate(body):
+        need = {u for u in ins.uses() if u not in done}
+        if not need:
+            run(k)
+            continue
+        missing[k] = len(need)
+        for u in need:
+            waiters.setdefault(u, []).append(k)
+    if missing:
+        names = sorted({u for k in missing for u in body[k].uses() if u not in done})
+        raise PlanError(f"internal: values never defined after micro-batching: {names[:5]}")
     return out
 
 

@@ -9,6 +9,13 @@ without a rule runs replicated, with a warning naming the op and what gathering 
 
 Redistributions of a value are reused until the value (or anything sharing its storage) is
 written in place.
+
+With micro-batches, the batch is also sharded over a virtual mesh dim ``mb`` (``MB``) whose
+"ranks" run one after another on the same devices, so a reduction over it is a local sum
+(``pipeline.microbatch`` makes it one). A value Partial over ``mb`` and over real dims (a
+weight's gradient, the loss) is reduced over ``mb`` first: the micro-batches' partial
+contributions are accumulated locally, the sum stays Partial over the real dims, and it is
+all-reduced once instead of once per micro-batch.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from monarch_dsl.compiler.plan import (
 )
 
 R = Replicate()
+MB = "mb"  # the micro-batch dim (see the module docstring)
 
 
 class Strategy(NamedTuple):
@@ -742,7 +750,8 @@ class _State:
         One mesh dim at a time: reductions first, then gathers, then local chunks."""
         t = self.types[var]
         cur = list(t.placements)
-        order = sorted(range(len(want)), key=lambda m: _order(cur[m], want[m]))
+        first = self._reduced_first(cur, want)
+        order = sorted(range(len(want)), key=lambda m: (_order(cur[m], want[m]), m != first))
         name = var
         for m in order:
             if cur[m] == want[m]:
@@ -779,6 +788,18 @@ class _State:
                 name = out
             self.cache[key] = name
         return name
+
+    def _reduced_first(self, cur: list[Placement], want: tuple[Placement, ...]) -> int | None:
+        """The micro-batch dim, if ``cur`` is Partial over it and it is to be reduced: summing
+        the micro-batches' contributions is local, and it commutes with the other reductions
+        when they all are sums or means (not with a max)."""
+        if MB not in self.plan.dims:
+            return None
+        mb = self.plan.dims.index(MB)
+        reduced = [m for m, (p, w) in enumerate(zip(cur, want)) if p.is_partial() and p != w]
+        if mb not in reduced or any(cur[m].op not in ("sum", "avg") for m in reduced):
+            return None
+        return mb
 
 
 def _order(src: Placement, dst: Placement) -> int:

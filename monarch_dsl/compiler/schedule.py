@@ -7,6 +7,12 @@ grouped into buckets of at most ``bucket_cap_mb`` (like DDP's), and each bucket 
 multi-tensor ``all_reduce`` on the ``comms`` stream, placed right after its last gradient is
 computed — so it runs while the rest of the backward pass does. The first use of each result
 waits for it (a cross-stream use; the runtime waits on the collective's handle).
+
+Buckets are formed per group of ranks that issue the reduction: in a pipeline, each stage's
+ranks bucket their own stage's gradients (``on pp=i``; a data-parallel group lies within one
+stage, so every rank of it issues the same buckets). With micro-batches a gradient's partial
+sums are first accumulated over the micro-batches (``propagate``, ``pipeline.microbatch``):
+its one all-reduce is ready when its last micro-batch's backward is.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     candidates = []
     sources: dict[int, str] = {}
     for k, ins in enumerate(body):
-        if ins.op != "all_reduce" or ins.stream != "main" or len(ins.outs) != 1 or ins.on:
+        if ins.op != "all_reduce" or ins.stream != "main" or len(ins.outs) != 1:
             continue
         src = ins.uses()[0]
         # detach/alias only rename a value: reduce the one they come from, as soon as it is
@@ -53,8 +59,8 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
                 break
             src = producer.uses()[0]
         ready = defined_at[src]
-        if k - ready < 2 or ins.outs[0] not in first_use:
-            continue  # needed right after it is ready: nothing to overlap with
+        if ins.outs[0] not in first_use:
+            continue  # a result of the step only: nothing waits for it
         r = root.get(src, src)
         # Not movable above a write into the same storage.
         if any(ready < w < k for w in writes.get(r, [])):
@@ -64,22 +70,16 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     if not candidates:
         return stamp(plan, "schedule", t0)
 
-    candidates.sort()
+    # Per group of ranks and kind of reduction (``_key``), in the order the gradients are ready.
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for ready, k in sorted(candidates):
+        groups.setdefault(_key(body[k]), []).append((ready, k))
     cap = bucket_cap_mb * 2**20
-    buckets: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    size = 0.0
-    for ready, k in candidates:
-        ins = body[k]
-        # A bucket goes out after its last gradient: all its results must be needed later.
-        needed = min((first_use[body[j].outs[0]] for _, j in current), default=len(body))
-        if current and (size >= cap or _key(ins) != _key(body[current[0][1]]) or ready >= needed):
-            buckets.append(current)
-            current, size = [], 0.0
-        current.append((ready, k))
-        size += _bytes(ins.types[0])
-    if current:
-        buckets.append(current)
+    buckets = [b for group in groups.values() for b in _buckets(group, body, first_use, cap)]
+    # One all-reduce alone, needed right after its input is ready, has nothing to overlap with
+    # (in a bucket with others it still saves a collective).
+    buckets = [b for b in buckets if len(b) > 1 or b[0][1] - b[0][0] >= 2]
+    buckets.sort(key=lambda b: b[-1])  # in the order they go out
 
     moved = {k for b in buckets for _, k in b}
     insert_after: dict[int, list[Instr]] = {}
@@ -99,7 +99,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             first.kwargs,
             tuple(m.types[0] for m in members),
             "comms",
-            (),
+            first.on,
             first.loc,
             reason,
         )
@@ -115,5 +115,27 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
 _RENAMES = ("aten.detach.default", "aten.alias.default")
 
 
+def _buckets(
+    group: list[tuple[int, int]], body: list[Instr], first_use: dict[str, int], cap: float
+) -> list[list[tuple[int, int]]]:
+    """(ready, index) of one group's all-reduces, in buckets of about ``cap`` bytes."""
+    buckets: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    size = 0.0
+    for ready, k in group:
+        # A bucket goes out after its last gradient: all its results must be needed later.
+        needed = min((first_use[body[j].outs[0]] for _, j in current), default=len(body))
+        if current and (size >= cap or ready >= needed):
+            buckets.append(current)
+            current, size = [], 0.0
+        current.append((ready, k))
+        size += _bytes(body[k].types[0])
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def _key(ins: Instr) -> tuple:
-    return (ins.kw("dims"), ins.kw("op"), ins.types[0].dtype)
+    """What the all-reduces of one bucket share: the ranks that issue it (a pipeline stage's,
+    by ``on``), the group, the reduction and the dtype."""
+    return (ins.on, ins.kw("dims"), ins.kw("op"), ins.types[0].dtype)

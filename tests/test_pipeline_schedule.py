@@ -1,0 +1,105 @@
+"""Gradient reduction in a data-parallel pipeline (pure: no processes): with micro-batches, each
+gradient is accumulated over the micro-batches first and all-reduced once over ``dp``, in
+buckets per stage on the ``comms`` stream; the loss is reduced once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import monarch_dsl as md
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compiler_helpers import TwoStages, mse_step, simulate_training  # noqa: E402
+
+MESH = (("dp", 2), ("pp", 2))
+STAGE0, STAGE1 = (("pp", 0),), (("pp", 1),)
+TINY = 1e-5  # MiB: about 10 bytes, less than any gradient here (the smallest is 64 bytes)
+
+
+def _pipeline():
+    torch.manual_seed(0)
+    model = TwoStages()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(n)]
+
+
+def _compile(bucket_cap_mb: float) -> md.Plan:
+    model, opt, step_of = _pipeline()
+    step = md.mesh_fn(
+        step_of(model, opt), data_parallel="dp", micro_batches=4, bucket_cap_mb=bucket_cap_mb
+    )
+    x, y = _batches(1)[0]
+    return step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=2"))
+
+
+def _all_reduces(plan: md.Plan) -> tuple[list, list]:
+    """(gradient all-reduces, the loss's), as instructions."""
+    ars = [ins for ins in plan.body if ins.op == "all_reduce"]
+    loss = [ins for ins in ars if "the result out0" in ins.reason]
+    return [ins for ins in ars if ins not in loss], loss
+
+
+def test_one_bucket_per_stage_on_the_comms_stream():
+    plan = _compile(25)
+    grads, loss = _all_reduces(plan)
+    # Was: 16 gradient all-reduces (one per parameter and micro-batch) and 4 for the loss, all
+    # on the main stream. Now each stage's two gradients go in one bucket, the loss in one.
+    assert len(grads) == 2
+    assert sorted(ins.on for ins in grads) == [STAGE0, STAGE1]
+    for ins in grads:
+        assert ins.stream == "comms" and ins.kw("dims") == ("dp",) and ins.kw("op") == "sum"
+        assert len(ins.outs) == 2 and "gradient bucket" in ins.reason
+    # One value per parameter, each its micro-batches' sum: nothing is reduced per micro-batch.
+    assert sorted(o for ins in grads for o in ins.outs) == sorted(
+        o.var for o in plan.outputs if o.kind == "grad"
+    )
+    assert not any(".mb" in v.name for ins in grads for v in ins.args)
+    assert len(loss) == 1 and loss[0].on == STAGE1 and loss[0].kw("op") == "avg"
+    # Overlap: the last stage's bucket is issued before the first stage's backward is done.
+    body = plan.body
+    bucket1 = next(i for i, ins in enumerate(body) if ins.stream == "comms" and ins.on == STAGE1)
+    last_mm0 = max(
+        i for i, ins in enumerate(body) if ins.op == "aten.mm.default" and ins.on == STAGE0
+    )
+    assert bucket1 < last_mm0
+    plan.check()
+
+
+def test_tiny_buckets_one_all_reduce_per_parameter():
+    grads, loss = _all_reduces(_compile(TINY))
+    assert len(grads) == 4 and all(len(ins.outs) == 1 for ins in grads)
+    assert [ins.on for ins in grads].count(STAGE0) == 2
+    # Each on the comms stream as soon as its gradient is accumulated, except the first
+    # layer's weight: its last micro-batch's contribution is the last thing the backward pass
+    # computes and the first thing the update needs, so there is nothing to overlap it with.
+    on_main = [ins for ins in grads if ins.stream == "main"]
+    assert [ins.on for ins in on_main] == [STAGE0]
+    assert [ins.types[0].shape for ins in on_main] == [(32, 16)]
+    assert len(loss) == 1
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25, TINY], ids=["default", "tiny"])
+def test_parity_with_one_process(bucket_cap_mb):
+    model, ref, losses, ref_losses, plans = simulate_training(
+        _pipeline,
+        MESH,
+        _batches(),
+        micro_batches=4,
+        data_parallel="dp",
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    for plan in plans:
+        plan.check()
+        assert any(ins.stream == "comms" for ins in plan.body)
