@@ -15,6 +15,9 @@
 // it cannot deadlock with stream threads.
 
 #include "boxed.h"
+#include "comm.h"
+
+#include <torch/csrc/Dtype.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -37,7 +40,7 @@ struct Entry {
   FailurePtr failure;  // set: the ref failed, `value` is empty
 };
 
-enum class Kind { Op, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
+enum class Kind { Op, Reduce, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
 
 struct OpCall {
   md::BoxedCall call;
@@ -45,9 +48,22 @@ struct OpCall {
   std::string line;
 };
 
+// A collective over a slice of mesh dims (ir.Reduce): `group` names the group, whose getter
+// Python registered (set_group).
+struct ReduceCall {
+  std::string group;
+  int64_t src, out;
+  std::string reduction;  // sum avg min max prod stack
+  bool scatter;
+  std::vector<int64_t> shape;  // of the input: placeholders of failed inputs
+  at::ScalarType dtype;
+  std::string line, what, what_error;  // what: "reduce over ('gpu',)", as Python names it
+};
+
 struct Item {
   Kind kind;
   std::shared_ptr<OpCall> op;
+  std::shared_ptr<ReduceCall> reduce;
   std::vector<int64_t> refs;  // Delete
   int64_t event = 0, src = 0, dst = 0;
   PyObject* fn = nullptr;  // Python / Barrier: a callable (owned; released under the GIL)
@@ -158,6 +174,25 @@ class Executor {
     push(stream, std::move(item));
   }
 
+  // `get()` (called once, under the GIL, on the stream thread of the first collective that
+  // uses it) returns (process group, this rank's index in it, its size).
+  void set_group(const std::string& key, py::function get) {
+    std::lock_guard<std::mutex> g(groups_lock_);
+    getters_[key] = std::move(get);
+  }
+
+  void reduce(const std::string& stream, const std::string& group, int64_t src, int64_t out,
+              const std::string& reduction, bool scatter, std::vector<int64_t> shape,
+              py::handle dtype, std::string line, std::string what, std::string what_error) {
+    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("reduce: dtype must be a torch.dtype");
+    Item item{Kind::Reduce};
+    item.reduce = std::make_shared<ReduceCall>(ReduceCall{
+        group, src, out, reduction, scatter, std::move(shape),
+        reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, std::move(line), std::move(what),
+        std::move(what_error)});
+    push(stream, std::move(item));
+  }
+
   void delete_refs(const std::string& stream, std::vector<int64_t> refs) {
     Item item{Kind::Delete};
     item.refs = std::move(refs);
@@ -249,6 +284,9 @@ class Executor {
       std::lock_guard<std::mutex> g(refs_lock_);
       dead.swap(refs_);
     }
+    std::lock_guard<std::mutex> g(groups_lock_);
+    groups_.clear();
+    getters_.clear();
   }
 
  private:
@@ -353,6 +391,9 @@ class Executor {
     switch (item.kind) {
       case Kind::Op:
         run_op(*item.op);
+        break;
+      case Kind::Reduce:
+        run_reduce(*item.reduce);
         break;
       case Kind::Delete: {
         std::vector<Entry> dead;
@@ -486,6 +527,128 @@ class Executor {
     stack.clear();
   }
 
+  struct Group {
+    std::shared_ptr<md::Comm> comm;
+    int64_t index, size;
+  };
+
+  // The group `key`, made on first use by its Python getter. No lock is held while the GIL is
+  // taken (a Python thread holding the GIL may be waiting in set_group for the lock).
+  Group& group(const std::string& key) {
+    {
+      std::lock_guard<std::mutex> g(groups_lock_);
+      auto it = groups_.find(key);
+      if (it != groups_.end()) return it->second;
+    }
+    py::gil_scoped_acquire gil;
+    py::function getter;
+    {
+      std::lock_guard<std::mutex> g(groups_lock_);
+      auto it = getters_.find(key);
+      if (it == getters_.end()) throw std::runtime_error("no process group named " + key);
+      getter = it->second;
+    }
+    auto t = getter().cast<py::tuple>();  // a rendezvous of the group's members
+    Group made{md::comm_of(t[0]), t[1].cast<int64_t>(), t[2].cast<int64_t>()};
+    std::lock_guard<std::mutex> g(groups_lock_);
+    return groups_.emplace(key, std::move(made)).first->second;  // (one thread per stream)
+  }
+
+  // ir.Reduce, as the reference executor's reduce() does it: every rank of the group takes
+  // part even when its input failed (with zeros), after a flag all-reduce tells all of them
+  // whether any input failed -- then every rank's result is failed, none hangs.
+  void run_reduce(ReduceCall& r) {
+    Entry in;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto it = refs_.find(r.src);
+      if (it != refs_.end()) in = it->second;
+    }
+    FailurePtr failed = in.failure;
+    const bool own_failed = failed != nullptr;
+    at::Tensor result;
+    try {
+      if (!own_failed && !in.value.isTensor())
+        throw std::runtime_error("internal error: no value for %" + std::to_string(r.src));
+      Group& grp = group(r.group);
+      auto options = at::TensorOptions().device(device_.toDevice());
+      at::Tensor flag = at::full({1}, failed ? 1 : 0, options.dtype(at::kInt));
+      grp.comm->all_reduce(flag, "max");
+      if (!failed && flag.item<int>() != 0) {
+        failed = std::make_shared<Failure>(Failure{
+            rank_, r.line, r.what, "the input of another rank of the group had failed", ""});
+      }
+      at::Tensor src = failed ? at::zeros(r.shape, options.dtype(r.dtype)) : in.value.toTensor();
+      const bool in_place = r.out == r.src && !failed;
+      result = collective(grp, src, r, in_place);
+      if (failed && !own_failed) report(failed);  // this rank's input was fine: a root cause
+    } catch (const std::exception& e) {
+      auto f = std::make_shared<Failure>(Failure{rank_, r.line, r.what_error,
+                                                 error_type(e) + ": " + error_text(e), e.what()});
+      fail({r.out}, f, true);
+      return;
+    }
+    if (failed) {
+      fail({r.out}, failed, false);
+      return;
+    }
+    if (r.out == r.src) {
+      at::Tensor src = in.value.toTensor();
+      if (!result.is_same(src)) src.copy_(result);
+      return;
+    }
+    Entry dead;
+    std::lock_guard<std::mutex> g(refs_lock_);
+    auto& slot = refs_[r.out];
+    dead = std::move(slot);
+    slot = Entry{result, nullptr};
+  }
+
+  // The collective's result; an in-place all-reduce of a contiguous tensor works on `src`
+  // itself (at 64 MiB two copies halved the bandwidth).
+  static at::Tensor collective(Group& grp, at::Tensor src, const ReduceCall& r, bool in_place) {
+    const std::string op = r.reduction == "avg" ? "sum" : r.reduction;
+    if (in_place && !r.scatter && r.reduction != "stack" && src.is_contiguous()) {
+      grp.comm->all_reduce(src, op);
+      if (r.reduction == "avg") src.div_(grp.size);
+      return src;
+    }
+    src = src.contiguous();
+    if (r.reduction == "stack") {
+      if (r.scatter) {  // all-to-all: piece i of my dim 0 goes to rank i
+        at::Tensor out = at::empty_like(src);
+        grp.comm->all_to_all(out, src);
+        return out;
+      }
+      std::vector<at::Tensor> outs;
+      for (int64_t i = 0; i < grp.size; ++i) outs.push_back(at::empty_like(src));
+      grp.comm->all_gather(outs, src);
+      return at::stack(outs);
+    }
+    at::Tensor out;
+    if (r.scatter) {
+      std::vector<at::Tensor> chunks;
+      for (auto& c : src.chunk(grp.size)) chunks.push_back(c.contiguous());
+      out = at::empty_like(chunks.at(grp.index));
+      grp.comm->reduce_scatter(out, chunks, op);
+    } else {
+      out = src.clone();
+      grp.comm->all_reduce(out, op);
+    }
+    if (r.reduction == "avg") out.div_(grp.size);
+    return out;
+  }
+
+  void report(const FailurePtr& f) {
+    py::gil_scoped_acquire gil;
+    try {
+      report_(to_python(Entry{c10::IValue(), f}));
+    } catch (py::error_already_set& e) {
+      e.restore();
+      PyErr_Print();
+    }
+  }
+
   void fail(const std::vector<int64_t>& outs, const FailurePtr& f, bool root) {
     std::vector<Entry> dead;
     {
@@ -497,15 +660,7 @@ class Executor {
         slot = Entry{c10::IValue(), f};
       }
     }
-    if (root) {
-      py::gil_scoped_acquire gil;
-      try {
-        report_(to_python(Entry{c10::IValue(), f}));
-      } catch (py::error_already_set& e) {
-        e.restore();
-        PyErr_Print();
-      }
-    }
+    if (root) report(f);
   }
 
   void set_event(int64_t event) {
@@ -534,6 +689,10 @@ class Executor {
   std::unordered_map<std::string, std::unique_ptr<Stream>> streams_;
   bool closed_ = false;
 
+  std::mutex groups_lock_;
+  std::unordered_map<std::string, py::function> getters_;
+  std::unordered_map<std::string, Group> groups_;
+
   std::mutex events_lock_;
   std::condition_variable events_cv_;
   std::unordered_map<int64_t, bool> events_;
@@ -552,6 +711,8 @@ void bind_executor(py::module& m) {
       .def("__len__", &Executor::size)
       .def("keys", &Executor::keys)
       .def("call_op", &Executor::call_op)
+      .def("set_group", &Executor::set_group)
+      .def("reduce", &Executor::reduce)
       .def("delete", &Executor::delete_refs)
       .def("signal", &Executor::signal)
       .def("wait", &Executor::wait)

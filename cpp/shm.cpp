@@ -32,6 +32,8 @@
 // All-gather, reduce-scatter and broadcast follow the same pattern. The GIL is released for
 // the whole of each call.
 
+#include "comm.h"
+
 #include <torch/extension.h>
 
 #include <linux/futex.h>
@@ -52,6 +54,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -239,6 +242,15 @@ void check_cpu(const at::Tensor& t, const char* what) {
     throw std::invalid_argument(std::string("shm collectives: ") + what + " must be contiguous");
 }
 
+// Releases the GIL for a call when the calling thread holds it (Python callers do; the C++
+// executor's stream threads call without it).
+struct NoGil {
+  std::optional<py::gil_scoped_release> release;
+  NoGil() {
+    if (PyGILState_Check()) release.emplace();
+  }
+};
+
 class ShmGroup {
  public:
   ShmGroup(std::string name, int rank, int size, int64_t capacity, double timeout_s,
@@ -253,7 +265,7 @@ class ShmGroup {
     header_bytes_ = align_up(sizeof(Header), 4096);
     channel_bytes_ = align_up(sizeof(Channel), kLine) + ring_capacity_;
     total_ = header_bytes_ + size_ * capacity_ + size_ * size_ * channel_bytes_;
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     open_segment();
   }
 
@@ -275,7 +287,7 @@ class ShmGroup {
     const size_t es = t.element_size();
     char* data = static_cast<char*>(t.data_ptr());
     const size_t count = t.numel();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
     const size_t per_chunk = half_bytes() / es;
@@ -322,7 +334,7 @@ class ShmGroup {
     for (int j = 0; j < size_; ++j) dst[j] = static_cast<char*>(outs[j].data_ptr());
     const char* src = static_cast<const char*>(input.data_ptr());
     const size_t bytes = input.numel() * input.element_size();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
     const size_t per_chunk = half_bytes() / 64 * 64;
@@ -362,7 +374,7 @@ class ShmGroup {
     for (int j = 0; j < size_; ++j) in[j] = static_cast<const char*>(inputs[j].data_ptr());
     char* dst = static_cast<char*>(out.data_ptr());
     const size_t count = out.numel();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
     // A half holds `size` pieces of `per` items (piece j: what rank j reduces).
@@ -386,7 +398,7 @@ class ShmGroup {
     if (root < 0 || root >= size_) throw std::invalid_argument("shm broadcast: bad root");
     char* data = static_cast<char*>(t.data_ptr());
     const size_t bytes = t.numel() * t.element_size();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
     const size_t per_chunk = half_bytes();
@@ -401,7 +413,7 @@ class ShmGroup {
   }
 
   void barrier_py() {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
     barrier("barrier");
@@ -416,7 +428,7 @@ class ShmGroup {
     const uint64_t hdr[2] = {static_cast<uint64_t>(t.numel() * t.element_size()),
                              static_cast<uint64_t>(tag)};
     const char* data = static_cast<const char*>(t.data_ptr());
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(send_mu_);
     Channel* ch = channel(rank_, dst);
     put(ch, dst, reinterpret_cast<const char*>(hdr), sizeof(hdr));
@@ -444,7 +456,7 @@ class ShmGroup {
     check_peer(src);
     const size_t bytes = t.numel() * t.element_size();
     char* data = static_cast<char*>(t.data_ptr());
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::lock_guard<std::mutex> lock(recv_mu_);
     Channel* ch = channel(src, rank_);
     uint64_t hdr[2];
@@ -740,7 +752,89 @@ class ShmGroup {
   std::mutex mu_, send_mu_, recv_mu_;
 };
 
+// A ShmProcessGroup (runtime/shm.py) for the C++ executor: shared memory for what fits (CPU,
+// contiguous, a dtype it reduces, at most the group's size limit), its gloo group otherwise.
+class ShmComm : public md::Comm {
+ public:
+  ShmComm(py::handle group, ShmGroup* shm, int64_t size_limit)
+      : group_(py::reinterpret_borrow<py::object>(group)), shm_(shm), size_limit_(size_limit) {}
+
+  ~ShmComm() override {
+    py::gil_scoped_acquire gil;
+    group_ = py::object();
+  }
+
+  void all_reduce(at::Tensor& t, const std::string& op) override {
+    if (fits(t) && (op != "avg" || t.is_floating_point())) {
+      shm_->all_reduce(t, op);
+    } else {
+      fallback().all_reduce(t, op);
+    }
+  }
+
+  void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
+    bool ok = fits(input);
+    for (const auto& o : outs) ok = ok && fits(o);
+    if (ok) {
+      shm_->all_gather_into(outs, input);
+    } else {
+      fallback().all_gather(outs, input);
+    }
+  }
+
+  void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
+                      const std::string& op) override {
+    bool ok = fits(out);
+    for (const auto& t : inputs) ok = ok && fits(t);
+    if (ok) {
+      shm_->reduce_scatter(out, inputs, op);
+    } else {
+      fallback().reduce_scatter(out, inputs, op);
+    }
+  }
+
+  void all_to_all(at::Tensor& out, const at::Tensor& input) override {
+    fallback().all_to_all(out, input);
+  }
+
+ private:
+  bool fits(const at::Tensor& t) const {
+    switch (t.scalar_type()) {
+      case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kLong:
+      case at::kInt: case at::kShort: case at::kChar: case at::kByte:
+        break;
+      default:
+        return false;
+    }
+    return t.device().is_cpu() && t.is_contiguous() &&
+           static_cast<int64_t>(t.numel() * t.element_size()) <= size_limit_;
+  }
+
+  // The group's gloo backend, made by Python on first use (every member gets here at the
+  // same collective, as the Python path does).
+  md::Comm& fallback() {
+    std::lock_guard<std::mutex> g(fallback_lock_);
+    if (!fallback_) {
+      py::gil_scoped_acquire gil;
+      fallback_ = md::comm_of(group_.attr("gloo")());
+    }
+    return *fallback_;
+  }
+
+  py::object group_;  // keeps the ShmGroup alive
+  ShmGroup* shm_;
+  int64_t size_limit_;
+  std::mutex fallback_lock_;
+  std::shared_ptr<md::Comm> fallback_;
+};
+
 }  // namespace
+
+std::shared_ptr<md::Comm> md::shm_comm_of(py::handle group) {
+  if (!py::hasattr(group, "shm") || !py::isinstance<ShmGroup>(group.attr("shm"))) return nullptr;
+  auto* shm = group.attr("shm").cast<ShmGroup*>();
+  return std::make_shared<ShmComm>(group, shm, group.attr("size_limit").cast<int64_t>());
+}
 
 void bind_shm(py::module& m) {
   py::class_<ShmGroup>(m, "ShmGroup", R"doc(

@@ -37,10 +37,10 @@ class Program:
 class Executor:
     """A worker's executor of eager instructions: the ref table (ref -> tensor, number or
     ``failure_type`` instance), one thread per stream, events for borrows, and aten ops called
-    through the dispatcher without the GIL. An op with a failed input is skipped and its outputs
-    take that failure; an op that raises gets a new root failure, passed to ``report`` (under
-    the GIL). Every other instruction is a Python callable run under the GIL on its stream's
-    thread, in order (``runtime/core_executor.py``).
+    through the dispatcher without the GIL, collectives through the groups' C++ backends. An op
+    with a failed input is skipped and its outputs take that failure; an op that raises gets a
+    new root failure, passed to ``report`` (under the GIL). Every other instruction is a Python
+    callable run under the GIL on its stream's thread, in order (``runtime/core_executor.py``).
 
     ``ref_type``: the named tuple standing for a ref in arguments (``ir.Ref``);
     ``device_sentinel``: the object standing for ``device`` (``ir.WORKER_DEVICE``)."""
@@ -70,6 +70,28 @@ class Executor:
         """``outs = op(*args, **kwargs)``, ``op`` as ``"aten::add.Tensor"``; ``outs`` receive the
         tensor results in order (-1: not kept). Raises here, before queueing, for what the
         dispatcher cannot take (unknown op, arguments its schema rejects)."""
+    def set_group(self, key: str, get: Callable[[], tuple[Any, int, int]]) -> None:
+        """Name a process group: ``get()`` returns (group, this rank's index, size), a c10d
+        backend (gloo, NCCL) or a ``runtime/shm.py`` ShmProcessGroup; called under the GIL on
+        the stream thread of the first collective that uses it."""
+    def reduce(
+        self,
+        stream: str,
+        group: str,
+        src: int,
+        out: int,
+        reduction: str,
+        scatter: bool,
+        shape: Sequence[int],
+        dtype: Any,
+        line: str,
+        what: str,
+        what_error: str,
+    ) -> None:
+        """``ir.Reduce`` without Python: a flag all-reduce first (did any rank's input fail?),
+        zeros in place of a failed input, then the collective (sum avg min max prod; stack =
+        all-gather; ``scatter``: reduce-scatter, or all-to-all with stack). ``out == src``: in
+        place."""
     def delete(self, stream: str, refs: Sequence[int]) -> None: ...
     def signal(self, stream: str, event: int) -> None: ...
     def wait(self, stream: str, event: int) -> None: ...

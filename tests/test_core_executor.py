@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from monarch_dsl import _build
 from monarch_dsl.compiler import ir
@@ -49,6 +50,12 @@ PROGRAM = [
     op("aten::mul.Tensor", [R(17), 3], [18], stream="comms"),
     (0, ir.BorrowEnd(17, "main", "comms", 2, "prog.py:22")),
     op("aten::add.Tensor", [R(5), R(18)], [19]),
+    # collectives over the one-rank mesh (a gloo group of one), on two streams
+    (0, ir.Reduce(1, 20, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:24")),
+    (0, ir.Reduce(13, 13, 0, ("gpu",), "avg", False, (), "float32", "main", "prog.py:25")),
+    (0, ir.Reduce(6, 21, 0, ("gpu",), "stack", False, (8, 4), "float32", "main", "prog.py:26")),
+    (0, ir.Reduce(6, 22, 0, ("gpu",), "max", True, (8, 4), "float32", "comms", "prog.py:27")),
+    (0, ir.Reduce(11, 23, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:28")),
     (0, ir.Fetch(99, -1, "main", "")),  # a barrier: replies when every stream got here
 ]
 
@@ -61,6 +68,7 @@ def run(make):
         reply_failure=lambda call_id, f: None,
         report=reports.append,
     )
+    ex.store = dist.HashStore()  # the groups' rendezvous (one rank here)
     ex.run(tuple(PROGRAM))
     assert done.wait(30), "the barrier never replied"
     table = {k: ex.refs.get(k) for k in sorted(ex.refs.keys())}
@@ -72,7 +80,7 @@ def test_both_executors_give_the_same_ref_table():
     py, want, py_reports = run(lambda **cb: ReferenceExecutor(0, torch.device("cpu"), **cb))
     assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
     assert sorted(got) == sorted(want) == [
-        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19
+        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23
     ]  # fmt: skip
     for k, w in want.items():
         g = got[k]
@@ -82,7 +90,8 @@ def test_both_executors_give_the_same_ref_table():
         else:
             assert g.dtype == w.dtype and torch.equal(g, w), k
     assert "mat1 and mat2 shapes cannot be multiplied" in got[11].error
-    assert got[12].line == "prog.py:11"  # a dependent carries its root cause
+    assert got[12].line == got[23].line == "prog.py:11"  # dependents carry their root cause
+    assert got[21].shape == (1, 8, 4) and torch.equal(got[20], got[1])
     assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]
     assert len(cpp_reports) == 1  # one root cause, reported once
     cpp.close()

@@ -1,18 +1,21 @@
 """The worker's executor in the C++ runtime (``_core.Executor``, cpp/executor.cpp).
 
 The ref table, the stream threads and the borrow events live in C++; aten ops run there
-through the dispatcher without the GIL. What needs Python -- collectives and transfers (the
-executor's process groups), fetches, remote functions, compiled plans, seeding -- is handed to
-the stream's C++ thread as a Python callable, run under the GIL in its place in the stream's
-order, by the same handlers as the reference executor's (they see the C++ table through its
-mapping interface). ``MD_EXECUTOR=python`` selects the reference executor instead; the tests
-run eager batches and plans through both and compare.
+through the dispatcher without the GIL, and so do collectives (``Reduce``) through the
+executor's process groups -- gloo / NCCL backends or shared memory (cpp/comm.h), made by
+Python once per group. What still needs Python -- transfers, fetches, remote functions,
+compiled plans, seeding -- is handed to the stream's C++ thread as a Python callable, run under
+the GIL in its place in the stream's order, by the same handlers as the reference executor's
+(they see the C++ table through its mapping interface). ``MD_EXECUTOR=python`` selects the
+reference executor instead; the tests run eager batches and plans through both and compare.
 """
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
+
+import torch
 
 from monarch_dsl.compiler import ir
 from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
@@ -23,6 +26,7 @@ class CoreExecutor(ReferenceExecutor):
         super().__init__(rank, device, **callbacks)
         self.core = core.Executor(rank, ir.Ref, ir.WORKER_DEVICE, device, Failure, self.report)
         self.refs = self.core  # type: ignore[assignment]  # a mapping of ref -> value
+        self._group_names: dict[tuple, str] = {}
 
     def run(self, items: tuple) -> None:
         core = self.core
@@ -38,6 +42,13 @@ class CoreExecutor(ReferenceExecutor):
                     continue
                 except Exception:  # noqa: BLE001 - arguments only Python takes (a mesh coordinate)
                     core.python(ins.stream, partial(self.call_op, ins))
+            elif kind is ir.Reduce:
+                group = self._group_key(ins)
+                core.reduce(
+                    ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
+                    list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                    f"reduce over {ins.dims}", f"reduce {ins.dims}",
+                )  # fmt: skip
             elif kind is ir.Delete:
                 core.delete(ins.stream, list(ins.refs))
             elif kind is ir.DefineMesh:
@@ -56,6 +67,16 @@ class CoreExecutor(ReferenceExecutor):
                 core.wait(ins.origin, ins.event)
             else:
                 core.python(ins.stream, partial(self.handlers[kind], ins))
+
+    def _group_key(self, ins: ir.Reduce) -> str:
+        """The C++ side's name for the group of ``ins`` (mesh slice and stream); its getter
+        is registered on first sight and called on the stream's thread at first use."""
+        key = (ins.mesh, ins.dims, ins.stream)
+        name = self._group_names.get(key)
+        if name is None:
+            name = self._group_names[key] = f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}"
+            self.core.set_group(name, partial(self._group, ins))
+        return name
 
     def close(self) -> None:
         """Stop the stream threads once they ran what they were given, and free every ref."""

@@ -1,0 +1,36 @@
+// One process group's collectives as the C++ executor calls them: blocking, from any thread,
+// with or without the GIL. Two kinds: a torch.distributed backend handed over from Python
+// (gloo, NCCL: a c10d::Backend), and a shared-memory group (shm.cpp) that falls back to its
+// gloo backend for what it does not cover.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace md {
+
+namespace py = pybind11;
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  // `op`: "sum", "avg", "max", "min" or "prod".
+  virtual void all_reduce(at::Tensor& t, const std::string& op) = 0;
+  virtual void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
+  virtual void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
+                              const std::string& op) = 0;
+  virtual void all_to_all(at::Tensor& out, const at::Tensor& input) = 0;
+};
+
+// The Comm of a group object from Python: a c10d backend (ProcessGroupGloo, ProcessGroupNCCL)
+// or a runtime/shm.py ShmProcessGroup. Called with the GIL.
+std::shared_ptr<Comm> comm_of(py::handle group);
+
+// Defined in shm.cpp: the Comm of a ShmProcessGroup (None if `group` is not one).
+std::shared_ptr<Comm> shm_comm_of(py::handle group);
+
+}  // namespace md
