@@ -81,6 +81,7 @@ std::string error_type(const std::exception& e) {
   return "RuntimeError";
 }
 
+// The message without the C++ backtrace (what() would symbolize one: slow, and not the user's).
 std::string error_text(const std::exception& e) {
   if (auto c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
@@ -499,8 +500,8 @@ class Executor {
       op.call.op.callBoxed(&stack);
     } catch (const std::exception& e) {
       stack.clear();
-      auto f = std::make_shared<Failure>(Failure{rank_, op.line, op.call.name,
-                                                 error_type(e) + ": " + error_text(e), e.what()});
+      auto f = std::make_shared<Failure>(
+          Failure{rank_, op.line, op.call.name, error_type(e) + ": " + error_text(e), ""});
       fail(op.outs, f, true);
       return;
     }
@@ -583,8 +584,8 @@ class Executor {
       result = collective(grp, src, r, in_place);
       if (failed && !own_failed) report(failed);  // this rank's input was fine: a root cause
     } catch (const std::exception& e) {
-      auto f = std::make_shared<Failure>(Failure{rank_, r.line, r.what_error,
-                                                 error_type(e) + ": " + error_text(e), e.what()});
+      auto f = std::make_shared<Failure>(
+          Failure{rank_, r.line, r.what_error, error_type(e) + ": " + error_text(e), ""});
       fail({r.out}, f, true);
       return;
     }
