@@ -17,6 +17,8 @@
 #include "boxed.h"
 #include "comm.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Dtype.h>
 
 #include <atomic>
@@ -370,6 +372,13 @@ class Executor {
   }
 
   void loop(Stream& s) {
+    if (device_.toDevice().is_cuda()) {
+      // Each stream thread issues its work on a CUDA stream of its own (current for this
+      // thread only), so streams overlap on the GPU as they do on the host.
+      c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+      cuda.setDevice(device_.toDevice());
+      cuda.exchangeStream(cuda.getStreamFromGlobalPool(device_.toDevice()));
+    }
     while (true) {
       Item item;
       {
@@ -664,19 +673,42 @@ class Executor {
     if (root) report(f);
   }
 
+  // Events order streams: the host thread waits for the flag; on CUDA the waiting stream
+  // also waits on the GPU for the work the signalling stream had issued.
   void set_event(int64_t event) {
+    std::optional<c10::Event> gpu;
+    if (device_.toDevice().is_cuda()) {
+      c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+      gpu.emplace(c10::DeviceType::CUDA);
+      gpu->record(cuda.getStream(device_.toDevice()));
+    }
     {
       std::lock_guard<std::mutex> g(events_lock_);
-      events_[event] = true;
+      auto& e = events_[event];
+      e.set = true;
+      e.gpu = std::move(gpu);
     }
     events_cv_.notify_all();
   }
 
   void wait_event(int64_t event) {
-    std::unique_lock<std::mutex> g(events_lock_);
-    events_cv_.wait(g, [&] { return events_[event]; });
-    events_.erase(event);
+    std::optional<c10::Event> gpu;
+    {
+      std::unique_lock<std::mutex> g(events_lock_);
+      events_cv_.wait(g, [&] { return events_[event].set; });
+      gpu = std::move(events_[event].gpu);
+      events_.erase(event);
+    }
+    if (gpu) {
+      c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+      gpu->block(cuda.getStream(device_.toDevice()));
+    }
   }
+
+  struct EventState {
+    bool set = false;
+    std::optional<c10::Event> gpu;
+  };
 
   int64_t rank_;
   py::object ref_type_, device_sentinel_;
@@ -696,7 +728,7 @@ class Executor {
 
   std::mutex events_lock_;
   std::condition_variable events_cv_;
-  std::unordered_map<int64_t, bool> events_;
+  std::unordered_map<int64_t, EventState> events_;
 };
 
 void bind_executor(py::module& m) {

@@ -42,3 +42,20 @@ def test_a_failed_cuda_command_leaves_the_workers_usable(gpu_mesh):
         with pytest.raises(md.RemoteError):
             md.inspect(big)
         assert md.inspect(torch.ones(2) * 2).tolist() == [2.0, 2.0]
+
+
+def test_streams_and_borrows_on_cuda_streams(gpu_mesh):
+    """The comms stream runs on a CUDA stream of its own: a borrow makes it wait (on the GPU)
+    for the matmul issued on main before it reduces the result."""
+    n = len(gpu_mesh)
+    comms = md.Stream("comms")
+    with gpu_mesh.activate():
+        x = torch.ones(2048, 2048)
+        y = x @ x  # every element 2048
+        lent, borrow = comms.borrow(y)
+        with comms.activate():
+            total = lent.reduce("gpu")
+        borrow.drop()
+        with comms.activate():
+            value = md.inspect(total)
+    assert torch.equal(value, torch.full((2048, 2048), 2048.0 * n))
