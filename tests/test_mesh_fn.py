@@ -12,7 +12,6 @@ import torch.nn as nn
 
 import monarch_dsl as md
 from monarch_dsl import _build
-from monarch_dsl.compiler.plan import PlanError
 from monarch_dsl.runtime import worker
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -138,17 +137,7 @@ def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
     [
         pytest.param("pp", _make(TwoStages, lr=0.1, momentum=0.9), id="pp"),
         pytest.param("dp+pp", _make(TwoStages, lr=0.1), id="dp+pp"),
-        pytest.param(
-            "pp",
-            _make(TwoStages, torch.optim.Adam, lr=0.01),
-            marks=pytest.mark.xfail(
-                raises=PlanError,
-                strict=True,
-                reason="split_stages puts Adam's exp_avg_sq = zeros_like(p) of a stage-1 "
-                "parameter on stage 0 and then refuses p as shared across stages",
-            ),
-            id="pp-adam",
-        ),
+        pytest.param("pp", _make(TwoStages, torch.optim.Adam, lr=0.01), id="pp-adam"),
     ],
 )
 def test_pipeline_on_workers(pm, layout, make):

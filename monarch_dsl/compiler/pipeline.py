@@ -14,10 +14,12 @@ last micro-batch's part is made, not in the update, so its one all-reduce can be
 
 ``split_stages``: each instruction runs on the ranks of its pipeline stage (``on pp=i``): the
 stage the user's ``md.pipeline_stage(i)`` markers gave it while tracing (backward ops: the
-stage of the forward op they differentiate), else the latest stage of its inputs. A value
-used on a stage other than its own is sent there (``send`` / ``recv`` over ``pp``) just
-before its first use on that stage — in the forward (activations) and the backward
-(their gradients).
+stage of the forward op they differentiate), else one inferred along its use-def chains: the
+latest stage of its inputs, or the stage of its first user, propagated to a fixed point; what
+is connected to no staged value goes with the parameter it reads or whose optimizer state it
+makes, else on stage 0 (``_infer_stages``). A value used on a stage other than its own is
+sent there (``send`` / ``recv`` over ``pp``) just before its first use on that stage — in the
+forward (activations) and the backward (their gradients).
 """
 
 from __future__ import annotations
@@ -353,28 +355,8 @@ def split_stages(plan: Plan, dim: str) -> Plan:
         if s >= n_stages:
             raise PlanError(f"md.pipeline_stage({s}) but {dim!r} has only {n_stages} stages")
     input_names = {i.name for i in plan.inputs}
-    stage_of_value: dict[str, int] = {}
-    stage_of: list[int | None] = []
-    for ins in plan.body:
-        s = tagged.get(ins.outs[0]) if ins.outs else None
-        if s is None:
-            known = [stage_of_value[u] for u in ins.uses() if u in stage_of_value]
-            s = max(known) if known else None
-        stage_of.append(s)
-        for o in ins.outs:
-            if s is not None:
-                stage_of_value[o] = s
-    # Instructions without inputs (constants): their first user's stage.
-    first_user: dict[str, int] = {}
-    for k, ins in enumerate(plan.body):
-        for u in ins.uses():
-            if u not in first_user and stage_of[k] is not None:
-                first_user[u] = stage_of[k]
-    for k, ins in enumerate(plan.body):
-        if stage_of[k] is None:
-            stage_of[k] = min((first_user.get(o, 0) for o in ins.outs), default=0)
-            for o in ins.outs:
-                stage_of_value[o] = stage_of[k]
+    stage_of = _infer_stages(plan, tagged)
+    stage_of_value = {o: stage_of[k] for k, ins in enumerate(plan.body) for o in ins.outs}
 
     # A parameter updated on one stage but read on another (weights tied across stages) would
     # go stale on the reader: refused rather than computed wrong.
@@ -457,6 +439,77 @@ def split_stages(plan: Plan, dim: str) -> Plan:
         "output_stage": {o.name: stage_of_value.get(o.var) for o in plan.outputs},
     }
     return stamp(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
+
+
+def _infer_stages(plan: Plan, tagged: dict[str, int]) -> list[int]:
+    """Each instruction's pipeline stage (the module docstring), in these steps:
+
+    1. The stage tracing recorded (``md.pipeline_stage``; backward ops: their forward op's).
+    2. Propagated along the use-def chains, to a fixed point: from producers, an instruction
+       with inputs made on a stage takes the latest of their stages; from consumers, one
+       whose inputs have none yet takes the stage of its first user (in program order) that
+       has one. So a whole chain of untagged instructions follows the staged value at either
+       end, e.g. Adam's ``exp_avg_sq = zeros_like(p); mul_(exp_avg_sq, beta2);
+       addcmul_(..., grad, grad)`` goes where the gradient is, however long the chain.
+    3. What is still unplaced (connected to nothing staged) follows the plan inputs it reads
+       and the optimizer state it makes: the stage where an input is first read by a staged
+       instruction, and optimizer state (``<param>.<key>``) the stage of its parameter; e.g.
+       Adam's step counter, which only its parameter's update relates to. Then step 2 again.
+    4. Anything left is on stage 0.
+    """
+    body = plan.body
+    stage: list[int | None] = [tagged.get(ins.outs[0]) if ins.outs else None for ins in body]
+    producer = {o: k for k, ins in enumerate(body) for o in ins.outs}
+    users: dict[str, list[int]] = {}
+    for k, ins in enumerate(body):
+        for u in dict.fromkeys(ins.uses()):
+            users.setdefault(u, []).append(k)
+
+    def settle() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for k, ins in enumerate(body):  # from producers, in program order
+                if stage[k] is None:
+                    made = [stage[producer[u]] for u in ins.uses() if u in producer]
+                    known = [s for s in made if s is not None]
+                    if known:
+                        stage[k], changed = max(known), True
+            for k in reversed(range(len(body))):  # from consumers, in reverse order
+                if stage[k] is None:
+                    staged = [
+                        j for o in body[k].outs for j in users.get(o, ()) if stage[j] is not None
+                    ]
+                    if staged:
+                        stage[k], changed = stage[min(staged)], True
+
+    settle()
+    if None in stage:
+        kinds = {i.name: i.kind for i in plan.inputs}
+        home: dict[str, int] = {}  # input -> the stage of its first staged reader
+        for k, ins in enumerate(body):
+            for u in ins.uses():
+                if u in kinds and stage[k] is not None:
+                    home.setdefault(u, stage[k])
+
+        def home_of(name: str, state: bool) -> int | None:
+            if name in home:
+                return home[name]
+            param = name.rpartition(".")[0]
+            if state and kinds.get(param) == "param":
+                return home.get(param)
+            return None
+
+        state_made = {o.var: o.name for o in plan.outputs if o.kind == "state"}
+        for k, ins in enumerate(body):
+            if stage[k] is None:
+                found = [home_of(u, kinds[u] == "state") for u in ins.uses() if u in kinds]
+                found += [home_of(state_made[o], True) for o in ins.outs if o in state_made]
+                known = [s for s in found if s is not None]
+                if known:
+                    stage[k] = max(known)
+        settle()
+    return [0 if s is None else s for s in stage]
 
 
 def _fresh(base: str, taken: set[str]) -> str:
