@@ -160,3 +160,22 @@ def test_weight_shared_across_stages_is_refused():
     with pytest.raises(md.PlanError, match="used on pipeline stages \\[0, 1\\]"):
         step.compile(x, y, mesh=md.Mesh.from_string("pp=2"))
 
+
+def test_bucket_reason_names_the_placement_change_and_the_reading_ops():
+    """Like every other collective's reason: which placement change, for which ops (here
+    Adam's, which read each gradient twice: exp_avg's lerp_ and exp_avg_sq's addcmul_)."""
+    model, opt, step_of = _adam(torch.optim.Adam)()
+    step = md.mesh_fn(step_of(model, opt), data_parallel="dp", micro_batches=4)
+    x, y = _batches(1)[0]
+    plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=2"))
+    grads, _ = _all_reduces(plan)
+    assert len(grads) == 2
+    for ins in grads:
+        srcs = ", ".join("%" + v for v in ins.uses())
+        ops = [[r.op for r in plan.body if o in r.uses()] for o in ins.outs]
+        assert all(found == ["aten.lerp_.Scalar", "aten.addcmul_.default"] for found in ops)
+        assert ins.reason.endswith(
+            "(2 tensors, 0.00 MiB): {dp: P(sum), pp: R} -> {dp: R, pp: R} for "
+            f"aten.lerp_.Scalar, aten.addcmul_.default: {srcs} made whole for the optimizer "
+            "update"
+        ), ins.reason

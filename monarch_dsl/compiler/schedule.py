@@ -6,7 +6,10 @@ become ready (the backward pass produces the last layer's gradients first), they
 grouped into buckets of at most ``bucket_cap_mb`` (like DDP's), and each bucket becomes one
 multi-tensor ``all_reduce`` on the ``comms`` stream, placed right after its last gradient is
 computed — so it runs while the rest of the backward pass does. The first use of each result
-waits for it (a cross-stream use; the runtime waits on the collective's handle).
+waits for it (a cross-stream use; the runtime waits on the collective's handle). Its reason
+names, like the reasons ``propagate`` gives, the placement change and the ops that read the
+results: ``gradient bucket 1/2 (2 tensors, 0.01 MiB): {dp: P(sum)} -> {dp: R} for
+aten.lerp_.Scalar, aten.addcmul_.default: %g1, %g2 made whole for the optimizer update``.
 
 Buckets are formed per group of ranks that issue the reduction: in a pipeline, each stage's
 ranks bucket their own stage's gradients (``on pp=i``; a data-parallel group lies within one
@@ -20,7 +23,7 @@ from __future__ import annotations
 import time
 
 from monarch_dsl.compiler.plan import Instr, Plan, Var
-from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, stamp
+from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, stamp
 
 
 def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
@@ -28,11 +31,13 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     body = list(plan.body)
     defined_at: dict[str, int] = {i.name: -1 for i in plan.inputs}
     first_use: dict[str, int] = {}
+    readers: dict[str, dict[str, None]] = {}  # value -> the ops that read it, in order
     root: dict[str, str] = {}
     for k, ins in enumerate(body):
         uses = ins.uses()
         for u in uses:
             first_use.setdefault(u, k)
+            readers.setdefault(u, {})[ins.op] = None
         for o in ins.outs:
             defined_at[o] = k
         name, inplace = _base(ins.op) if "." in ins.op else (ins.op, False)
@@ -82,6 +87,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     buckets.sort(key=lambda b: b[-1])  # in the order they go out
 
     moved = {k for b in buckets for _, k in b}
+    types = plan.types()
     insert_after: dict[int, list[Instr]] = {}
     for bi, bucket in enumerate(buckets):
         members = [body[k] for _, k in bucket]
@@ -90,7 +96,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         mib = sum(_bytes(m.types[0]) for m in members) / 2**20
         reason = (
             f"gradient bucket {bi + 1}/{len(buckets)} ({len(members)} tensors, {mib:.2f} MiB): "
-            f"{', '.join('%' + s for s in srcs)} made whole for the optimizer update"
+            f"{_why(members, srcs, readers, types, plan.dims)} made whole for the optimizer update"
         )
         instr = Instr(
             tuple(o for m in members for o in m.outs),
@@ -113,6 +119,20 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
 
 
 _RENAMES = ("aten.detach.default", "aten.alias.default")
+
+
+def _why(
+    members: list[Instr], srcs: list[str], readers: dict, types: dict, dims: tuple[str, ...]
+) -> str:
+    """The placement change and the ops that read the results, as ``propagate`` words a
+    collective's reason, for each group of a bucket's gradients that share both:
+    ``{dp: P(sum)} -> {dp: R} for aten.clone.default: %a, %b``, groups joined by ``; ``."""
+    groups: dict[str, list[str]] = {}
+    for m, src in zip(members, srcs):
+        change = f"{_fmt(types[src].placements, dims)} -> {_fmt(m.types[0].placements, dims)}"
+        ops = ", ".join(readers[m.outs[0]])
+        groups.setdefault(f"{change} for {ops}", []).append("%" + src)
+    return "; ".join(f"{key}: {', '.join(vs)}" for key, vs in groups.items())
 
 
 def _buckets(
