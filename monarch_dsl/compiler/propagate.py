@@ -8,7 +8,9 @@ all_gather, all_to_all, or a local chunk), and records the op's output placement
 without a rule runs replicated, with a warning naming the op and what gathering costs.
 
 Redistributions of a value are reused until the value (or anything sharing its storage) is
-written in place.
+written in place. Where several mesh dims shard one tensor dim, the leftmost mesh dim is the
+outer chunk; a redistribution is ordered (gathering an inner mesh dim first where needed) so
+that every step keeps that nesting, and no strategy splits a tensor dim into uneven parts.
 
 With micro-batches, the batch is also sharded over a virtual mesh dim ``mb`` (``MB``) whose
 "ranks" run one after another on the same devices, so a reduction over it is a local sum
@@ -20,6 +22,7 @@ all-reduced once instead of once per micro-batch.
 
 from __future__ import annotations
 
+import heapq
 import time
 import warnings
 from typing import Any, NamedTuple
@@ -551,6 +554,7 @@ def stamp(plan: Plan, name: str, t0: float) -> Plan:
 
 
 def _check_input(name: str, t: TensorType, plan: Plan) -> None:
+    product: dict[int, int] = {}  # tensor dim -> the product of the mesh dims sharding it
     for (dim, n), p in zip(plan.mesh, t.placements):
         if isinstance(p, Shard):
             nd = len(t.shape or ())
@@ -563,6 +567,13 @@ def _check_input(name: str, t: TensorType, plan: Plan) -> None:
                 raise PlanError(
                     f"placement of {name!r} on {dim!r}: Shard({p.dim}) needs dim {p.dim} "
                     f"(size {t.shape[p.dim]}) divisible by the mesh dim's size {n}"
+                )
+            product[p.dim] = product.get(p.dim, 1) * n
+            if t.shape[p.dim] % product[p.dim]:
+                raise PlanError(
+                    f"placement of {name!r}: dim {p.dim} (size {t.shape[p.dim]}) is sharded "
+                    f"over several mesh dims, up to {dim!r}, and needs to be divisible by the "
+                    f"product of their sizes ({product[p.dim]})"
                 )
 
 
@@ -611,16 +622,25 @@ class _State:
                 cands = [Strategy((R,) * len(uses), (R,) * len(ins.outs))]
             best, best_cost = None, None
             for s in cands:
+                if not self._fits(s, m, in_types, required, ins.types, out_pl):
+                    continue  # nested shards that do not divide: infinite cost
                 c = 0.0
                 for t, want in zip(in_types, s.ins):
                     if want is not None:
                         c += cost(t.placements[m], want, t, n)
                 if best_cost is None or c < best_cost:
                     best, best_cost = s, c
-            if best is None:
+            if best is None and inplace:
                 raise PlanError(
                     f"{ins.op} writes in place into a value whose placement on "
                     f"{self.plan.dims[m]!r} ({current[0][m]}) it cannot keep",
+                    ins.loc,
+                )
+            if best is None:
+                raise PlanError(
+                    f"{ins.op}: no strategy on {self.plan.dims[m]!r} whose shards divide its "
+                    f"tensors evenly (inputs {[list(t.shape or ()) for t in in_types]} laid out "
+                    f"as {', '.join(_fmt(tuple(r), self.plan.dims) for r in required)})",
                     ins.loc,
                 )
             for i, want in enumerate(best.ins):
@@ -689,6 +709,32 @@ class _State:
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
 
+    def _fits(
+        self,
+        s: Strategy,
+        m: int,
+        in_types: list[TensorType],
+        required: list[list[Placement]],
+        out_types: tuple[TensorType, ...],
+        out_pl: list[list[Placement]],
+    ) -> bool:
+        """Whether strategy ``s`` on mesh dim ``m`` keeps every shard even: a tensor dim it
+        shards may be sharded by other mesh dims too (the inputs' placements decided so far,
+        the outputs' on the mesh dims before ``m``), and each rank's part must divide."""
+        sizes = self.plan.sizes
+        pairs = [(t, w, r) for t, w, r in zip(in_types, s.ins, required)]
+        pairs += [(t, w, pl) for t, w, pl in zip(out_types, s.outs, out_pl)]
+        for t, w, others in pairs:
+            if not isinstance(w, Shard) or t.shape is None or not 0 <= w.dim < len(t.shape):
+                continue
+            n = sizes[m]
+            for k, p in enumerate(others):
+                if k != m and isinstance(p, Shard) and p.dim == w.dim:
+                    n *= sizes[k]
+            if t.shape[w.dim] % n:
+                return False
+        return True
+
     def _mean_loss(self, ins: Instr) -> None:
         """A mean nll_loss of a sharded batch: the mean of the ranks' means is the batch's mean
         only if every rank counts the same targets (not with ignore_index or class weights).
@@ -747,22 +793,31 @@ class _State:
 
     def redistribute(self, var: str, want: tuple[Placement, ...], user: Instr) -> str:
         """Insert what turns ``var`` into placements ``want``; returns the new value's name.
-        One mesh dim at a time: reductions first, then gathers, then local chunks."""
+        One mesh dim at a time: reductions first, then gathers, then local chunks, in an order
+        (with detours through Replicate where needed) in which every step is correct when
+        several mesh dims shard the same tensor dim (see ``_moves``)."""
         t = self.types[var]
         cur = list(t.placements)
         first = self._reduced_first(cur, want)
         order = sorted(range(len(want)), key=lambda m: (_order(cur[m], want[m]), m != first))
+        moves = _moves(t, tuple(cur), tuple(want), self.plan.sizes, order)
+        if moves is None:
+            raise PlanError(
+                f"{user.op} needs %{var} ({list(t.shape or ())}) laid out as "
+                f"{_fmt(tuple(want), self.plan.dims)}, but the mesh dims sharding one of its "
+                f"tensor dims do not divide it evenly "
+                f"(it is {_fmt(tuple(cur), self.plan.dims)}, mesh {dict(self.plan.mesh)})",
+                user.loc,
+            )
         name = var
-        for m in order:
-            if cur[m] == want[m]:
-                continue
-            key = (self.canon.get(name, name), m, want[m])
+        for m, target in moves:
+            key = (self.canon.get(name, name), m, target)
             if key in self.cache:
                 name = self.cache[key]
-                cur[m] = want[m]
+                cur[m] = target
                 continue
             before = tuple(cur)
-            for step_op, kwargs, after in _steps(cur[m], want[m], self.plan.dims[m]):
+            for step_op, kwargs, after in _steps(cur[m], target, self.plan.dims[m]):
                 cur[m] = after
                 tt = t._replace(placements=tuple(cur))
                 out = self.fresh(step_op)
@@ -810,6 +865,114 @@ def _order(src: Placement, dst: Placement) -> int:
     if src.is_shard():
         return 1
     return 2
+
+
+# ---- nested shards ---------------------------------------------------------------------------
+#
+# When several mesh dims shard one tensor dim, the mesh dims are applied left to right: the
+# leftmost is the outer chunk (``lower.shard_local`` / ``interpret.local_value``, as DTensor
+# does). A step on one mesh dim only sees that dim's group, so it is correct only if it
+# leaves that order intact:
+#   - taking mesh dim m off tensor dim a (all_gather, all_to_all's source) concatenates the
+#     group's chunks: they are consecutive only if m is the innermost dim sharding a;
+#   - putting m on tensor dim b (shard_local, reduce_scatter, all_to_all's target) chunks
+#     the local value: m becomes the innermost dim sharding b, so no mesh dim right of m may
+#     shard b already, and the local size must divide evenly.
+# ``_moves`` orders the steps so that each is correct, gathering an inner dim first (and
+# sharding it again afterwards) when no order of the direct steps is.
+
+
+def _local_shape(
+    shape: tuple[int, ...], pl: tuple[Placement, ...], sizes: tuple[int, ...], skip: int
+) -> list[int]:
+    """The shape each rank holds under ``pl``, ignoring mesh dim ``skip``."""
+    local = list(shape)
+    for k, (p, n) in enumerate(zip(pl, sizes)):
+        if k != skip and isinstance(p, Shard) and 0 <= p.dim < len(local):
+            local[p.dim] //= n
+    return local
+
+
+def _nests(
+    shape: tuple[int, ...] | None,
+    pl: tuple[Placement, ...],
+    m: int,
+    dst: Placement,
+    sizes: tuple[int, ...],
+) -> bool:
+    """Whether changing mesh dim ``m`` of a value laid out as ``pl`` to ``dst``, by a step on
+    ``m``'s group alone, gives the value laid out as ``pl`` with ``dst`` on ``m``."""
+    src = pl[m]
+    if src == dst or sizes[m] == 1:
+        return True
+
+    def inner(d: int) -> bool:  # a mesh dim right of m already shards tensor dim d
+        return any(
+            isinstance(pl[k], Shard) and pl[k].dim == d and sizes[k] > 1
+            for k in range(m + 1, len(pl))
+        )
+
+    if isinstance(src, Shard) and inner(src.dim):
+        return False
+    if isinstance(dst, Shard):
+        if inner(dst.dim):
+            return False
+        local = _local_shape(tuple(shape or ()), pl, sizes, m)
+        if not 0 <= dst.dim < len(local) or local[dst.dim] % sizes[m]:
+            return False
+    return True
+
+
+def _moves(
+    t: TensorType,
+    cur: tuple[Placement, ...],
+    want: tuple[Placement, ...],
+    sizes: tuple[int, ...],
+    order: list[int],
+) -> list[tuple[int, Placement]] | None:
+    """The changes ``(mesh dim, placement)``, in order, that take a value of type ``t`` from
+    ``cur`` to ``want``, each correct with nested shards; None if there are none (shards
+    that do not divide). The direct changes in ``order`` when they are all correct (with no
+    mesh dim sharding a tensor dim another one shards, always); otherwise the cheapest
+    sequence, detours through Replicate included (ties: fewest steps, then ``order``)."""
+    direct = [(m, want[m]) for m in order if cur[m] != want[m]]
+    pl = cur
+    for m, p in direct:
+        if not _nests(t.shape, pl, m, p, sizes):
+            break
+        pl = pl[:m] + (p,) + pl[m + 1 :]
+    else:
+        return direct
+    if t.shape is None:
+        return direct
+    rank = {m: k for k, m in enumerate(order)}
+    heap: list[tuple[float, int, tuple, int, tuple[Placement, ...]]] = [(0.0, 0, (), 0, cur)]
+    done: set[tuple[Placement, ...]] = set()
+    pushed = 0
+    while heap:
+        c, k, path, _, pl = heapq.heappop(heap)
+        if pl in done:
+            continue
+        if pl == want:
+            return [(m, p) for _, _, m, p in path]
+        done.add(pl)
+        for m in order:
+            targets = [want[m]]
+            if isinstance(pl[m], Shard) and not want[m].is_replicate():
+                targets.append(R)  # out of the way of another mesh dim's step
+            for p in targets:
+                if p == pl[m] or not _nests(t.shape, pl, m, p, sizes):
+                    continue
+                local = t._replace(shape=tuple(_local_shape(tuple(t.shape), pl, sizes, m)))
+                nxt = pl[:m] + (p,) + pl[m + 1 :]
+                if nxt in done:
+                    continue
+                pushed += 1
+                step = (rank[m], p != want[m], m, p)  # (compared by the first two only)
+                heapq.heappush(
+                    heap, (c + cost(pl[m], p, local, sizes[m]), k + 1, path + (step,), pushed, nxt)
+                )
+    return None
 
 
 def _steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, Placement]]:
