@@ -13,7 +13,7 @@
    program and ``mesh_fn``'s own work).
    (a) ``mlp12``: 12 ``Linear(256, 256)`` with ReLU between, batch 32, SGD with momentum.
    (b) ``transformer2``: 2 transformer blocks (layer norm, 4-head attention through a qkv
-       linear and softmax, GELU MLP; the ``Block`` of tests/test_compiler.py) at d=64, batch
+       linear and softmax, GELU MLP; the ``Block`` of tests/compiler_helpers.py) at d=64, batch
        8 x 16 tokens, cross-entropy, AdamW.
    Peer: ``make_fx(tracing_mode="fake")`` tracing alone of the same forward + backward +
    optimizer update, written functionally (``torch.func.functional_call``,
@@ -51,9 +51,11 @@ import gc
 import math
 import os
 import statistics
+import sys
 import time
 import unittest.mock
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
 
@@ -66,6 +68,9 @@ from torch.optim.sgd import sgd as functional_sgd  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from compiler_helpers import Block  # noqa: E402  (the transformer block the compiler tests train)
+
 COMPILE_REPS = 5
 RUNS, CALLS, WARMUP = 3, 200, 3
 EAGER_OPS = 2_000
@@ -73,27 +78,6 @@ LR, MOMENTUM = 0.01, 0.9
 
 
 # ---- models --------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    """A transformer block: attention + MLP + layer norms (as in tests/test_compiler.py)."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        h = self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
-        att = F.softmax((q @ k.transpose(-2, -1)) * (d // h) ** -0.5, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 def mlp(width: int, layers: int) -> nn.Module:

@@ -127,6 +127,20 @@ class TwoStages(nn.Module):
             return self.second(h)
 
 
+def two_stages_sgd():
+    """A ``make`` for ``simulate_training``: a seeded ``TwoStages``, SGD with momentum, and
+    ``mse_step``."""
+    torch.manual_seed(0)
+    model = TwoStages()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+
+
+def mse_batches(n=3, shape=(8, 16)):
+    """``n`` (x, y) batches of ``shape`` (seeded) for ``mse_step``."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(n)]
+
+
 class Block(nn.Module):
     """A transformer block: attention + MLP + layer norms."""
 

@@ -19,20 +19,19 @@ import monarch_dsl as md
 from monarch_dsl.compiler.plan import Partial, Plan, PlanError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compiler_helpers import simulate_training  # noqa: E402
+from compiler_helpers import (  # noqa: E402
+    MEGATRON_MLP,
+    Block,
+    TwoStages,
+    block_batches,
+    cross_entropy_step,
+    mse_batches,
+    mse_step,
+    simulate_training,
+    two_stages_sgd,
+)
 
 R, S = md.Replicate(), md.Shard
-
-
-def _sgd_step(model, opt):
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
 
 
 def _mlp(opt_cls=torch.optim.SGD, ln=False, **opt_kwargs):
@@ -40,14 +39,9 @@ def _mlp(opt_cls=torch.optim.SGD, ln=False, **opt_kwargs):
         torch.manual_seed(0)
         layers = [nn.LayerNorm(16)] if ln else []
         model = nn.Sequential(*layers, nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-        return model, opt_cls(model.parameters(), **(opt_kwargs or {"lr": 0.1})), _sgd_step
+        return model, opt_cls(model.parameters(), **(opt_kwargs or {"lr": 0.1})), mse_step
 
     return make
-
-
-def _batches(n=3, shape=(8, 16)):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(n)]
 
 
 def _assert_parity(model, ref, losses, ref_losses):
@@ -72,7 +66,7 @@ DP = {"mesh": (("dp", 2),), "data_parallel": "dp"}
 )
 def test_data_parallel_matches_one_process(opt):
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(opt[0], **opt[1]), batches=_batches(), **DP
+        _mlp(opt[0], **opt[1]), batches=mse_batches(), **DP
     )
     _assert_parity(model, ref, losses, ref_losses)
     for plan in plans:
@@ -81,16 +75,9 @@ def test_data_parallel_matches_one_process(opt):
         assert all(c.dims == ("dp",) for c in plan.collectives)
 
 
-TP = {
-    "model.0.weight": {"tp": S(0)},  # column parallel
-    "model.0.bias": {"tp": S(0)},
-    "model.2.weight": {"tp": S(1)},  # row parallel
-}
-
-
 def test_megatron_mlp_tp2():
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(), (("tp", 2),), _batches(), placements=TP
+        _mlp(), (("tp", 2),), mse_batches(), placements=MEGATRON_MLP
     )
     _assert_parity(model, ref, losses, ref_losses)
     plan = plans[0].check()
@@ -110,32 +97,11 @@ def test_dp_times_tp():
         "model.3.weight": {"tp": S(1)},
     }
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(ln=True), (("dp", 2), ("tp", 2)), _batches(), placements=tp, data_parallel="dp"
+        _mlp(ln=True), (("dp", 2), ("tp", 2)), mse_batches(), placements=tp, data_parallel="dp"
     )
     _assert_parity(model, ref, losses, ref_losses)
     plans[0].check()
     assert {c.dims for c in plans[0].collectives} == {("dp",), ("tp",)}
-
-
-class Block(nn.Module):
-    """A transformer block: attention + MLP + layer norms."""
-
-    def __init__(self, d=16, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        h = self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
-        att = F.softmax((q @ k.transpose(-2, -1)) * (d // h) ** -0.5, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 def test_transformer_block_dp2():
@@ -145,33 +111,16 @@ def test_transformer_block_dp2():
         # (Not Adam: the key bias's true gradient is zero — softmax ignores it — and Adam
         # turns the float noise of any reordering into full-size steps.)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt, cross_entropy_step
 
-        def step_of(model, opt):
-            def step(x, y):
-                opt.zero_grad()
-                out = model(x)
-                loss = F.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
-                loss.backward()
-                opt.step()
-                return loss
-
-            return step
-
-        return model, opt, step_of
-
-    g = torch.Generator().manual_seed(2)
-    batches = [
-        (torch.randn(4, 8, 16, generator=g), torch.randint(0, 16, (4, 8), generator=g))
-        for _ in range(3)
-    ]
-    model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=block_batches(), **DP)
     _assert_parity(model, ref, losses, ref_losses)
     for plan in plans:
         plan.check()
 
 
 def test_gradients_bucketed_on_comms_stream():
-    x, y = _batches(1)[0]
+    x, y = mse_batches(1)[0]
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16)
@@ -180,7 +129,7 @@ def test_gradients_bucketed_on_comms_stream():
     mesh = md.Mesh.from_string("dp=2")
 
     def buckets(cap):
-        step = md.mesh_fn(_sgd_step(model, opt), data_parallel="dp", bucket_cap_mb=cap)
+        step = md.mesh_fn(mse_step(model, opt), data_parallel="dp", bucket_cap_mb=cap)
         plan = step.compile(x, y, mesh=mesh)
         return [c for c in plan.collectives if c.stream == "comms"], plan
 
@@ -200,9 +149,9 @@ def test_plan_cache_and_recompile():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = md.mesh_fn(_sgd_step(model, opt), data_parallel="dp")
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
     mesh = md.Mesh.from_string("dp=2")
-    x, y = _batches(1)[0]
+    x, y = mse_batches(1)[0]
     p1 = step.compile(x, y, mesh=mesh)
     assert step.compile(x, y, mesh=mesh) is p1 and step.compiles == 1
     step.compile(torch.randn(4, 16), torch.randn(4, 16), mesh=mesh)
@@ -255,30 +204,11 @@ def test_op_without_rule_falls_back_with_a_warning():
     assert [c.kind for c in plan.collectives][0] == "all_gather"
 
 
-class TwoStages(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
-        self.second = nn.Linear(32, 16)
-
-    def forward(self, x):
-        with md.pipeline_stage(0):
-            h = self.first(x)
-        with md.pipeline_stage(1):
-            return self.second(h)
-
-
-def _pipeline():
-    torch.manual_seed(0)
-    model = TwoStages()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _sgd_step
-
-
 @pytest.mark.parametrize("mesh", [(("pp", 2),), (("dp", 2), ("pp", 2))], ids=["pp2", "dp2xpp2"])
 def test_pipeline_gpipe_micro_batches(mesh):
     dp = "dp" if len(mesh) == 2 else None
     model, ref, losses, ref_losses, plans = simulate_training(
-        _pipeline, mesh, _batches(), micro_batches=4, data_parallel=dp
+        two_stages_sgd, mesh, mse_batches(), micro_batches=4, data_parallel=dp
     )
     _assert_parity(model, ref, losses, ref_losses)
     plan = plans[0].check()
@@ -360,8 +290,8 @@ def test_every_pass_is_recorded_in_stages():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    plan = md.mesh_fn(_sgd_step(model, opt), data_parallel="dp").compile(
-        *_batches(1)[0], mesh=md.Mesh.from_string("dp=2")
+    plan = md.mesh_fn(mse_step(model, opt), data_parallel="dp").compile(
+        *mse_batches(1)[0], mesh=md.Mesh.from_string("dp=2")
     )
     assert [s.name for s in plan.stages] == ["capture", "propagate", "schedule", "check"]
     assert all(s.seconds >= 0 for s in plan.stages)
@@ -450,8 +380,8 @@ def test_optimizer_state_that_exists_locally_is_used_and_keyed():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step_fn = _sgd_step(model, opt)
-    x, y = _batches(1)[0]
+    step_fn = mse_step(model, opt)
+    x, y = mse_batches(1)[0]
     step = md.mesh_fn(step_fn, data_parallel="dp")
     mesh = md.Mesh.from_string("dp=2")
     fresh = step.compile(x, y, mesh=mesh)
@@ -466,8 +396,8 @@ def test_state_of_a_sharded_parameter_follows_it_and_step_counts_stay_whole():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    step_fn = _sgd_step(model, opt)
-    x, y = _batches(1)[0]
+    step_fn = mse_step(model, opt)
+    x, y = mse_batches(1)[0]
     step_fn(x, y)  # Adam state exists: exp_avg like the weight, a 0-d step count
     tp = {"model.0.weight": {"tp": S(0)}, "model.0.bias": {"tp": S(0)}}
     plan = md.mesh_fn(step_fn, placements=tp).compile(x, y, mesh=md.Mesh.from_string("tp=2"))
@@ -491,16 +421,16 @@ def test_weights_tied_across_pipeline_stages_are_refused():
 
     model = Tied()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = md.mesh_fn(_sgd_step(model, opt))
+    step = md.mesh_fn(mse_step(model, opt))
     with pytest.raises(PlanError, match="weights shared across stages"):
-        step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
+        step.compile(*mse_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
 
 
 def test_embedding_gradient_scaled_by_frequency_under_dp():
     def make():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(8, 16, scale_grad_by_freq=True), nn.Linear(16, 16))
-        return model, torch.optim.SGD(model.parameters(), lr=0.5), _sgd_step
+        return model, torch.optim.SGD(model.parameters(), lr=0.5), mse_step
 
     g = torch.Generator().manual_seed(5)
     batches = [
@@ -517,15 +447,10 @@ def test_megatron_with_gelu_backward_matches():
         model = nn.Sequential(
             nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16)
         )
-        return model, torch.optim.SGD(model.parameters(), lr=0.1), _sgd_step
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step
 
-    tp = {
-        "model.0.weight": {"tp": S(0)},
-        "model.0.bias": {"tp": S(0)},
-        "model.2.weight": {"tp": S(1)},
-    }
     model, ref, losses, ref_losses, _ = simulate_training(
-        make, (("tp", 2),), _batches(), placements=tp
+        make, (("tp", 2),), mse_batches(), placements=MEGATRON_MLP
     )
     _assert_parity(model, ref, losses, ref_losses)
 
@@ -542,7 +467,7 @@ def _from_the_repository_root(monkeypatch):
 
 
 def _line_of(fn, text: str) -> int:
-    """The line number, in this file, of the one line of ``fn``'s source that contains
+    """The line number, in ``fn``'s file, of the one line of ``fn``'s source that contains
     ``text``."""
     lines, start = inspect.getsourcelines(fn)
     hits = [start + k for k, line in enumerate(lines) if text in line]
@@ -551,10 +476,10 @@ def _line_of(fn, text: str) -> int:
 
 
 def _assert_loc(loc: str, fn, text: str) -> None:
-    """``loc`` (a plan's ``file:line``, the file relative to the working directory) is this
-    file, at the line of ``fn`` that contains ``text``."""
+    """``loc`` (a plan's ``file:line``, the file relative to the working directory) is
+    ``fn``'s file, at the line of ``fn`` that contains ``text``."""
     path, _, line = loc.rpartition(":")
-    assert Path(path).resolve() == Path(__file__).resolve(), loc
+    assert Path(path).resolve() == Path(inspect.getsourcefile(fn)).resolve(), loc
     assert int(line) == _line_of(fn, text), f"{loc}: expected the line of {text!r}"
 
 
@@ -587,7 +512,7 @@ def test_zero_sharded_parameters_reduce_scatter_their_gradients():
     reduce-scattered (never all-reduced) for the optimizer's update."""
     zero = {f"model.{k}.{p}": {"dp": S(0)} for k in (0, 2) for p in ("weight", "bias")}
     model, ref, losses, ref_losses, plans = simulate_training(
-        _mlp(), (("dp", 2),), _batches(), placements=zero, data_parallel="dp"
+        _mlp(), (("dp", 2),), mse_batches(), placements=zero, data_parallel="dp"
     )
     _assert_parity(model, ref, losses, ref_losses)
     plan = plans[0]
@@ -601,7 +526,7 @@ def test_zero_sharded_parameters_reduce_scatter_their_gradients():
             c, rs = scattered[grad], _made_by(plan, grad)
             assert c.dims == ("dp",) and rs.kw("dim") == 0 and rs.kw("op") == "sum"
             assert c.reason == f"{{dp: P(sum)}} -> {{dp: S(0)}} of %{rs.uses()[0]} for {ins.op}"
-            _assert_loc(c.loc, _sgd_step, "opt.step()")
+            _assert_loc(c.loc, mse_step, "opt.step()")
     assert updated == set(zero)
 
 
@@ -651,6 +576,9 @@ def test_result_wanted_sharded_on_another_dim_is_all_to_all():
     _assert_loc(c.loc, _tanh_matmul, "x @ w")
 
 
+DP_TP = (("dp", 2), ("tp", 2))
+
+
 def test_all_to_all_onto_a_tensor_dim_another_mesh_dim_shards():
     """tanh(x @ w) is {dp: S(0), tp: S(1)}, the result is wanted {dp: S(1)}. Mesh dims shard
     a tensor dim left to right (dp's chunk outside tp's): an all_to_all over dp onto dim 1
@@ -666,9 +594,6 @@ def test_all_to_all_onto_a_tensor_dim_another_mesh_dim_shards():
     )
     assert _redistributions(plan) == [("all_gather", "tp", 1), ("all_to_all", "dp", 1)]
     torch.testing.assert_close(outs[0], torch.tanh(x @ w))
-
-
-DP_TP = (("dp", 2), ("tp", 2))
 
 
 def _redistributions(plan):
@@ -795,19 +720,19 @@ def test_nested_shards_that_do_not_divide_are_refused_or_avoided():
 def _dp_plan():
     model, opt, step_of = _mlp()()
     step = md.mesh_fn(step_of(model, opt), data_parallel="dp")
-    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("dp=2"))
+    return step.compile(*mse_batches(1)[0], mesh=md.Mesh.from_string("dp=2"))
 
 
 def _megatron_plan():
     model, opt, step_of = _mlp()()
-    step = md.mesh_fn(step_of(model, opt), placements=TP)
-    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("tp=2"))
+    step = md.mesh_fn(step_of(model, opt), placements=MEGATRON_MLP)
+    return step.compile(*mse_batches(1)[0], mesh=md.Mesh.from_string("tp=2"))
 
 
 def _pipeline_plan():
-    model, opt, step_of = _pipeline()
+    model, opt, step_of = two_stages_sgd()
     step = md.mesh_fn(step_of(model, opt), micro_batches=2)
-    return step.compile(*_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
+    return step.compile(*mse_batches(1)[0], mesh=md.Mesh.from_string("pp=2"))
 
 
 @pytest.mark.parametrize(
@@ -826,7 +751,7 @@ def test_each_collective_records_its_op_placement_change_and_user_line(make, lin
     types = plan.types()
     assert len(plan.collectives) == len(lines)
     for c, line in zip(plan.collectives, lines):
-        _assert_loc(c.loc, _sgd_step, line)
+        _assert_loc(c.loc, mse_step, line)
         ins = _made_by(plan, c.value)
         srcs = ins.uses()
         if c.stream == "comms":  # gradients bucketed for the update: each made whole
@@ -873,13 +798,13 @@ def _without(op, on):
             _megatron_plan,
             _with_collective_on_one_rank,
             "issues this as its 2nd collective over ('tp',) on stream main, but rank (tp=1)",
-            (_sgd_step, "loss = F.mse_loss"),
+            (mse_step, "loss = F.mse_loss"),
         ),
         (
             _pipeline_plan,
             _without("send", (("pp", 1),)),  # stage 1's first gradient for stage 0
             "the recv has no send",
-            (_sgd_step, "loss.backward()"),
+            (mse_step, "loss.backward()"),
         ),
         (
             _pipeline_plan,

@@ -13,30 +13,25 @@ import torch
 import monarch_dsl as md
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compiler_helpers import TwoStages, mse_step, simulate_training  # noqa: E402
+from compiler_helpers import (  # noqa: E402
+    TwoStages,
+    mse_batches,
+    mse_step,
+    simulate_training,
+    two_stages_sgd,
+)
 
 MESH = (("dp", 2), ("pp", 2))
 STAGE0, STAGE1 = (("pp", 0),), (("pp", 1),)
 TINY = 1e-5  # MiB: about 10 bytes, less than any gradient here (the smallest is 64 bytes)
 
 
-def _pipeline():
-    torch.manual_seed(0)
-    model = TwoStages()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
-
-
-def _batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(n)]
-
-
 def _compile(bucket_cap_mb: float) -> md.Plan:
-    model, opt, step_of = _pipeline()
+    model, opt, step_of = two_stages_sgd()
     step = md.mesh_fn(
         step_of(model, opt), data_parallel="dp", micro_batches=4, bucket_cap_mb=bucket_cap_mb
     )
-    x, y = _batches(1)[0]
+    x, y = mse_batches(1)[0]
     return step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=2"))
 
 
@@ -89,9 +84,9 @@ def test_tiny_buckets_one_all_reduce_per_parameter():
 @pytest.mark.parametrize("bucket_cap_mb", [25, TINY], ids=["default", "tiny"])
 def test_parity_with_one_process(bucket_cap_mb):
     model, ref, losses, ref_losses, plans = simulate_training(
-        _pipeline,
+        two_stages_sgd,
         MESH,
-        _batches(),
+        mse_batches(),
         micro_batches=4,
         data_parallel="dp",
         bucket_cap_mb=bucket_cap_mb,
@@ -122,7 +117,7 @@ def _adam(opt_type):
 @pytest.mark.parametrize("mesh, dp", [((("pp", 2),), None), (MESH, "dp")], ids=["pp2", "dp2xpp2"])
 def test_adam_parity_with_one_process(opt_type, mesh, dp):
     model, ref, losses, ref_losses, plans = simulate_training(
-        _adam(opt_type), mesh, _batches(), micro_batches=4, data_parallel=dp
+        _adam(opt_type), mesh, mse_batches(), micro_batches=4, data_parallel=dp
     )
     close = dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.state_dict(), ref.state_dict(), **close)
@@ -156,7 +151,7 @@ def test_weight_shared_across_stages_is_refused():
     model = Tied()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     step = md.mesh_fn(mse_step(model, opt), micro_batches=4)
-    x, y = _batches(1)[0]
+    x, y = mse_batches(1)[0]
     with pytest.raises(md.PlanError, match="used on pipeline stages \\[0, 1\\]"):
         step.compile(x, y, mesh=md.Mesh.from_string("pp=2"))
 
@@ -166,7 +161,7 @@ def test_bucket_reason_names_the_placement_change_and_the_reading_ops():
     Adam's, which read each gradient twice: exp_avg's lerp_ and exp_avg_sq's addcmul_)."""
     model, opt, step_of = _adam(torch.optim.Adam)()
     step = md.mesh_fn(step_of(model, opt), data_parallel="dp", micro_batches=4)
-    x, y = _batches(1)[0]
+    x, y = mse_batches(1)[0]
     plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=2"))
     grads, _ = _all_reduces(plan)
     assert len(grads) == 2
