@@ -11,21 +11,23 @@ and size).
 When shared memory is chosen (:func:`make_group`): the group's members are all on this host
 (each member publishes its host id -- hostname and boot id -- in the group's store prefix and
 reads the others'), the executor's device is the CPU, ``MD_SHM`` is not ``0``, and the C++
-runtime is built with ``ShmGroup``. By size, measured with benchmarks/shm_collectives.py on the
-development machine (2 cores, memcpy 3-7 GB/s, other jobs running), float32 all-reduce medians::
+runtime is built with ``ShmGroup``.
+
+By size, measured with benchmarks/shm_collectives.py (2 cores; gloo's times vary by up to 3x
+between runs), float32 all-reduce medians of one run, 2 MiB segment per rank::
 
     ranks  size      gloo       shm    speed-up
-        2  4 KiB    2.99 ms   0.096 ms   31x
-        2  1 MiB    3.30 ms   0.46 ms     7.2x
-        2  64 MiB  64.1 ms   26.1 ms      2.5x
-        4  4 KiB    8.09 ms   0.37 ms    22x
-        4  1 MiB    7.02 ms   1.73 ms     4.1x
-        4  64 MiB 155 ms     72 ms        2.1x
+        2  4 KiB    3.55 ms   0.047 ms   75x
+        2  1 MiB    3.72 ms   0.149 ms   25x
+        2  64 MiB  45.1 ms    5.75 ms     7.8x
+        4  4 KiB    7.66 ms   0.239 ms   32x
+        4  1 MiB    4.71 ms   0.427 ms   11x
+        4  64 MiB 112 ms     19.5 ms      5.7x
 
-Shared memory wins at every size measured (a run under less load: 2 ranks 64 MiB 89 vs 49 ms),
-so SIZE_LIMIT is unbounded by default; ``MD_SHM_SIZE_LIMIT`` caps it where a machine measures
-otherwise. At 64 MiB both are bound by memory bandwidth: shared memory moves each byte about
-four times (in, reduce, out), gloo more.
+Shared memory wins at every size measured, so SIZE_LIMIT is unbounded by default;
+``MD_SHM_SIZE_LIMIT`` caps it where a machine measures otherwise. At 64 MiB both are bound by
+memory bandwidth: shared memory moves each byte about four times (in, reduce, out), in chunks
+small enough to stay in the cache between those steps.
 
 Segments: rank 0 creates ``/dev/shm/md_shm.<pid>.<token>``; the name is unlinked as soon as
 every member has attached, so the memory lives only as long as the processes that map it (no
@@ -49,8 +51,10 @@ import torch.distributed as dist
 PREFIX = "md_shm"
 SHM_DIR = "/dev/shm"
 # Bytes per rank of a group's segment (two halves: a collective moves data in chunks of half
-# this per rank, so any size works); and per send/recv direction.
-CAPACITY = int(os.environ.get("MD_SHM_CAPACITY", 8 << 20))
+# this per rank, so any size works); and per send/recv direction. Chunks that stay in the
+# cache between copy-in, reduce and copy-out beat big ones: at 64 MiB, 2 MiB per rank took
+# 5.7-9.1 ms (2 ranks) and 18-20 ms (4 ranks) where 8 MiB took 15.5 ms and 36 ms.
+CAPACITY = int(os.environ.get("MD_SHM_CAPACITY", 2 << 20))
 RING = int(os.environ.get("MD_SHM_RING", 4 << 20))
 # Use shared memory up to this many bytes per tensor (gloo above). See the table above.
 SIZE_LIMIT = int(os.environ.get("MD_SHM_SIZE_LIMIT", 1 << 62))
