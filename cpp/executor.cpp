@@ -477,7 +477,7 @@ class Executor {
 
   void run_op(OpCall& op) {
     // The inputs, or the failure of one of them.
-    FailurePtr failed;
+    FailurePtr failed, root;
     torch::jit::Stack stack;
     {
       std::lock_guard<std::mutex> g(refs_lock_);
@@ -496,10 +496,18 @@ class Executor {
         if (failed) break;
       }
       if (!failed) {
-        md::fill_stack(op.call, stack, [&](int64_t k) -> const c10::IValue& {
-          return refs_.at(k).value;
-        });
+        try {  // a held value of the wrong kind for its argument (None in a Tensor[])
+          md::fill_stack(op.call, stack, [&](int64_t k) -> const c10::IValue& {
+            return refs_.at(k).value;
+          });
+        } catch (const std::exception& e) {
+          root = failure_of(e, op.line, op.call.name);
+        }
       }
+    }
+    if (root) {
+      fail(op.outs, root, true);
+      return;
     }
     if (failed) {
       fail(op.outs, failed, false);
@@ -509,19 +517,23 @@ class Executor {
       op.call.op.callBoxed(&stack);
     } catch (const std::exception& e) {
       stack.clear();
-      auto f = std::make_shared<Failure>(
-          Failure{rank_, op.line, op.call.name, error_type(e) + ": " + error_text(e), ""});
-      fail(op.outs, f, true);
+      fail(op.outs, failure_of(e, op.line, op.call.name), true);
       return;
     }
-    // The tensor results in order (a list return spreads), as pytree leaves would be.
+    // The tensor results in order (a list return spreads), as the reference's pytree leaves
+    // are: an undefined tensor is None there (convolution_backward's ungrad input), and a
+    // wrapped number a Python number, so neither takes an output ref.
     std::vector<c10::IValue> tensors;
+    auto is_result = [](const c10::IValue& x) {
+      return x.isTensor() && x.toTensor().defined() &&
+             !x.toTensor().unsafeGetTensorImpl()->is_wrapped_number();
+    };
     for (auto& v : stack) {
-      if (v.isTensor()) {
+      if (is_result(v)) {
         tensors.push_back(std::move(v));
       } else if (v.isList()) {
         for (const auto& x : v.toListRef())
-          if (x.isTensor()) tensors.push_back(x);
+          if (is_result(x)) tensors.push_back(x);
       }
     }
     std::vector<Entry> dead;
@@ -593,9 +605,7 @@ class Executor {
       result = collective(grp, src, r, in_place);
       if (failed && !own_failed) report(failed);  // this rank's input was fine: a root cause
     } catch (const std::exception& e) {
-      auto f = std::make_shared<Failure>(
-          Failure{rank_, r.line, r.what_error, error_type(e) + ": " + error_text(e), ""});
-      fail({r.out}, f, true);
+      fail({r.out}, failure_of(e, r.line, r.what_error), true);
       return;
     }
     if (failed) {
@@ -647,6 +657,20 @@ class Executor {
     }
     if (r.reduction == "avg") out.div_(grp.size);
     return out;
+  }
+
+  // A root failure of this rank at controller line `line`, in `op`, raised as `e`: named as
+  // Python would name it ("ValueError: ..." for an exception raised by Python code).
+  FailurePtr failure_of(const std::exception& e, const std::string& line, const std::string& op) {
+    std::string text;
+    if (auto py_error = dynamic_cast<const py::error_already_set*>(&e)) {
+      py::gil_scoped_acquire gil;
+      text = py::handle(py_error->type()).attr("__name__").cast<std::string>() + ": " +
+             py::str(py_error->value()).cast<std::string>();
+    } else {
+      text = error_type(e) + ": " + error_text(e);
+    }
+    return std::make_shared<Failure>(Failure{rank_, line, op, std::move(text), ""});
   }
 
   void report(const FailurePtr& f) {

@@ -50,6 +50,15 @@ PROGRAM = [
     op("aten::mul.Tensor", [R(17), 3], [18], stream="comms"),
     (0, ir.BorrowEnd(17, "main", "comms", 2, "prog.py:22")),
     op("aten::add.Tensor", [R(5), R(18)], [19]),
+    # a result that is an undefined tensor (no input gradient) takes no output ref
+    op("aten::ones", [[4]], [30], {"device": D}),
+    op("aten::zeros", [[4]], [31], {"device": D}),
+    op("aten::native_layer_norm", [R(1), [4], R(30), R(31), 1e-5], [32, 33, 34]),
+    op(
+        "aten::native_layer_norm_backward",
+        [R(1), R(1), [4], R(33), R(34), R(30), R(31), [False, True, True]],
+        [35, 36],
+    ),
     # collectives over the one-rank mesh (a gloo group of one), on two streams
     (0, ir.Reduce(1, 20, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:24")),
     (0, ir.Reduce(13, 13, 0, ("gpu",), "avg", False, (), "float32", "main", "prog.py:25")),
@@ -80,7 +89,8 @@ def test_both_executors_give_the_same_ref_table():
     py, want, py_reports = run(lambda **cb: ReferenceExecutor(0, torch.device("cpu"), **cb))
     assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
     assert sorted(got) == sorted(want) == [
-        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23
+        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23,
+        30, 31, 32, 33, 34, 35, 36,
     ]  # fmt: skip
     for k, w in want.items():
         g = got[k]
@@ -92,6 +102,7 @@ def test_both_executors_give_the_same_ref_table():
     assert "mat1 and mat2 shapes cannot be multiplied" in got[11].error
     assert got[12].line == got[23].line == "prog.py:11"  # dependents carry their root cause
     assert got[21].shape == (1, 8, 4) and torch.equal(got[20], got[1])
+    assert got[35].shape == got[36].shape == (4,)  # weight and bias gradients, in that order
     assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]
     assert len(cpp_reports) == 1  # one root cause, reported once
     cpp.close()
