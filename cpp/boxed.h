@@ -151,4 +151,21 @@ void fill_stack(const BoxedCall& call, torch::jit::Stack& stack, Value&& value) 
   }
 }
 
+// Python error types of c10's exceptions, as torch's binding raises them.
+inline std::string error_type(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return "OutOfMemoryError";
+  if (dynamic_cast<const c10::IndexError*>(&e)) return "IndexError";
+  if (dynamic_cast<const c10::ValueError*>(&e)) return "ValueError";
+  if (dynamic_cast<const c10::TypeError*>(&e)) return "TypeError";
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return "NotImplementedError";
+  if (dynamic_cast<const c10::LinAlgError*>(&e)) return "LinAlgError";
+  return "RuntimeError";
+}
+
+// The message without the C++ backtrace (what() would symbolize one: slow, and not the user's).
+inline std::string error_text(const std::exception& e) {
+  if (auto c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
 }  // namespace md

@@ -72,23 +72,6 @@ struct Item {
   std::shared_ptr<std::atomic<int64_t>> counter;  // Barrier: streams still to arrive
 };
 
-// Python error types of c10's exceptions, as torch's binding raises them.
-std::string error_type(const std::exception& e) {
-  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return "OutOfMemoryError";
-  if (dynamic_cast<const c10::IndexError*>(&e)) return "IndexError";
-  if (dynamic_cast<const c10::ValueError*>(&e)) return "ValueError";
-  if (dynamic_cast<const c10::TypeError*>(&e)) return "TypeError";
-  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return "NotImplementedError";
-  if (dynamic_cast<const c10::LinAlgError*>(&e)) return "LinAlgError";
-  return "RuntimeError";
-}
-
-// The message without the C++ backtrace (what() would symbolize one: slow, and not the user's).
-std::string error_text(const std::exception& e) {
-  if (auto c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
 }  // namespace
 
 class Executor {
@@ -668,7 +651,7 @@ class Executor {
       text = py::handle(py_error->type()).attr("__name__").cast<std::string>() + ": " +
              py::str(py_error->value()).cast<std::string>();
     } else {
-      text = error_type(e) + ": " + error_text(e);
+      text = md::error_type(e) + ": " + md::error_text(e);
     }
     return std::make_shared<Failure>(Failure{rank_, line, op, std::move(text), ""});
   }

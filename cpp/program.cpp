@@ -9,6 +9,7 @@
 
 #include "boxed.h"
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,40 @@ struct Step {
   std::vector<int64_t> outs;
   std::vector<int64_t> frees;
   bool spread = false;  // the op returns one list whose elements are the outs
+  // Memory planning: the op's out= overload, and the result of the last run, written again by
+  // it when nothing else holds that tensor or its storage any more.
+  std::optional<c10::OperatorHandle> out_op;
+  at::Tensor buffer;
 };
+
+// Results up to this size are written into the previous run's buffer: for small tensors,
+// making a new one (allocation, TensorImpl) costs as much as the op itself; big ones are left
+// to the allocator, so planning never holds much memory between runs.
+constexpr int64_t kPlannedBytes = 64 << 10;
+
+// The out= overload of `handle`, when it takes exactly the op's arguments plus one `out`
+// tensor and the op returns one fresh (non-aliasing) tensor.
+std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& handle) {
+  const auto& schema = handle.schema();
+  const auto& returns = schema.returns();
+  if (returns.size() != 1 || returns[0].type()->kind() != c10::TypeKind::TensorType ||
+      returns[0].alias_info() != nullptr || schema.is_mutable())
+    return std::nullopt;
+  const std::string name = schema.name();
+  if (name.find("view") != std::string::npos || name.find("alias") != std::string::npos)
+    return std::nullopt;  // (_unsafe_view returns a view its schema does not declare)
+  auto out = c10::Dispatcher::singleton().findOp({name, "out"});
+  if (!out) return std::nullopt;
+  const auto& formals = schema.arguments();
+  const auto& out_formals = out->schema().arguments();
+  if (out_formals.size() != formals.size() + 1 || !out_formals.back().is_out()) return std::nullopt;
+  for (size_t i = 0; i < formals.size(); ++i) {
+    if (formals[i].name() != out_formals[i].name() ||
+        formals[i].kwarg_only() != out_formals[i].kwarg_only())
+      return std::nullopt;
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -73,6 +107,7 @@ class Program {
       for (auto f : t[5].cast<py::list>()) step.frees.push_back(f.cast<int64_t>());
       const auto& returns = handle.schema().returns();
       step.spread = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
+      if (step.outs.size() == 1) step.out_op = out_variant(handle);
       steps_.emplace_back(std::move(step));
     }
   }
@@ -81,12 +116,14 @@ class Program {
   // them). Returns -1, or the index of the step that raised (its message in last_error).
   int64_t run(Env& env, int64_t begin, int64_t end) {
     py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> one_run_at_a_time(lock_);  // (the steps' buffers)
     // A plan spells out its backward pass: no autograd bookkeeping for its ops (what the
     // GraphModule peer pays on every call).
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
     if (end > static_cast<int64_t>(steps_.size()) || begin < 0)
       throw std::out_of_range("Program.run: steps out of range");
+    reused_ = 0;
     torch::jit::Stack stack;  // reused: no allocation per step
     stack.reserve(16);
     for (int64_t k = begin; k < end; ++k) {
@@ -97,7 +134,20 @@ class Program {
         md::fill_stack(step.call, stack, [&](int64_t k) -> const c10::IValue& {
           return values.at(k);
         });
-        step.call.op.callBoxed(&stack);
+        at::Tensor& buffer = step.buffer;
+        if (buffer.defined() && buffer.use_count() == 1 && buffer.storage().use_count() == 1) {
+          stack.push_back(buffer);  // nothing from the last run holds it: write it again
+          step.out_op->callBoxed(&stack);
+          ++reused_;
+        } else {
+          step.call.op.callBoxed(&stack);
+          if (step.out_op && stack.size() == 1 && stack[0].isTensor()) {
+            const at::Tensor& result = stack[0].toTensor();
+            if (result.defined() && result.is_contiguous() &&
+                result.numel() * static_cast<int64_t>(result.element_size()) <= kPlannedBytes)
+              buffer = result;
+          }
+        }
         if (step.spread) {
           auto list = stack.at(0).toList();
           for (size_t i = 0; i < step.outs.size() && i < list.size(); ++i)
@@ -107,7 +157,7 @@ class Program {
             values.at(step.outs[i]) = std::move(stack[i]);
         }
       } catch (const std::exception& e) {
-        last_error_ = e.what();
+        last_error_ = md::error_type(e) + ": " + md::error_text(e);
         return k;
       }
       for (auto f : step.frees) values.at(f) = c10::IValue();
@@ -116,11 +166,14 @@ class Program {
   }
 
   std::string last_error() const { return last_error_; }
+  int64_t reused() const { return reused_; }
   int64_t size() const { return static_cast<int64_t>(steps_.size()); }
 
  private:
   std::vector<std::optional<Step>> steps_;
   std::string last_error_;
+  std::mutex lock_;
+  int64_t reused_ = 0;  // steps of the last run that wrote a buffer of the run before
 };
 
 void bind_program(py::module& m) {
@@ -137,5 +190,6 @@ void bind_program(py::module& m) {
       .def(py::init<const py::list&, py::handle>())
       .def("run", &Program::run)
       .def("last_error", &Program::last_error)
+      .def("reused", &Program::reused)
       .def("__len__", &Program::size);
 }

@@ -32,6 +32,10 @@ class Program:
         results go to its out slots, and its last uses are freed. Returns -1, or the index of
         the step that raised (then ``last_error()`` says why)."""
     def last_error(self) -> str: ...
+    def reused(self) -> int:
+        """How many steps of the last run wrote their result into the previous run's (memory
+        planning: a step with an out= overload and a result of at most 64 KiB reuses it when
+        neither that tensor nor its storage is held any more, e.g. by Python)."""
     def __len__(self) -> int: ...
 
 class Executor:
