@@ -14,42 +14,58 @@ c10d::ReduceOp reduce_op(const std::string& op) {
   throw std::invalid_argument("unknown reduction " + op);
 }
 
+Wait waiter(c10::intrusive_ptr<c10d::Work> work);
+
 class BackendComm : public Comm {
  public:
   explicit BackendComm(c10::intrusive_ptr<c10d::Backend> backend)
       : backend_(std::move(backend)) {}
 
-  void all_reduce(at::Tensor& t, const std::string& op) override {
+  Wait start_all_reduce(at::Tensor& t, const std::string& op) override {
     std::vector<at::Tensor> ts{t};
     c10d::AllreduceOptions opts;
     opts.reduceOp = reduce_op(op);
-    backend_->allreduce(ts, opts)->wait();
+    return waiter(backend_->allreduce(ts, opts));
   }
 
-  void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
+  Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
     std::vector<std::vector<at::Tensor>> out_lists{outs};
     std::vector<at::Tensor> ins{input};
-    backend_->allgather(out_lists, ins)->wait();
+    return waiter(backend_->allgather(out_lists, ins));
   }
 
-  void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
-                      const std::string& op) override {
+  Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
+                            const std::string& op) override {
     std::vector<at::Tensor> outs{out};
     std::vector<std::vector<at::Tensor>> in_lists{inputs};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = reduce_op(op);
-    backend_->reduce_scatter(outs, in_lists, opts)->wait();
+    return waiter(backend_->reduce_scatter(outs, in_lists, opts));
   }
 
-  void all_to_all(at::Tensor& out, const at::Tensor& input) override {
+  Wait start_all_to_all(at::Tensor& out, const at::Tensor& input) override {
     at::Tensor in = input;
     std::vector<int64_t> even;
-    backend_->alltoall_base(out, in, even, even)->wait();
+    return waiter(backend_->alltoall_base(out, in, even, even));
+  }
+
+  void send(at::Tensor& t, int64_t dst, int64_t tag) override {
+    std::vector<at::Tensor> ts{t};
+    backend_->send(ts, static_cast<int>(dst), static_cast<int>(tag))->wait();
+  }
+
+  void recv(at::Tensor& t, int64_t src, int64_t tag) override {
+    std::vector<at::Tensor> ts{t};
+    backend_->recv(ts, static_cast<int>(src), static_cast<int>(tag))->wait();
   }
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend_;
 };
+
+Wait waiter(c10::intrusive_ptr<c10d::Work> work) {
+  return [work = std::move(work)] { work->wait(); };
+}
 
 std::shared_ptr<Comm> backend_comm(py::handle group) {
   return std::make_shared<BackendComm>(group.cast<c10::intrusive_ptr<c10d::Backend>>());

@@ -7,6 +7,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,15 +16,37 @@ namespace md {
 
 namespace py = pybind11;
 
+// Waits for a started collective (empty: it had finished when it returned).
+using Wait = std::function<void()>;
+
 class Comm {
  public:
   virtual ~Comm() = default;
-  // `op`: "sum", "avg", "max", "min" or "prod".
-  virtual void all_reduce(at::Tensor& t, const std::string& op) = 0;
-  virtual void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
-  virtual void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
-                              const std::string& op) = 0;
-  virtual void all_to_all(at::Tensor& out, const at::Tensor& input) = 0;
+  // Started collectives; `op`: "sum", "avg", "max", "min" or "prod". The tensors must live
+  // until the wait has returned.
+  virtual Wait start_all_reduce(at::Tensor& t, const std::string& op) = 0;
+  virtual Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
+  virtual Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
+                                    const std::string& op) = 0;
+  virtual Wait start_all_to_all(at::Tensor& out, const at::Tensor& input) = 0;
+  virtual void send(at::Tensor& t, int64_t dst, int64_t tag) = 0;
+  virtual void recv(at::Tensor& t, int64_t src, int64_t tag) = 0;
+
+  void all_reduce(at::Tensor& t, const std::string& op) { finish(start_all_reduce(t, op)); }
+  void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) {
+    finish(start_all_gather(outs, input));
+  }
+  void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs, const std::string& op) {
+    finish(start_reduce_scatter(out, inputs, op));
+  }
+  void all_to_all(at::Tensor& out, const at::Tensor& input) {
+    finish(start_all_to_all(out, input));
+  }
+
+ private:
+  static void finish(const Wait& w) {
+    if (w) w();
+  }
 };
 
 // The Comm of a group object from Python: a c10d backend (ProcessGroupGloo, ProcessGroupNCCL)

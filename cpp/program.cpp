@@ -8,9 +8,13 @@
 // itself).
 
 #include "boxed.h"
+#include "comm.h"
+
+#include <torch/csrc/Dtype.h>
 
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -26,6 +30,34 @@ struct Step {
   // it when nothing else holds that tensor or its storage any more.
   std::optional<c10::OperatorHandle> out_op;
   at::Tensor buffer;
+};
+
+// A communication step of this rank (set by Python: runtime/plan_runner.py), run by
+// Program::run_plan the way PlanRunner._comm runs it.
+struct CommStep {
+  std::string op;  // all_reduce all_gather reduce_scatter all_to_all send recv shard_local
+                   // partial_local
+  std::vector<int64_t> args;  // the slot of each argument (-1: not a slot)
+  std::vector<int64_t> outs, frees;
+  std::shared_ptr<md::Comm> comm;  // collectives, send, recv
+  int64_t index = 0, size = 1;     // this rank in the group / in the mesh dim; its size
+  int64_t peer = -1;               // send / recv: the peer's index in the pair's group
+  std::string reduce;              // sum avg max min
+  int64_t dim = 0, split_dim = 0, cat_dim = 0;
+  std::vector<std::vector<int64_t>> shapes;  // of the arguments: zeros when failed
+  at::ScalarType dtype = at::kFloat;
+  bool async = false;  // not on "main": started now, waited for at a result's first use
+};
+
+// A started collective shared by its result slots (a bucket): finished once, by the first
+// that is needed.
+struct Pending {
+  std::function<void()> finish;
+  void run() {
+    auto f = std::move(finish);
+    finish = nullptr;
+    if (f) f();
+  }
 };
 
 // Results up to this size are written into the previous run's buffer: for small tensors,
@@ -129,47 +161,247 @@ class Program {
     for (int64_t k = begin; k < end; ++k) {
       auto& maybe = steps_[k];
       if (!maybe) continue;
-      Step& step = *maybe;
       try {
-        md::fill_stack(step.call, stack, [&](int64_t k) -> const c10::IValue& {
-          return values.at(k);
-        });
-        at::Tensor& buffer = step.buffer;
-        if (buffer.defined() && buffer.use_count() == 1 && buffer.storage().use_count() == 1) {
-          stack.push_back(buffer);  // nothing from the last run holds it: write it again
-          step.out_op->callBoxed(&stack);
-          ++reused_;
-        } else {
-          step.call.op.callBoxed(&stack);
-          if (step.out_op && stack.size() == 1 && stack[0].isTensor()) {
-            const at::Tensor& result = stack[0].toTensor();
-            if (result.defined() && result.is_contiguous() &&
-                result.numel() * static_cast<int64_t>(result.element_size()) <= kPlannedBytes)
-              buffer = result;
-          }
-        }
-        if (step.spread) {
-          auto list = stack.at(0).toList();
-          for (size_t i = 0; i < step.outs.size() && i < list.size(); ++i)
-            values.at(step.outs[i]) = list.get(i);
-        } else {
-          for (size_t i = 0; i < step.outs.size() && i < stack.size(); ++i)
-            values.at(step.outs[i]) = std::move(stack[i]);
-        }
+        run_compute(*maybe, values, stack);
       } catch (const std::exception& e) {
         last_error_ = md::error_type(e) + ": " + md::error_text(e);
         return k;
       }
-      for (auto f : step.frees) values.at(f) = c10::IValue();
     }
     return -1;
   }
 
+  // Python's description of communication step `k` of this rank (see CommStep).
+  void set_comm(int64_t k, std::string op, std::vector<int64_t> args, std::vector<int64_t> outs,
+                std::vector<int64_t> frees, py::handle group, int64_t index, int64_t size,
+                int64_t peer, std::string reduce, int64_t dim, int64_t split_dim,
+                int64_t cat_dim, std::vector<std::vector<int64_t>> shapes, py::handle dtype,
+                bool async) {
+    if (k < 0 || k >= static_cast<int64_t>(steps_.size()) || steps_[k])
+      throw std::out_of_range("Program.set_comm: not a communication step");
+    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("set_comm: dtype must be a torch.dtype");
+    CommStep c{std::move(op), std::move(args), std::move(outs), std::move(frees)};
+    if (!group.is_none()) c.comm = md::comm_of(group);
+    c.index = index;
+    c.size = size;
+    c.peer = peer;
+    c.reduce = std::move(reduce);
+    c.dim = dim;
+    c.split_dim = split_dim;
+    c.cat_dim = cat_dim;
+    c.shapes = std::move(shapes);
+    c.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+    c.async = async;
+    if (comms_.size() < steps_.size()) comms_.resize(steps_.size());
+    comms_[k] = std::move(c);
+  }
+
+  void set_uses(std::vector<std::vector<int64_t>> uses) { uses_ = std::move(uses); }
+
+  // The whole plan for this rank, without the GIL: compute steps and the communication steps
+  // given by set_comm, in order. Collectives off the main stream are started and waited for
+  // at their result's first use (a bucket's all-reduce overlaps the rest of the backward).
+  // After a failure the rank computes nothing more but still takes part in every
+  // communication, with zeros, so no peer waits forever. Returns -1 or the failed step.
+  int64_t run_plan(Env& env, const c10::Device& device) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> one_run_at_a_time(lock_);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto& values = env.values;
+    reused_ = 0;
+    int64_t failed = -1;
+    std::unordered_map<int64_t, std::shared_ptr<Pending>> pending;
+    auto settle = [&](int64_t slot) {
+      auto it = pending.find(slot);
+      if (it == pending.end()) return;
+      auto p = it->second;
+      pending.erase(it);
+      p->run();
+    };
+    auto fail_at = [&](int64_t k, const std::exception& e) {
+      if (failed < 0) {
+        failed = k;
+        last_error_ = md::error_type(e) + ": " + md::error_text(e);
+      }
+    };
+    torch::jit::Stack stack;
+    stack.reserve(16);
+    const int64_t n = static_cast<int64_t>(steps_.size());
+    for (int64_t k = 0; k < n; ++k) {
+      Step* compute = steps_[k] ? &*steps_[k] : nullptr;
+      CommStep* comm = k < static_cast<int64_t>(comms_.size()) && comms_[k] ? &*comms_[k] : nullptr;
+      if (!compute && !comm) continue;  // another rank's step
+      try {
+        if (k < static_cast<int64_t>(uses_.size()))
+          for (auto s : uses_[k]) settle(s);
+        if (compute) {
+          if (failed < 0) run_compute(*compute, values, stack);
+          continue;  // (its frees are done)
+        }
+        run_comm(*comm, values, pending, failed >= 0, device);
+        for (auto f : comm->frees) {
+          settle(f);
+          values.at(f) = c10::IValue();
+        }
+      } catch (const std::exception& e) {
+        fail_at(k, e);
+      }
+    }
+    while (!pending.empty()) {
+      auto it = pending.begin();
+      int64_t slot = it->first;
+      try {
+        settle(slot);
+      } catch (const std::exception& e) {
+        fail_at(n, e);
+      }
+    }
+    return failed;
+  }
+
   std::string last_error() const { return last_error_; }
+  bool has_comms() const { return !comms_.empty(); }
   int64_t reused() const { return reused_; }
   int64_t size() const { return static_cast<int64_t>(steps_.size()); }
 
  private:
+  void run_compute(Step& step, std::vector<c10::IValue>& values, torch::jit::Stack& stack) {
+    md::fill_stack(step.call, stack, [&](int64_t k) -> const c10::IValue& {
+      return values.at(k);
+    });
+    at::Tensor& buffer = step.buffer;
+    if (buffer.defined() && buffer.use_count() == 1 && buffer.storage().use_count() == 1) {
+      stack.push_back(buffer);  // nothing from the last run holds it: write it again
+      step.out_op->callBoxed(&stack);
+      ++reused_;
+    } else {
+      step.call.op.callBoxed(&stack);
+      if (step.out_op && stack.size() == 1 && stack[0].isTensor()) {
+        const at::Tensor& result = stack[0].toTensor();
+        if (result.defined() && result.is_contiguous() &&
+            result.numel() * static_cast<int64_t>(result.element_size()) <= kPlannedBytes)
+          buffer = result;
+      }
+    }
+    if (step.spread) {
+      auto list = stack.at(0).toList();
+      for (size_t i = 0; i < step.outs.size() && i < list.size(); ++i)
+        values.at(step.outs[i]) = list.get(i);
+    } else {
+      for (size_t i = 0; i < step.outs.size() && i < stack.size(); ++i)
+        values.at(step.outs[i]) = std::move(stack[i]);
+    }
+    for (auto f : step.frees) values.at(f) = c10::IValue();
+  }
+
+  // PlanRunner._comm in C++.
+  static void run_comm(CommStep& c, std::vector<c10::IValue>& values,
+                       std::unordered_map<int64_t, std::shared_ptr<Pending>>& pending,
+                       bool failed, const c10::Device& device) {
+    auto options = at::TensorOptions().dtype(c.dtype).device(device);
+    auto value = [&](size_t i) -> at::Tensor {
+      int64_t slot = i < c.args.size() ? c.args[i] : -1;
+      if (!failed && slot >= 0 && values.at(slot).isTensor()) return values.at(slot).toTensor();
+      std::vector<int64_t> shape = i < c.shapes.size() ? c.shapes[i] : std::vector<int64_t>{};
+      return at::zeros(shape, options);
+    };
+    const std::string& op = c.op;
+    if (op == "shard_local") {
+      values.at(c.outs.at(0)) = value(0).chunk(c.size, c.dim).at(c.index).contiguous();
+      return;
+    }
+    if (op == "partial_local") {
+      at::Tensor v = value(0);
+      values.at(c.outs.at(0)) = c.reduce != "sum" || c.index == 0 ? v : at::zeros_like(v);
+      return;
+    }
+    if (op == "send") {
+      at::Tensor v = value(0).contiguous();
+      c.comm->send(v, c.peer, 0);
+      return;
+    }
+    if (op == "recv") {
+      at::Tensor buf = at::empty(c.shapes.at(0), options);
+      c.comm->recv(buf, c.peer, 0);
+      values.at(c.outs.at(0)) = buf;
+      return;
+    }
+    const std::string reduce = c.reduce == "avg" ? "sum" : c.reduce;
+    const bool avg = c.reduce == "avg";
+    const int64_t n = c.size;
+    std::function<void()> finish;
+    if (op == "all_reduce") {
+      std::vector<at::Tensor> tensors;
+      for (size_t i = 0; i < c.args.size(); ++i) tensors.push_back(value(i));
+      at::Tensor flat;
+      if (tensors.size() == 1) {
+        flat = tensors[0].contiguous().clone();
+      } else {
+        std::vector<at::Tensor> pieces;
+        for (auto& t : tensors) pieces.push_back(t.reshape(-1));
+        flat = at::cat(pieces);
+      }
+      md::Wait wait = c.comm->start_all_reduce(flat, reduce);
+      finish = [&values, outs = c.outs, tensors, flat, wait, avg, n]() mutable {
+        if (wait) wait();
+        if (avg) flat.div_(n);
+        if (tensors.size() == 1) {
+          values.at(outs.at(0)) = flat;
+          return;
+        }
+        int64_t offset = 0;
+        for (size_t i = 0; i < outs.size() && i < tensors.size(); ++i) {
+          const int64_t numel = tensors[i].numel();
+          values.at(outs[i]) = flat.slice(0, offset, offset + numel).view(tensors[i].sizes());
+          offset += numel;
+        }
+      };
+    } else {
+      at::Tensor x = value(0);
+      if (op == "all_gather") {
+        at::Tensor input = x.contiguous();
+        std::vector<at::Tensor> outs;
+        for (int64_t i = 0; i < n; ++i) outs.push_back(at::empty_like(input));
+        md::Wait wait = c.comm->start_all_gather(outs, input);
+        finish = [&values, out = c.outs.at(0), outs, input, wait, dim = c.dim]() {
+          if (wait) wait();
+          values.at(out) = at::cat(outs, dim);
+        };
+      } else if (op == "reduce_scatter") {
+        std::vector<at::Tensor> chunks;
+        for (auto& t : x.chunk(n, c.dim)) chunks.push_back(t.contiguous());
+        at::Tensor out = at::empty_like(chunks.at(c.index));
+        md::Wait wait = c.comm->start_reduce_scatter(out, chunks, reduce);
+        finish = [&values, slot = c.outs.at(0), out, chunks, wait, avg, n]() mutable {
+          if (wait) wait();
+          if (avg) out.div_(n);
+          values.at(slot) = out;
+        };
+      } else if (op == "all_to_all") {
+        at::Tensor src = x.movedim(c.split_dim, 0).contiguous();
+        at::Tensor out = at::empty_like(src);
+        md::Wait wait = c.comm->start_all_to_all(out, src);
+        finish = [&values, slot = c.outs.at(0), out, src, wait, n, split = c.split_dim,
+                  cat = c.cat_dim]() {
+          if (wait) wait();
+          std::vector<at::Tensor> pieces;
+          for (auto& p : out.chunk(n, 0)) pieces.push_back(p.movedim(0, split));
+          values.at(slot) = at::cat(pieces, cat).contiguous();
+        };
+      } else {
+        throw std::runtime_error("unknown communication " + op);
+      }
+    }
+    if (!c.async) {
+      finish();
+      return;
+    }
+    auto p = std::make_shared<Pending>(Pending{std::move(finish)});
+    for (auto slot : c.outs) pending[slot] = p;
+  }
+
+  std::vector<std::optional<CommStep>> comms_;
+  std::vector<std::vector<int64_t>> uses_;
   std::vector<std::optional<Step>> steps_;
   std::string last_error_;
   std::mutex lock_;
@@ -191,5 +423,11 @@ void bind_program(py::module& m) {
       .def("run", &Program::run)
       .def("last_error", &Program::last_error)
       .def("reused", &Program::reused)
+      .def("set_comm", &Program::set_comm)
+      .def("set_uses", &Program::set_uses)
+      .def("has_comms", &Program::has_comms)
+      .def("run_plan", [](Program& p, Env& env, py::handle device) {
+        return p.run_plan(env, torch::jit::toIValue(device, c10::DeviceObjType::get()).toDevice());
+      })
       .def("__len__", &Program::size);
 }

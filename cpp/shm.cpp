@@ -764,37 +764,50 @@ class ShmComm : public md::Comm {
     group_ = py::object();
   }
 
-  void all_reduce(at::Tensor& t, const std::string& op) override {
-    if (fits(t) && (op != "avg" || t.is_floating_point())) {
-      shm_->all_reduce(t, op);
-    } else {
-      fallback().all_reduce(t, op);
-    }
+  md::Wait start_all_reduce(at::Tensor& t, const std::string& op) override {
+    if (!fits(t) || (op == "avg" && !t.is_floating_point()))
+      return fallback().start_all_reduce(t, op);
+    shm_->all_reduce(t, op);
+    return {};
   }
 
-  void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
+  md::Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
     bool ok = fits(input);
     for (const auto& o : outs) ok = ok && fits(o);
-    if (ok) {
-      shm_->all_gather_into(outs, input);
-    } else {
-      fallback().all_gather(outs, input);
-    }
+    if (!ok) return fallback().start_all_gather(outs, input);
+    shm_->all_gather_into(outs, input);
+    return {};
   }
 
-  void reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
-                      const std::string& op) override {
+  md::Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
+                                const std::string& op) override {
     bool ok = fits(out);
     for (const auto& t : inputs) ok = ok && fits(t);
-    if (ok) {
-      shm_->reduce_scatter(out, inputs, op);
+    if (!ok) return fallback().start_reduce_scatter(out, inputs, op);
+    shm_->reduce_scatter(out, inputs, op);
+    return {};
+  }
+
+  md::Wait start_all_to_all(at::Tensor& out, const at::Tensor& input) override {
+    return fallback().start_all_to_all(out, input);
+  }
+
+  // Blocking, as the Python wrapper's send followed by wait() is (a full ring waits for the
+  // receiver).
+  void send(at::Tensor& t, int64_t dst, int64_t tag) override {
+    if (fits(t)) {
+      shm_->send(t, static_cast<int>(dst), tag);
     } else {
-      fallback().reduce_scatter(out, inputs, op);
+      fallback().send(t, dst, tag);
     }
   }
 
-  void all_to_all(at::Tensor& out, const at::Tensor& input) override {
-    fallback().all_to_all(out, input);
+  void recv(at::Tensor& t, int64_t src, int64_t tag) override {
+    if (fits(t)) {
+      shm_->recv(t, static_cast<int>(src), tag);
+    } else {
+      fallback().recv(t, src, tag);
+    }
   }
 
  private:

@@ -36,6 +36,38 @@ class Program:
         """How many steps of the last run wrote their result into the previous run's (memory
         planning: a step with an out= overload and a result of at most 64 KiB reuses it when
         neither that tensor nor its storage is held any more, e.g. by Python)."""
+    def set_comm(
+        self,
+        k: int,
+        op: str,
+        args: Sequence[int],
+        outs: Sequence[int],
+        frees: Sequence[int],
+        group: Any,
+        index: int,
+        size: int,
+        peer: int,
+        reduce: str,
+        dim: int,
+        split_dim: int,
+        cat_dim: int,
+        shapes: Sequence[Sequence[int]],
+        dtype: Any,
+        run_async: bool,
+    ) -> None:
+        """Communication step ``k`` of this rank (``runtime/plan_runner.py``): all_reduce (a
+        bucket: several args), all_gather, reduce_scatter, all_to_all over ``group`` (a c10d
+        backend or a ShmProcessGroup), send / recv with ``peer``, or shard_local /
+        partial_local (``index`` of ``size`` along a mesh dim). ``args``: the slot of each
+        argument (-1: none); ``shapes`` / ``dtype``: the zeros sent after a failure;
+        ``run_async``: started, and waited for at a result's first use."""
+    def set_uses(self, uses: Sequence[Sequence[int]]) -> None:
+        """Per step, the slots it reads (where a collective in flight is waited for)."""
+    def has_comms(self) -> bool: ...
+    def run_plan(self, env: Env, device: Any) -> int:
+        """The whole plan for this rank without the GIL, compute and communication in order;
+        after a failure only communication goes on (with zeros). Returns -1, or the index of
+        the step that failed (``last_error()`` says why)."""
     def __len__(self) -> int: ...
 
 class Executor:

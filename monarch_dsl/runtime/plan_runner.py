@@ -56,23 +56,57 @@ class PlanRunner:
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core()  # the C++ runtime, or None: compute steps run in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
-        self._compute: dict[int, list[bool]] = {}  # per plan: which steps are compute
 
     def define(self, ins: ir.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
-        self._compute[ins.plan] = [
-            not (s.comm or s.op in ("send", "recv")) for s in ins.program.steps
-        ]
 
-    def _compiled(self, plan: int, program: Program, coords: tuple[int, ...]) -> Any:
-        """The C++ program of ``plan`` for the rank at ``coords`` (steps of other ranks and
-        communication left out: None)."""
+    def _compiled(self, plan: int, program: Program, mesh, coords: tuple[int, ...]) -> Any:
+        """The C++ program of ``plan`` for the rank at ``coords``: its compute steps, and its
+        communication with the groups it uses (made here, in step order, as the Python path
+        makes them at first use; every member makes them in the same order)."""
         key = (plan, coords)
         compiled = self.compiled.get(key)
         if compiled is None:
-            steps = core_steps(program, coords, self.ex.device)
-            compiled = self.compiled[key] = self.core.Program(steps, Slot)
+            compiled = self.core.Program(core_steps(program, coords, self.ex.device), Slot)
+            for k, step in enumerate(program.steps):
+                if (step.comm or step.op in ("send", "recv")) and runs_on(step, coords):
+                    self._set_comm(compiled, k, step, mesh, coords)
+            compiled.set_uses([list(u) for u in self.programs[plan][1]])
+            self.compiled[key] = compiled
         return compiled
+
+    def _set_comm(self, compiled, k: int, step, mesh, coords) -> None:
+        comm = step.comm or {}
+        group, index, size, peer = None, 0, 1, -1
+        if step.op in ("shard_local", "partial_local"):
+            d = comm["dims"][0]
+            index, size = coords[d], mesh.sizes[d]
+        elif step.op in ("send", "recv"):
+            d = comm["dims"][0]
+            mine = self._rank_at(mesh, coords)
+            other = self._rank_at(mesh, coords[:d] + (comm["peer"],) + coords[d + 1 :])
+            members = sorted((mine, other))
+            group, peer = self.ex._pg(members, step.stream), members.index(other)
+        else:
+            group, index, size = self._group(mesh, coords, comm["dims"], step.stream)
+        compiled.set_comm(
+            k,
+            step.op,
+            [a.index if isinstance(a, Slot) else -1 for a in step.args],
+            list(step.outs),
+            list(step.frees),
+            group,
+            index,
+            size,
+            peer,
+            comm.get("op") or "sum",
+            comm.get("dim", 0),
+            comm.get("split_dim", 0),
+            comm.get("cat_dim", 0),
+            [list(shape) for shape in comm.get("shapes", ())],
+            getattr(torch, comm.get("dtype") or "float32"),
+            step.stream != "main",
+        )
 
     # ---- groups --------------------------------------------------------------------------
     def _members(self, mesh: ir.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
@@ -109,7 +143,7 @@ class PlanRunner:
                 ex.refs[local] = local_value(v, t, coords, sizes)
         core = self.core
         env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
-        compiled = self._compiled(ins.plan, program, coords) if core else None
+        compiled = self._compiled(ins.plan, program, mesh, coords) if core else None
         for slot, ref in zip(program.inputs, ins.inputs):
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
@@ -120,36 +154,36 @@ class PlanRunner:
         if failure is not None:
             ex._fail([r for r in ins.outputs if r >= 0], failure, root=False)
             return
-        pending: dict[int, Any] = {}
         own = False
-        steps = program.steps
-        k = -1
-        while k + 1 < len(steps):
-            k += 1
-            step = steps[k]
+        if compiled is not None:  # the whole run in C++, without the GIL
+            failed = compiled.run_plan(env, ex.device)
+            if failed >= 0:
+                bad = program.steps[failed] if failed < len(program.steps) else None
+                line = (bad.loc if bad is not None else "") or ins.line
+                op = bad.op if bad is not None else "plan"
+                failure, own = Failure(ex.rank, line, op, compiled.last_error(), ""), True
+        else:
+            failure, own = self._run_python(program, uses, env, mesh, coords, ins)
+        failure = self._agree(world, failure, ins, "a step failed on another rank")
+        if failure is not None:
+            ex._fail([r for r in ins.outputs if r >= 0], failure, root=own)
+            return
+        for slot, ref in zip(program.outputs, ins.outputs):
+            if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
+                ex.refs[ref] = env[slot]
+
+    def _run_python(self, program, uses, env, mesh, coords, ins):
+        """The reference executor's run of the steps: (the first failure or None, whether
+        this rank's own step failed)."""
+        ex = self.ex
+        failure, own = None, False
+        pending: dict[int, Any] = {}
+        for k, step in enumerate(program.steps):
             if not runs_on(step, coords):
                 continue
             for s in uses[k]:
                 if s in pending:
                     pending.pop(s)()
-            if compiled is not None and not (step.comm or step.op in ("send", "recv")):
-                if failure is None:
-                    # A run of compute steps in C++, up to the next communication or the next
-                    # use of a collective still in flight.
-                    end = k + 1
-                    while end < len(steps) and self._compute[ins.plan][end]:
-                        if any(s in pending for s in uses[end]):
-                            break
-                        end += 1
-                    failed = compiled.run(env, k, end)
-                    if failed >= 0:
-                        bad = steps[failed]
-                        failure = Failure(
-                            ex.rank, bad.loc or ins.line, bad.op, compiled.last_error(), ""
-                        )
-                        own = True
-                    k = end - 1
-                continue
             try:
                 if step.comm or step.op in ("send", "recv"):
                     self._comm(step, env, mesh, coords, pending, failure is not None)
@@ -165,13 +199,7 @@ class PlanRunner:
                 env[s] = None
         for finish in list(pending.values()):
             finish()
-        failure = self._agree(world, failure, ins, "a step failed on another rank")
-        if failure is not None:
-            ex._fail([r for r in ins.outputs if r >= 0], failure, root=own)
-            return
-        for slot, ref in zip(program.outputs, ins.outputs):
-            if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
-                ex.refs[ref] = env[slot]
+        return failure, own
 
     def _agree(self, group, failure, ins, why):
         from monarch_dsl.runtime.executor import Failure
