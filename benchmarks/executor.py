@@ -10,7 +10,8 @@ on 8x8 tensors, run by
 Target: the C++ runtime >= 3x faster per instruction than the GraphModule. Medians of several
 repetitions; the three alternate so machine noise hits them alike.
 
-Also the same ops as an eager batch (what ``with pm.activate():`` sends: one ``CallOp`` per op)
+On a GPU (part 3), the same plan in the C++ runtime beside eager CUDA. Also the same ops as an
+eager batch (what ``with pm.activate():`` sends: one ``CallOp`` per op)
 through a worker's executor, in this process, from ``run(batch)`` to the barrier's reply: the
 C++ executor (``_core.Executor``, the workers' default) vs the Python reference executor.
 
@@ -214,6 +215,31 @@ def main() -> None:
     print(f"{'C++ executor (_core.Executor)':<42}{eager['eager_cpp']:>10.2f}{speedup:>9.2f}x")
     print(f"{'Python reference executor':<42}{eager['eager_python']:>10.2f}{1:>9.2f}x")
     print(f"target: C++ >= 3x faster than the GraphModule per op: {ratio:.2f}x  {check}")
+
+    # Part 3: on a GPU, the executor's overhead per op beside eager CUDA (the same graph run
+    # by the GraphModule), each run ended by a synchronize.
+    if not torch.cuda.is_available():
+        print("\nGPU part: no CUDA device here (skipped)")
+        return
+    cuda = torch.device("cuda")
+    ga, gb = a.to(cuda), b.to(cuda)
+    on_gpu = core.Program(core_steps(program, None, cuda), Slot)
+
+    def run_cpp_cuda():
+        env = core.Env(program.n_slots)
+        env[0], env[1] = ga, gb
+        if on_gpu.run(env, 0, len(program.steps)) != -1:
+            raise RuntimeError(on_gpu.last_error())
+        torch.cuda.synchronize()
+
+    def run_eager_cuda():
+        gm(ga, gb)
+        torch.cuda.synchronize()
+
+    gpu = measure({"cpp_cuda": run_cpp_cuda, "eager_cuda": run_eager_cuda})
+    print(f"\nthe same {n} ops on {torch.cuda.get_device_name()} (us per instruction)")
+    print(f"{'C++ runtime (_core.Program)':<42}{gpu['cpp_cuda']:>10.2f}")
+    print(f"{'peer: eager CUDA (GraphModule forward)':<42}{gpu['eager_cuda']:>10.2f}")
 
 
 if __name__ == "__main__":
