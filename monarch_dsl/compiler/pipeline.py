@@ -115,7 +115,7 @@ def microbatch(plan: Plan) -> Plan:
         repeat = any(split.get(u, False) for u in uses) or any(per_mb(t) for t in ins.types)
         phase = early.phase(ins, phase_of.get(id(ins), "update"), mb_comm or repeat)
         if mb_comm:
-            add(phase, _combine(ins, uses, M, split, types, name, drop))
+            add(phase, _combine(ins, uses, M, split, types, name, drop, copy_type))
             for o, t in zip(ins.outs, ins.types):
                 split[o] = per_mb(t)
             continue
@@ -189,44 +189,74 @@ def microbatch(plan: Plan) -> Plan:
     return stamp(out, "microbatch", t0)
 
 
-def _combine(ins, uses, M, split, types, name, drop) -> list[Instr]:
-    """A communication over ``mb`` as local ops on the micro-batch copies."""
+def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
+    """A communication over ``mb`` as local ops on the micro-batch copies: a reduction over
+    the micro-batches is the sum (or mean) of the copies, a gather their ``cat``, a local
+    chunk one slice per copy; a reduce-scatter or an all-to-all is the reduction or the
+    gather, then the slices. ``mb`` is the innermost mesh dim (``compile_step`` appends it),
+    so its chunk of a tensor dim is a slice of this rank's part."""
     src = uses[0]
     t_out = drop(ins.types[0])
     copies = [Var(name(src, m)) if split.get(src) else Var(src) for m in range(M)]
     op = ins.op
     why = f"micro-batches of %{src} combined" + (f" ({ins.reason})" if ins.reason else "")
-    if op == "all_reduce" and len(uses) == 1 and ins.kw("op") in ("sum", "avg"):
-        stacked = TensorType((M, *t_out.shape), t_out.dtype, t_out.placements)
-        tmp = f"{ins.outs[0]}.mbs"
-        how = "aten.sum.dim_IntList" if ins.kw("op") == "sum" else "aten.mean.dim"
+
+    def instr(outs, aten, args, t, reason=why) -> Instr:
+        return Instr(outs, aten, args, (), (t,), ins.stream, ins.on, ins.loc, reason)
+
+    def reduced(out: str, how: str, t: TensorType) -> list[Instr]:
+        stacked = TensorType((M, *t.shape), t.dtype, t.placements)
+        tmp = f"{out}.mbs"
+        aten = "aten.sum.dim_IntList" if how == "sum" else "aten.mean.dim"
         return [
-            Instr(
-                (tmp,),
-                "aten.stack.default",
-                (copies, 0),
-                (),
-                (stacked,),
-                ins.stream,
-                ins.on,
-                ins.loc,
-                why,
-            ),
-            Instr(ins.outs, how, (Var(tmp), [0]), (), (t_out,), ins.stream, ins.on, ins.loc, why),
+            instr((tmp,), "aten.stack.default", (copies, 0), stacked),
+            instr((out,), aten, (Var(tmp), [0]), t),
         ]
-    if op == "all_gather":
+
+    def sliced(whole: str, dim: int) -> list[Instr]:
+        # One slice per micro-batch, in global sizes: ``lower`` rescales a micro-batch slice
+        # to this rank's part of a tensor dim other mesh dims shard too.
+        t = copy_type(ins.types[0])
+        length = t_out.shape[dim] // M
         return [
-            Instr(
-                ins.outs,
-                "aten.cat.default",
-                (copies, ins.kw("dim")),
-                (),
-                (t_out,),
-                ins.stream,
-                ins.on,
-                ins.loc,
-                why,
+            instr(
+                (name(ins.outs[0], m),),
+                "aten.slice.Tensor",
+                (Var(whole), dim, m * length, (m + 1) * length),
+                t,
+                f"micro-batch {m} of %{whole}" + (f" ({ins.reason})" if ins.reason else ""),
             )
+            for m in range(M)
+        ]
+
+    if op == "all_reduce" and len(uses) == 1 and ins.kw("op") in ("sum", "avg"):
+        return reduced(ins.outs[0], ins.kw("op"), t_out)
+    if op == "all_gather":
+        return [instr(ins.outs, "aten.cat.default", (copies, ins.kw("dim")), t_out)]
+    if op == "shard_local" and not split.get(src):
+        return sliced(src, ins.kw("dim"))
+    if op == "reduce_scatter" and ins.kw("op") in ("sum", "avg"):
+        whole = f"{ins.outs[0]}.mbsum"
+        return reduced(whole, ins.kw("op"), t_out) + sliced(whole, ins.kw("dim"))
+    if op == "all_to_all":
+        whole = f"{ins.outs[0]}.mbcat"
+        cat_dim = ins.kw("cat_dim")
+        return [
+            instr((whole,), "aten.cat.default", (copies, cat_dim), t_out),
+            *sliced(whole, ins.kw("split_dim")),
+        ]
+    if op == "partial_local" and not split.get(src):
+        # Partial(sum): the value in micro-batch 0's copy, zeros in the others (whose sum it
+        # is); any other op: the value in every copy.
+        t = copy_type(ins.types[0])
+        return [
+            instr(
+                (name(ins.outs[0], m),),
+                "aten.zeros_like.default" if ins.kw("op") == "sum" and m else "aten.alias.default",
+                (Var(src),),
+                t,
+            )
+            for m in range(M)
         ]
     raise PlanError(
         f"{op} over micro-batches is not supported yet (value %{src}, {types[src].placements})",
