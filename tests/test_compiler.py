@@ -572,6 +572,70 @@ def test_zero_sharded_parameters_with_micro_batches(opt, mesh, micro_batches):
         assert sliced and all(ins.op == "aten.slice.Tensor" for ins in sliced)
 
 
+FOREACH_OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "foreach": True}),
+]
+FOREACH_MESHES = {
+    "dp2": dict(mesh=DP["mesh"], data_parallel="dp"),
+    "tp2": dict(mesh=(("tp", 2),), placements=MEGATRON_MLP),
+    "pp2": dict(mesh=(("pp", 2),), micro_batches=2),
+    "dp2xpp2": dict(mesh=(("dp", 2), ("pp", 2)), data_parallel="dp", micro_batches=4),
+}
+
+
+@pytest.mark.parametrize("opt", FOREACH_OPTIMIZERS, ids=["sgd-momentum", "adam", "adamw"])
+@pytest.mark.parametrize("where", list(FOREACH_MESHES))
+def test_foreach_optimizers_match_one_process(opt, where):
+    """foreach=True: one multi-tensor op updates every parameter (``_foreach_add_([p0, p1,
+    ...], ...)``). It was one instruction: on a pipeline all on one stage (stage 0's
+    parameters never changed), with tp its sharded parameters' gathered copies were updated
+    instead of them, and Adam/AdamW did not trace ("Expected scalars to be on CPU, got
+    meta"). Traced as one op per tensor, each is placed, sharded and staged on its own."""
+    options = dict(FOREACH_MESHES[where])
+    mesh = options.pop("mesh")
+    make = (_two_stages if where.endswith("pp2") else _mlp)(opt[0], **opt[1])
+    model, ref, losses, ref_losses, plans = simulate_training(make, mesh, mse_batches(), **options)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.state_dict(), ref.state_dict(), **close)
+    torch.testing.assert_close(losses, [loss.detach() for loss in ref_losses], **close)
+    for plan in plans:
+        plan.check()
+        assert not [ins.op for ins in plan.body if "_foreach_" in ins.op]
+        if "pp" in dict(mesh):  # each parameter is updated on its own stage
+            for ins in plan.body:
+                if any(u.startswith("model.second.") for u in ins.uses()):
+                    assert dict(ins.on)["pp"] == 1, ins
+                if any(u.startswith("model.first.") for u in ins.uses()):
+                    assert dict(ins.on)["pp"] == 0, ins
+
+
+def test_a_foreach_op_writes_each_tensor_of_its_list(monkeypatch):
+    """Were a foreach op left whole (tracing makes it one op per tensor), it writes in place
+    every tensor of its first list: the compiler refuses what it cannot do with it instead of
+    updating gathered copies or one stage's tensors, and a foreach path that does not trace
+    says foreach=False."""
+    from monarch_dsl.compiler import capture
+
+    monkeypatch.setattr(capture, "_foreach_decompositions", lambda: {})
+    x, y = mse_batches(1)[0]
+    sgd = {"lr": 0.1, "foreach": True}
+    cases = [
+        (_two_stages(**sgd), "pp=2", r"_foreach_add_\.List updates tensors of several pipeline"),
+        (_mlp(**sgd), "tp=2", r"_foreach_add_\.List writes in place into %model\.0\.weight"),
+        (_mlp(torch.optim.Adam, lr=0.01, foreach=True), "tp=2", "could not be traced"),
+    ]
+    for make, mesh, message in cases:
+        model, opt, step_of = make()
+        placements = MEGATRON_MLP if mesh == "tp=2" else None
+        step = md.mesh_fn(step_of(model, opt), placements=placements)
+        with pytest.raises(PlanError, match=message) as e:
+            step.compile(x, y, mesh=md.Mesh.from_string(mesh))
+        assert "foreach=False" in str(e.value) or "tp" in mesh
+        _assert_loc(e.value.loc, mse_step, "opt.step()")
+
+
 def _matmul(x, w):
     return x @ w  # the op the collectives below come from
 

@@ -9,11 +9,13 @@ outputs.
 
 The optimizers are traced as ``torch.compile`` sees them (``torch.compiler.is_compiling()``
 is true while tracing), so Adam's step count stays a tensor instead of a Python number baked
-into the plan.
+into the plan. Their multi-tensor (``foreach=True``) ops are traced as one op per tensor, so
+each parameter's update is placed, sharded and put on its pipeline stage like any other op.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -67,7 +69,159 @@ _DECOMPOSE = [
 def decompositions() -> dict:
     from torch._decomp import get_decompositions
 
-    return get_decompositions(_DECOMPOSE)
+    return {**get_decompositions(_DECOMPOSE), **_foreach_decompositions()}
+
+
+# ---- multi-tensor (foreach) ops --------------------------------------------------------------
+#
+# An optimizer with foreach=True updates all its parameters with one op per step of the update
+# (``_foreach_add_([p0, p1, ...], [g0, g1, ...])``): one instruction writing tensors that may
+# be laid out differently and live on different pipeline stages. Traced as one op per tensor
+# (``add_(p0, g0)``, ``add_(p1, g1)``, ...) instead, each is placed, sharded and ordered on
+# its own, like the foreach=False update.
+
+_FOREACH = "_foreach_"
+# Per-tensor ops whose name is not the foreach op's without its prefix.
+_FOREACH_AS = {
+    "norm": lambda x, ord=2, dtype=None: aten.linalg_vector_norm(x, ord, dtype=dtype),
+    "max": lambda x: aten.max.default(x),
+}
+
+
+@functools.cache
+def _foreach_decompositions() -> dict:
+    table = {}
+    for schema in torch._C._jit_get_all_schemas():
+        ns, _, name = schema.name.partition("::")
+        if ns != "aten" or not name.startswith(_FOREACH) or "out" in schema.overload_name:
+            continue
+        packet = getattr(aten, name, None)
+        op = getattr(packet, schema.overload_name or "default", None)
+        if op is not None:
+            table[op] = functools.partial(_foreach_per_tensor, op)
+    return table
+
+
+def _foreach_per_tensor(op, *args, **kwargs):
+    """``op`` (a foreach op) as one op per tensor of its list arguments."""
+    schema = op._schema
+    base = schema.name.partition("::")[2].removeprefix(_FOREACH)
+    inplace = base.endswith("_")
+    is_list = {a.name: str(a.type).startswith("List[") for a in schema.arguments}
+    positional = [is_list[a.name] for a in schema.arguments if not a.kwarg_only]
+    lists = [v for v, listed in zip(args, positional) if listed]
+    lists += [v for k, v in kwargs.items() if is_list.get(k)]
+    n = len(lists[0]) if lists else 0
+    # addcmul/addcdiv's per-tensor scales given as one tensor: no per-tensor overload reads a
+    # scale from a tensor (``value`` is a number), so the product is scaled by the element.
+    scales = None
+    if base.rstrip("_") in ("addcmul", "addcdiv") and schema.overload_name == "Tensor":
+        *args, scales = args
+    results = []
+    try:
+        for i in range(n):
+            a = [v[i] if listed else v for v, listed in zip(args, positional)]
+            kw = {k: v[i] if is_list.get(k) else v for k, v in kwargs.items()}
+            if scales is not None:
+                self, t1, t2 = a[:3]
+                term = aten.mul(t1, t2) if base.startswith("addcmul") else aten.div(t1, t2)
+                term = aten.mul(term, scales[i])
+                results.append(aten.add_(self, term) if inplace else aten.add(self, term))
+            elif base.rstrip("_") in ("addcmul", "addcdiv"):  # the scale is keyword-only
+                scale = {"value": a[3]} if len(a) > 3 else {}
+                results.append(getattr(aten, base)(*a[:3], **scale, **kw))
+            elif base in _FOREACH_AS:
+                results.append(_FOREACH_AS[base](*a, **kw))
+            elif hasattr(aten, base):
+                results.append(getattr(aten, base)(*a, **kw))
+            elif inplace and hasattr(aten, base[:-1]):  # no in-place variant (maximum_)
+                results.append(aten.copy_(a[0], getattr(aten, base[:-1])(*a, **kw)))
+            else:
+                raise RuntimeError(f"no per-tensor op aten.{base}")
+    except PlanError:
+        raise
+    except Exception as e:
+        raise PlanError(
+            f"{op} (the multi-tensor update of an optimizer or of a utility with foreach=True) "
+            f"could not be traced as one op per tensor: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; pass foreach=False to the optimizer "
+            "(or utility)",
+            _user_location_here(),
+        ) from e
+    return None if inplace else results
+
+
+def _unstack(gm: torch.fx.GraphModule) -> None:
+    """``select(stack([x0, x1, ...]), 0, i)`` becomes ``clone(xi)``, and a stack nothing reads
+    any more goes. A foreach optimizer traced as ``torch.compile`` sees it stacks its
+    per-parameter step sizes into one tensor (Adam's ``_stack_if_compiling``) that each
+    parameter's update then selects from: one value made of every parameter's step count,
+    which would tie each pipeline stage's update to every other stage's. Only where no op
+    between the stack and the select writes into ``xi`` (the clone reads it at the select)
+    and none writes into the selected value (it is a view of the stack)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {node: k for k, node in enumerate(nodes)}
+    writes = {node: _written_nodes(node) for node in nodes}
+    written_at: dict[torch.fx.Node, list[int]] = defaultdict(list)  # value -> writes, in order
+    for k, node in enumerate(nodes):
+        for v in writes[node]:
+            written_at[v].append(k)
+    changed = False
+    for node in nodes:
+        if node.target is not aten.select.int or len(node.args) != 3 or node.args[1] != 0:
+            continue
+        stack, _, i = node.args
+        if (
+            not isinstance(stack, torch.fx.Node)
+            or stack.target is not aten.stack.default
+            or stack.kwargs
+            or (len(stack.args) > 1 and stack.args[1] != 0)
+            or not isinstance(i, int)
+        ):
+            continue
+        x = stack.args[0][i]
+        lo, hi = order[stack], order[node]
+        if any(lo < k < hi for k in written_at.get(x, ())) or any(
+            node in writes.get(u, ()) for u in node.users
+        ):
+            continue
+        with graph.inserting_before(node):
+            clone = graph.call_function(aten.clone.default, (x,))
+        clone.meta = dict(node.meta)
+        node.replace_all_uses_with(clone)
+        graph.erase_node(node)
+        changed = True
+    for node in nodes:
+        if changed and node.target is aten.stack.default and not node.users:
+            graph.erase_node(node)
+    if changed:
+        gm.recompile()
+
+
+def _written_nodes(node: torch.fx.Node) -> set:
+    """The graph values ``node``'s op writes into (its schema's mutable arguments)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return set()
+    out = set()
+    for k, a in enumerate(target._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = node.args[k] if k < len(node.args) else node.kwargs.get(a.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, torch.fx.Node):
+                out.add(v)
+    return out
+
+
+def _user_location_here() -> str:
+    """``file:line`` of the innermost user frame of the current stack."""
+    last = ""
+    for frame in traceback.extract_stack():
+        if _is_user_file(frame.filename):
+            last = f"{short_path(frame.filename)}:{frame.lineno}"
+    return last
 
 
 @dataclass
@@ -296,10 +450,17 @@ def capture(
                     f"values): {type(e).__name__}: {str(e).splitlines()[0]}",
                     loc,
                 ) from e
+            hint = ""
+            if _in_foreach(e):
+                hint = (
+                    " (in the multi-tensor path of an optimizer or utility with foreach=True: "
+                    "construct it with foreach=False)"
+                )
             raise PlanError(
-                f"{fn.__qualname__} could not be traced: {type(e).__name__}: {e}", loc
+                f"{fn.__qualname__} could not be traced{hint}: {type(e).__name__}: {e}", loc
             ) from e
 
+    _unstack(gm)
     n_out = out_info["n_out"]
     state_out = out_info["state"]
     input_names = arg_names + param_names + state_names
@@ -434,6 +595,18 @@ def _is_data_dependent(e: BaseException) -> bool:
             "DynamicOutputShapeException",
         }
     ) or any("data-dependent" in str(x) or "data dependent" in str(x) for x in _chain(e))
+
+
+def _in_foreach(e: BaseException) -> bool:
+    """Whether ``e`` was raised in a foreach (multi-tensor) op or a torch function calling
+    them (``torch.optim.adam._multi_tensor_adam``, ``_foreach_norm`` in clip_grad_norm_)."""
+    for x in _chain(e):
+        if _FOREACH in str(x):
+            return True
+        for frame in traceback.extract_tb(x.__traceback__):
+            if frame.name.startswith("_multi_tensor_") or _FOREACH in frame.name:
+                return True
+    return False
 
 
 def _chain(e: BaseException | None):

@@ -40,7 +40,7 @@ from monarch_dsl.compiler.plan import (
     TensorType,
     Var,
 )
-from monarch_dsl.compiler.propagate import ALIASING, MB, _base, _rename, stamp
+from monarch_dsl.compiler.propagate import ALIASING, FOREACH, MB, _base, _rename, stamp, written
 
 R = Replicate()
 
@@ -298,8 +298,8 @@ class _EarlyUpdate:
             phase = EARLY
         if phase != "update":
             self.before_update.update(ins.outs)
-        elif inplace and roots:
-            self.written.add(roots[0])
+        else:
+            self.written.update(self.root.get(w, w) for w in written(ins))
         if roots and (name in ALIASING or inplace):
             for o in ins.outs:
                 self.root[o] = roots[0]
@@ -396,16 +396,24 @@ def split_stages(plan: Plan, dim: str) -> Plan:
             if u in input_names:
                 readers.setdefault(u, set()).add(stage_of[k])
     for k, ins in enumerate(plan.body):
-        uses = ins.uses()
-        if uses and uses[0] in input_names and "." in ins.op and _base(ins.op)[1]:
-            stages = readers.get(uses[0], set())
-            if len(stages) > 1:
+        for w in written(ins):
+            stages = readers.get(w, set()) if w in input_names else set()
+            if len(stages) < 2:
+                continue
+            if _base(ins.op)[0].startswith(FOREACH):  # one op writing every stage's tensors
+                tensors = ", ".join("%" + v for v in written(ins))
                 raise PlanError(
-                    f"%{uses[0]} is used on pipeline stages {sorted(stages)} but updated in "
-                    f"place on stage {stage_of[k]} only ({ins.op}): weights shared across "
-                    "stages are not supported; give each stage its own parameter",
+                    f"{ins.op} updates tensors of several pipeline stages ({tensors}) in one "
+                    f"op on stage {stage_of[k]}: construct the optimizer (or utility) with "
+                    "foreach=False",
                     ins.loc,
                 )
+            raise PlanError(
+                f"%{w} is used on pipeline stages {sorted(stages)} but updated in "
+                f"place on stage {stage_of[k]} only ({ins.op}): weights shared across "
+                "stages are not supported; give each stage its own parameter",
+                ins.loc,
+            )
     body: list[Instr] = []
     received: dict[tuple[str, int], str] = {}
     types = plan.types()

@@ -75,11 +75,32 @@ REDUCE = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
 
 
 def _base(op: str) -> tuple[str, bool]:
-    """``("add", inplace)`` for ``"aten.add_.Tensor"``; prims ops by their name."""
+    """``("add", inplace)`` for ``"aten.add_.Tensor"``, ``("_foreach_add", True)`` for the
+    multi-tensor ``"aten._foreach_add_.List"``; prims ops by their name."""
     name = op.split(".")[1]
-    if name.endswith("_") and not name.startswith("_"):
+    if name.endswith("_") and (not name.startswith("_") or name.startswith(FOREACH)):
         return name[:-1], True
     return name, False
+
+
+FOREACH = "_foreach_"
+
+
+def written(ins: Instr) -> list[str]:
+    """The values ``ins`` writes in place: an in-place op's first tensor argument; a
+    multi-tensor in-place op's (``_foreach_add_([p0, p1], ...)``) every tensor of its first
+    list argument. (Tracing makes a foreach op one op per tensor: ``capture``.)"""
+    if "." not in ins.op:
+        return []
+    name, inplace = _base(ins.op)
+    if not inplace:
+        return []
+    if name.startswith(FOREACH):
+        first = ins.args[0] if ins.args else ()
+        if isinstance(first, (list, tuple)):
+            return [v.name for v in first if isinstance(v, Var)]
+        return []
+    return ins.uses()[:1]
 
 
 # ---- costs -----------------------------------------------------------------------------------
@@ -662,11 +683,12 @@ class _State:
         # Redistribute the inputs that need it, use by use: one value used twice may be
         # wanted two ways (x * x with x Partial: one use made whole, the other kept).
         names = []
+        writes = written(ins)  # the first uses: ins.uses() is in argument order
         for i, (u, t, want) in enumerate(zip(uses, in_types, required)):
             if tuple(want) == t.placements:
                 names.append(u)
                 continue
-            if inplace and i == 0:
+            if i < len(writes):
                 raise PlanError(
                     f"{ins.op} writes in place into %{u}, whose placement "
                     f"{_fmt(t.placements, self.plan.dims)} would have to change to "
@@ -701,11 +723,13 @@ class _State:
                 self.root[o] = self.root.get(uses[0], uses[0])
         if name in ("detach", "alias") and uses:  # the same value under another name
             self.canon[ins.outs[0]] = self.canon.get(uses[0], uses[0])
-        if inplace and uses:
-            root = self.root.get(uses[0], uses[0])
+        if writes:
+            roots = {self.root.get(w, w) for w in writes}
             for o in ins.outs:
-                self.root[o] = root
-            self.cache = {k: v for k, v in self.cache.items() if self.root.get(k[0], k[0]) != root}
+                self.root[o] = self.root.get(writes[0], writes[0])
+            self.cache = {
+                k: v for k, v in self.cache.items() if self.root.get(k[0], k[0]) not in roots
+            }
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
 

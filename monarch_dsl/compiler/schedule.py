@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 from monarch_dsl.compiler.plan import Instr, Plan, Var
-from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, stamp
+from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, stamp, written
 
 
 def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
@@ -46,9 +46,8 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
                 root[o] = root.get(uses[0], uses[0])
     writes: dict[str, list[int]] = {}
     for k, ins in enumerate(body):
-        if "." in ins.op and _base(ins.op)[1] and ins.uses():
-            r = root.get(ins.uses()[0], ins.uses()[0])
-            writes.setdefault(r, []).append(k)
+        for w in written(ins):
+            writes.setdefault(root.get(w, w), []).append(k)
 
     candidates = []
     sources: dict[int, str] = {}
