@@ -174,3 +174,91 @@ def test_bucket_reason_names_the_placement_change_and_the_reading_ops():
             f"aten.lerp_.Scalar, aten.addcmul_.default: {srcs} made whole for the optimizer "
             "update"
         ), ins.reason
+
+
+# ---- ordering the micro-batches' instructions: writes in place into shared storage ------------
+
+
+def _no_rule_then_relu_(lin):
+    def step(x):
+        h = lin(x)
+        c = torch.cumsum(h.detach(), 0)[-1]  # no rule: joined over the micro-batches (a cat)
+        h.relu_()  # in place, after c was taken
+        return (h.sum(0) + c).sum()
+
+    return step
+
+
+def _add_through_alias(lin):
+    def step(x):
+        h = lin(x)
+        d = h.detach()
+        c = torch.cumsum(d, 0)[-1]
+        h.add_(c)  # waits for c, so for every micro-batch
+        return ((d * 2).sum(0) + c).sum()  # d shares h's storage: it reads the sum
+
+    return step
+
+
+def _write_through_a_view(lin):
+    def step(x):
+        h = lin(x).detach()
+        v = h.view(-1)
+        s = torch.cumsum(v.view(h.shape), 0)[-1]  # reads h through views, waits for all
+        v.mul_(3)  # writes h, after s was taken
+        return (h.sum(0) + s).sum()
+
+    return step
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.parametrize(
+    "make",
+    [_no_rule_then_relu_, _add_through_alias, _write_through_a_view],
+    ids=["write-after-read", "read-after-write", "through-a-view"],
+)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_micro_batches_keep_the_order_of_writes_in_place(make, micro_batches, dp):
+    """An instruction that waits for every micro-batch (a cat of their copies) ran after a
+    micro-batch's write in place into the storage it reads, because ordering only waited
+    for inputs to be defined (write-after-read: 32.54 instead of 17.06); a read of an alias
+    could likewise run before the write it comes after. Now a write waits for the earlier
+    reads of its storage and a read for the earlier write, aliases included."""
+    from monarch_dsl.compiler.compile import compile_step
+    from monarch_dsl.compiler.interpret import simulate_values
+    from monarch_dsl.compiler.lower import lower
+
+    torch.manual_seed(0)
+    step = make(torch.nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="no sharding rule for aten.cumsum"):
+        plan, c = compile_step(
+            step, (x,), {}, (("dp", dp),), data_parallel="dp", micro_batches=micro_batches
+        )
+    out = simulate_values(plan, lower(plan), c.input_values)[0][0]
+    torch.testing.assert_close(out, step(x).detach(), atol=1e-4, rtol=1e-5)
+
+
+def test_ordering_a_deep_pipeline_is_fast():
+    """24 layers on 4 stages, 8 micro-batches, Adam: the micro-batching pass (ordering
+    included) stays far under a second."""
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(24))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                with md.pipeline_stage(i // 6):
+                    x = torch.relu(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp", micro_batches=8)
+    x, y = mse_batches(1, (64, 32))[0]
+    plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=4"))
+    [stage] = [s for s in plan.stages if s.name == "microbatch"]
+    assert len(stage.plan.body) > 4000 and stage.seconds < 1.0, stage.seconds

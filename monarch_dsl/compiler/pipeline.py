@@ -8,9 +8,11 @@ the loss are Partial over ``mb`` and were given an ``all_reduce`` over it). This
 (its values renamed ``name.mbK``), a communication over ``mb`` becomes a local op on the
 copies (all_reduce → sum/mean of the copies, all_gather → cat, shard_local → slice, ...),
 and the instructions are ordered as GPipe runs them: the forward of every micro-batch, then
-the backward of every micro-batch, then the update. A gradient's sum over the micro-batches
-(Partial over ``dp`` still: ``propagate`` reduces over ``mb`` first) is taken as soon as its
-last micro-batch's part is made, not in the update, so its one all-reduce can be issued then.
+the backward of every micro-batch, then the update (an instruction waiting for its inputs, and
+for the reads and writes in place of storage it shares that come before it in the plan). A
+gradient's sum over the micro-batches (Partial over ``dp`` still: ``propagate`` reduces over
+``mb`` first) is taken as soon as its last micro-batch's part is made, not in the update, so
+its one all-reduce can be issued then.
 
 ``split_stages``: each instruction runs on the ranks of its pipeline stage (``on pp=i``): the
 stage the user's ``md.pipeline_stage(i)`` markers gave it while tracing (backward ops: the
@@ -84,8 +86,11 @@ def microbatch(plan: Plan) -> Plan:
     prologue: list[Instr] = []
     stage_notes = dict(notes.get("stage", {}))
 
+    program: list[Instr] = []  # the plan's order, each instruction's copies in a row
+
     def add(phase: str, copies: list[Instr]) -> None:
         groups.setdefault(phase, []).append(copies)
+        program.extend(copies)
 
     # Inputs sharded over mb: one slice per micro-batch, before anything else.
     for i in plan.inputs:
@@ -167,7 +172,7 @@ def microbatch(plan: Plan) -> Plan:
         if phase not in ("forward", "backward", EARLY):
             for copies in chunks:
                 body.extend(copies)
-    body = _order_by_dependencies(body, {i.name for i in inputs})
+    body = _order_by_dependencies(body, {i.name for i in inputs}, prologue + program)
     outputs = []
     for o in plan.outputs:
         if split.get(o.var, False):
@@ -326,16 +331,32 @@ def _phases(plan: Plan) -> dict[int, str]:
     return out
 
 
-def _order_by_dependencies(body: list[Instr], available: set[str]) -> list[Instr]:
-    """``body`` in its order, except that an instruction waits until its inputs are defined.
+def _order_by_dependencies(
+    body: list[Instr], available: set[str], program: list[Instr] | None = None
+) -> list[Instr]:
+    """``body`` in its order, except that an instruction waits until its inputs are defined
+    and, when ``program`` (the same instructions in an order that runs them correctly one
+    after the other) is given, until the accesses to the storage it reads or writes that
+    come before it in ``program`` are done (``_memory_dependencies``).
 
-    Whatever a defined value lets go runs right after it, in sweeps in body order: those
-    later in the body than the instruction that freed them in the same sweep, the others
-    in the next one. Each instruction is looked at once per input it waits for."""
+    Whatever a defined value (or a done instruction) lets go runs right after it, in sweeps
+    in body order: those later in the body than the instruction that freed them in the same
+    sweep, the others in the next one. Each instruction is looked at once per input or
+    access it waits for."""
     done = set(available)
+    ran = [False] * len(body)
     out: list[Instr] = []
-    waiters: dict[str, list[int]] = {}  # value -> the waiting instructions that need it
-    missing: dict[int, int] = {}  # waiting instruction -> how many of its inputs are not defined
+    # What each instruction waits for: values (by name) and instructions (by body index).
+    waiters: dict[str | int, list[int]] = {}
+    missing: dict[int, int] = {}  # waiting instruction -> how many of those are not there yet
+    after = _memory_dependencies(body, program) if program is not None else {}
+
+    def release(key: str | int, k: int, sweep: list[int], following: list[int]) -> None:
+        for w in waiters.pop(key, ()):
+            missing[w] -= 1
+            if not missing[w]:
+                del missing[w]
+                heapq.heappush(sweep if w > k else following, w)
 
     def run(first: int) -> None:
         sweep, following = [first], []
@@ -343,17 +364,16 @@ def _order_by_dependencies(body: list[Instr], available: set[str]) -> list[Instr
             while sweep:
                 k = heapq.heappop(sweep)
                 out.append(body[k])
+                ran[k] = True
                 for o in body[k].outs:
                     done.add(o)
-                    for w in waiters.pop(o, ()):
-                        missing[w] -= 1
-                        if not missing[w]:
-                            del missing[w]
-                            heapq.heappush(sweep if w > k else following, w)
+                    release(o, k, sweep, following)
+                release(k, k, sweep, following)
             sweep, following = following, []
 
     for k, ins in enumerate(body):
-        need = {u for u in ins.uses() if u not in done}
+        need: set[str | int] = {u for u in ins.uses() if u not in done}
+        need.update(j for j in after.get(k, ()) if not ran[j])
         if not need:
             run(k)
             continue
@@ -364,6 +384,50 @@ def _order_by_dependencies(body: list[Instr], available: set[str]) -> list[Instr
         names = sorted({u for k in missing for u in body[k].uses() if u not in done})
         raise PlanError(f"internal: values never defined after micro-batching: {names[:5]}")
     return out
+
+
+def _memory_dependencies(body: list[Instr], program: list[Instr]) -> dict[int, list[int]]:
+    """For each instruction (by ``body`` index), the instructions that must run before it
+    because of storage shared through writes in place: a write comes after every earlier (in
+    ``program``) read and write of the storage, a read after the earlier write. A storage is
+    a value and everything that aliases it (views, ``detach``, the result of a write in
+    place); making a view reads nothing. E.g. ``cat([detach.mb0, detach.mb1])`` before
+    ``relu_.mb0`` (which writes the storage of ``detach.mb0``): the cat waits for micro-batch
+    1's ``detach``, and ``relu_.mb0`` must wait for the cat.
+
+    Dependencies point backwards in ``program``, which is also an order of the inputs'
+    definitions, so with them the order has no cycle."""
+    index = {id(ins): k for k, ins in enumerate(body)}
+    root: dict[str, str] = {}
+    last_write: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}  # storage -> its readers since its last write
+    after: dict[int, list[int]] = {}
+    for ins in program:
+        k = index[id(ins)]
+        uses, targets = ins.uses(), written(ins)
+        name = _base(ins.op)[0] if "." in ins.op else ins.op
+        if uses and name in ALIASING:
+            for o in ins.outs:
+                root[o] = root.get(uses[0], uses[0])
+            continue
+        writes = {root.get(w, w) for w in targets}
+        if targets:
+            for o in ins.outs:  # the written value, under a new name
+                root[o] = root.get(targets[0], targets[0])
+        deps: set[int] = set()
+        for r in {root.get(u, u) for u in uses} - writes:
+            if r in last_write:
+                deps.add(last_write[r])
+            readers.setdefault(r, []).append(k)
+        for r in writes:
+            if r in last_write:
+                deps.add(last_write[r])
+            deps.update(readers.pop(r, ()))
+            last_write[r] = k
+        deps.discard(k)
+        if deps:
+            after[k] = sorted(deps)
+    return after
 
 
 # ---- stages ----------------------------------------------------------------------------------
