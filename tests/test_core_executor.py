@@ -3,6 +3,7 @@ reference executor: the same eager instructions, run in this process by both, gi
 ref tables -- equal tensors bit for bit, the same failures -- and the same reported root causes.
 The process tests (test_tensor.py, the tutorial in test_examples.py) run on workers with each."""
 
+import gc
 import threading
 
 import pytest
@@ -84,9 +85,21 @@ def run(make):
     return ex, table, reports
 
 
-def test_both_executors_give_the_same_ref_table():
+@pytest.fixture
+def executors():
+    """Executors made by a test, closed after it: their gloo groups and threads must end in
+    this process, not in the workers that later tests fork from it."""
+    made = []
+    yield made
+    for ex in made:
+        ex.close()
+    gc.collect()
+
+
+def test_both_executors_give_the_same_ref_table(executors):
     cpp, got, cpp_reports = run(lambda **cb: CoreExecutor(core, 0, torch.device("cpu"), **cb))
     py, want, py_reports = run(lambda **cb: ReferenceExecutor(0, torch.device("cpu"), **cb))
+    executors += [cpp, py]
     assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
     assert sorted(got) == sorted(want) == [
         1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23,
@@ -105,7 +118,6 @@ def test_both_executors_give_the_same_ref_table():
     assert got[35].shape == got[36].shape == (4,)  # weight and bias gradients, in that order
     assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]
     assert len(cpp_reports) == 1  # one root cause, reported once
-    cpp.close()
 
 
 def test_the_table_is_a_mapping_python_handlers_can_use():

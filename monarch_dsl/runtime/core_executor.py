@@ -78,6 +78,8 @@ class CoreExecutor(ReferenceExecutor):
             self.core.set_group(name, partial(self._group, ins))
         return name
 
-    def close(self) -> None:
-        """Stop the stream threads once they ran what they were given, and free every ref."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the stream threads once they ran what they were given; free every ref and
+        drop the process groups."""
         self.core.close()
+        super().close(timeout)

@@ -93,6 +93,7 @@ class ReferenceExecutor:
         }
         self.plan_runner = None
         self.streams: dict[str, queue.SimpleQueue] = {}
+        self.threads: list[threading.Thread] = []
         self.events: dict[int, threading.Event] = {}
         self.events_lock = threading.Lock()
 
@@ -127,15 +128,33 @@ class ReferenceExecutor:
         q = self.streams.get(stream)
         if q is None:
             q = self.streams[stream] = queue.SimpleQueue()
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._stream_loop, args=(q,), name=f"md-stream-{stream}", daemon=True
-            ).start()
+            )
+            thread.start()
+            self.threads.append(thread)
         return q
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the stream threads once they ran what they were given, and drop the refs and
+        the process groups: their resources go now, in this process (not in one forked from
+        it later, where a gloo group's threads would be missing)."""
+        for q in self.streams.values():
+            q.put(None)
+        for thread in self.threads:
+            thread.join(timeout)
+        self.streams.clear()
+        self.threads.clear()
+        self.refs = {}
+        self.groups.clear()
+        self.plan_runner = None
 
     def _stream_loop(self, q: queue.SimpleQueue) -> None:
         handlers = self.handlers
         while True:
             ins = q.get()
+            if ins is None:  # close()
+                return
             if type(ins) is tuple:  # ("signal" | "wait" | "barrier", event id or counter)
                 what, arg = ins
                 if what == "signal":
