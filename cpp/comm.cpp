@@ -49,14 +49,14 @@ class BackendComm : public Comm {
     return waiter(backend_->alltoall_base(out, in, even, even));
   }
 
-  void send(at::Tensor& t, int64_t dst, int64_t tag) override {
+  Wait start_send(at::Tensor& t, int64_t dst, int64_t tag) override {
     std::vector<at::Tensor> ts{t};
-    backend_->send(ts, static_cast<int>(dst), static_cast<int>(tag))->wait();
+    return waiter(backend_->send(ts, static_cast<int>(dst), static_cast<int>(tag)));
   }
 
-  void recv(at::Tensor& t, int64_t src, int64_t tag) override {
+  Wait start_recv(at::Tensor& t, int64_t src, int64_t tag) override {
     std::vector<at::Tensor> ts{t};
-    backend_->recv(ts, static_cast<int>(src), static_cast<int>(tag))->wait();
+    return waiter(backend_->recv(ts, static_cast<int>(src), static_cast<int>(tag)));
   }
 
  private:

@@ -29,8 +29,13 @@ class Comm {
   virtual Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
                                     const std::string& op) = 0;
   virtual Wait start_all_to_all(at::Tensor& out, const at::Tensor& input) = 0;
-  virtual void send(at::Tensor& t, int64_t dst, int64_t tag) = 0;
-  virtual void recv(at::Tensor& t, int64_t src, int64_t tag) = 0;
+  // Point to point with the member at index dst / src; messages of one direction arrive in
+  // the order they were started.
+  virtual Wait start_send(at::Tensor& t, int64_t dst, int64_t tag) = 0;
+  virtual Wait start_recv(at::Tensor& t, int64_t src, int64_t tag) = 0;
+
+  void send(at::Tensor& t, int64_t dst, int64_t tag) { finish(start_send(t, dst, tag)); }
+  void recv(at::Tensor& t, int64_t src, int64_t tag) { finish(start_recv(t, src, tag)); }
 
   void all_reduce(at::Tensor& t, const std::string& op) { finish(start_all_reduce(t, op)); }
   void all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) {

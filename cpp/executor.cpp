@@ -42,7 +42,7 @@ struct Entry {
   FailurePtr failure;  // set: the ref failed, `value` is empty
 };
 
-enum class Kind { Op, Reduce, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
+enum class Kind { Op, Reduce, Transfer, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
 
 struct OpCall {
   md::BoxedCall call;
@@ -62,10 +62,22 @@ struct ReduceCall {
   std::string line, what, what_error;  // what: "reduce over ('gpu',)", as Python names it
 };
 
+// A copy between meshes (ir.Transfer): this rank sends `src` to, or receives `out` from, the
+// other rank of each pair it is in, through the pair's group (`groups`, one per pair).
+struct TransferCall {
+  int64_t src, out;
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (sender, receiver) ranks
+  std::vector<std::string> groups;                 // "" where this rank is not in the pair
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  std::string line;
+};
+
 struct Item {
   Kind kind;
   std::shared_ptr<OpCall> op;
   std::shared_ptr<ReduceCall> reduce;
+  std::shared_ptr<TransferCall> transfer;
   std::vector<int64_t> refs;  // Delete
   int64_t event = 0, src = 0, dst = 0;
   PyObject* fn = nullptr;  // Python / Barrier: a callable (owned; released under the GIL)
@@ -176,6 +188,17 @@ class Executor {
         group, src, out, reduction, scatter, std::move(shape),
         reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, std::move(line), std::move(what),
         std::move(what_error)});
+    push(stream, std::move(item));
+  }
+
+  void transfer(const std::string& stream, int64_t src, int64_t out,
+                std::vector<std::pair<int64_t, int64_t>> pairs, std::vector<std::string> groups,
+                std::vector<int64_t> shape, py::handle dtype, std::string line) {
+    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("transfer: dtype must be a torch.dtype");
+    Item item{Kind::Transfer};
+    item.transfer = std::make_shared<TransferCall>(TransferCall{
+        src, out, std::move(pairs), std::move(groups), std::move(shape),
+        reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, std::move(line)});
     push(stream, std::move(item));
   }
 
@@ -387,6 +410,9 @@ class Executor {
         break;
       case Kind::Reduce:
         run_reduce(*item.reduce);
+        break;
+      case Kind::Transfer:
+        run_transfer(*item.transfer);
         break;
       case Kind::Delete: {
         std::vector<Entry> dead;
@@ -607,6 +633,89 @@ class Executor {
     slot = Entry{result, nullptr};
   }
 
+  // ir.Transfer, as the reference executor's transfer(): a sender sends a flag (1: a value,
+  // 0: its source had failed) and the value (zeros after a failure), so a receiver fails with
+  // it instead of hanging or using zeros. Every send is started before the first receive.
+  void run_transfer(TransferCall& t) {
+    Entry in;
+    {
+      std::lock_guard<std::mutex> g(refs_lock_);
+      auto it = refs_.find(t.src);
+      if (it != refs_.end()) in = it->second;
+    }
+    auto options = at::TensorOptions().device(device_.toDevice());
+    std::optional<Entry> local;        // a pair of this rank with itself: a copy
+    at::Tensor flag_in, value_in;      // what this rank receives
+    std::vector<md::Wait> waits;
+    try {
+      std::vector<std::pair<std::shared_ptr<md::Comm>, int64_t>> receives;
+      for (size_t i = 0; i < t.pairs.size(); ++i) {
+        auto [a, b] = t.pairs[i];
+        if (a == rank_ && b == rank_) {
+          local = in.failure ? in : Entry{in.value.toTensor().detach().clone(), nullptr};
+          continue;
+        }
+        if (a != rank_ && b != rank_) continue;
+        Group& grp = group(t.groups.at(i));
+        const int64_t peer = 1 - grp.index;  // a pair's group: members sorted by rank
+        if (a == rank_) {
+          const bool ok = !in.failure;
+          if (ok && !in.value.isTensor())
+            throw std::runtime_error("internal error: no value for %" + std::to_string(t.src));
+          at::Tensor flag = at::full({1}, ok ? 1 : 0, options.dtype(at::kLong));
+          at::Tensor value = ok ? in.value.toTensor().detach().contiguous()
+                                : at::zeros(t.shape, options.dtype(t.dtype));
+          waits.push_back(keep(grp.comm->start_send(flag, peer, 0), flag));
+          waits.push_back(keep(grp.comm->start_send(value, peer, 1), value));
+        } else {
+          receives.emplace_back(grp.comm, peer);
+        }
+      }
+      for (auto& [comm, peer] : receives) {  // (one sender per receiver)
+        flag_in = at::zeros({1}, options.dtype(at::kLong));
+        value_in = at::empty(t.shape, options.dtype(t.dtype));
+        waits.push_back(keep(comm->start_recv(flag_in, peer, 0), flag_in));
+        waits.push_back(keep(comm->start_recv(value_in, peer, 1), value_in));
+      }
+      for (auto& w : waits)
+        if (w) w();
+    } catch (const std::exception& e) {
+      for (auto& w : waits) {  // what was started finishes before its tensors go
+        try {
+          if (w) w();
+        } catch (const std::exception&) {
+        }
+      }
+      fail({t.out}, failure_of(e, t.line, "to_mesh"), true);
+      return;
+    }
+    Entry result;
+    if (flag_in.defined()) {
+      if (flag_in.item<int64_t>() != 1) {
+        fail({t.out}, std::make_shared<Failure>(Failure{rank_, t.line, "to_mesh",
+                                                        "the source value had failed", ""}),
+             false);
+        return;
+      }
+      result = Entry{value_in, nullptr};
+    } else if (local) {
+      result = *local;
+    } else {
+      return;  // a sender only
+    }
+    Entry dead;
+    std::lock_guard<std::mutex> g(refs_lock_);
+    auto& slot = refs_[t.out];
+    dead = std::move(slot);
+    slot = std::move(result);
+  }
+
+  // A wait that keeps `t` alive until it has returned.
+  static md::Wait keep(md::Wait wait, at::Tensor t) {
+    if (!wait) return {};
+    return [wait = std::move(wait), t = std::move(t)] { wait(); };
+  }
+
   // The collective's result; an in-place all-reduce of a contiguous tensor works on `src`
   // itself (at 64 MiB two copies halved the bandwidth).
   static at::Tensor collective(Group& grp, at::Tensor src, const ReduceCall& r, bool in_place) {
@@ -753,6 +862,7 @@ void bind_executor(py::module& m) {
       .def("call_op", &Executor::call_op)
       .def("set_group", &Executor::set_group)
       .def("reduce", &Executor::reduce)
+      .def("transfer", &Executor::transfer)
       .def("delete", &Executor::delete_refs)
       .def("signal", &Executor::signal)
       .def("wait", &Executor::wait)

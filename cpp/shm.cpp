@@ -53,6 +53,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -792,22 +793,28 @@ class ShmComm : public md::Comm {
     return fallback().start_all_to_all(out, input);
   }
 
-  // Blocking, as the Python wrapper's send followed by wait() is (a full ring waits for the
-  // receiver).
-  void send(at::Tensor& t, int64_t dst, int64_t tag) override {
-    if (fits(t)) {
-      shm_->send(t, static_cast<int>(dst), tag);
-    } else {
-      fallback().send(t, dst, tag);
-    }
+  // A send returns at once when the ring has room and no earlier send is still waiting for
+  // it; otherwise a thread sends it after the earlier ones (as the Python wrapper's sender
+  // does), so a rank that sends and receives in one transfer cannot block its peer.
+  md::Wait start_send(at::Tensor& t, int64_t dst, int64_t tag) override {
+    if (!fits(t)) return fallback().start_send(t, dst, tag);
+    std::lock_guard<std::mutex> g(send_lock_);
+    const bool idle = !last_send_.valid() ||
+                      last_send_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    if (idle && shm_->try_send(t, static_cast<int>(dst), tag)) return {};
+    auto before = last_send_;
+    last_send_ = std::async(std::launch::async, [shm = shm_, t, dst, tag, before] {
+                   if (before.valid()) before.wait();  // (its error is its own sender's)
+                   shm->send(t, static_cast<int>(dst), tag);
+                 }).share();
+    auto sent = last_send_;
+    return [sent] { sent.get(); };
   }
 
-  void recv(at::Tensor& t, int64_t src, int64_t tag) override {
-    if (fits(t)) {
-      shm_->recv(t, static_cast<int>(src), tag);
-    } else {
-      fallback().recv(t, src, tag);
-    }
+  md::Wait start_recv(at::Tensor& t, int64_t src, int64_t tag) override {
+    if (!fits(t)) return fallback().start_recv(t, src, tag);
+    shm_->recv(t, static_cast<int>(src), tag);
+    return {};
   }
 
  private:
@@ -839,6 +846,8 @@ class ShmComm : public md::Comm {
   int64_t size_limit_;
   std::mutex fallback_lock_;
   std::shared_ptr<md::Comm> fallback_;
+  std::mutex send_lock_;
+  std::shared_future<void> last_send_;
 };
 
 }  // namespace

@@ -66,6 +66,9 @@ PROGRAM = [
     (0, ir.Reduce(6, 21, 0, ("gpu",), "stack", False, (8, 4), "float32", "main", "prog.py:26")),
     (0, ir.Reduce(6, 22, 0, ("gpu",), "max", True, (8, 4), "float32", "comms", "prog.py:27")),
     (0, ir.Reduce(11, 23, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:28")),
+    # copies to this same rank (a transfer's pair with itself), of a value and of a failure
+    (0, ir.Transfer(1, 24, ((0, 0),), (4, 4), "float32", "main", "prog.py:29")),
+    (0, ir.Transfer(11, 25, ((0, 0),), (4, 4), "float32", "main", "prog.py:30")),
     (0, ir.Fetch(99, -1, "main", "")),  # a barrier: replies when every stream got here
 ]
 
@@ -102,7 +105,7 @@ def test_both_executors_give_the_same_ref_table(executors):
     executors += [cpp, py]
     assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
     assert sorted(got) == sorted(want) == [
-        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23,
+        1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25,
         30, 31, 32, 33, 34, 35, 36,
     ]  # fmt: skip
     for k, w in want.items():
@@ -113,7 +116,8 @@ def test_both_executors_give_the_same_ref_table(executors):
         else:
             assert g.dtype == w.dtype and torch.equal(g, w), k
     assert "mat1 and mat2 shapes cannot be multiplied" in got[11].error
-    assert got[12].line == got[23].line == "prog.py:11"  # dependents carry their root cause
+    assert got[12].line == got[23].line == got[25].line == "prog.py:11"  # the root cause
+    assert torch.equal(got[24], got[1]) and got[24].data_ptr() != got[1].data_ptr()  # a copy
     assert got[21].shape == (1, 8, 4) and torch.equal(got[20], got[1])
     assert got[35].shape == got[36].shape == (4,)  # weight and bias gradients, in that order
     assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]

@@ -1,13 +1,14 @@
 """The worker's executor in the C++ runtime (``_core.Executor``, cpp/executor.cpp).
 
-The ref table, the stream threads and the borrow events live in C++; aten ops run there
-through the dispatcher without the GIL, and so do collectives (``Reduce``) through the
-executor's process groups -- gloo / NCCL backends or shared memory (cpp/comm.h), made by
-Python once per group. What still needs Python -- transfers, fetches, remote functions,
-compiled plans, seeding -- is handed to the stream's C++ thread as a Python callable, run under
-the GIL in its place in the stream's order, by the same handlers as the reference executor's
-(they see the C++ table through its mapping interface). ``MD_EXECUTOR=python`` selects the
-reference executor instead; the tests run eager batches and plans through both and compare.
+The ref table, the stream threads and the borrow events live in C++. Aten ops run there
+through the dispatcher without the GIL, and so do collectives (``Reduce``) and copies between
+meshes (``Transfer``), through the executor's process groups: gloo / NCCL backends or shared
+memory (cpp/comm.h), made by Python once per group. What still needs Python -- fetches,
+remote functions, the Python side of compiled plans, seeding -- is handed to the stream's C++
+thread as a Python callable, run under the GIL in its place in the stream's order, by the same
+handlers as the reference executor's (they see the C++ table through its mapping interface).
+``MD_EXECUTOR=python`` selects the reference executor instead; the tests run eager batches and
+plans through both and compare.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ class CoreExecutor(ReferenceExecutor):
                     list(ins.shape), getattr(torch, ins.dtype), ins.line,
                     f"reduce over {ins.dims}", f"reduce {ins.dims}",
                 )  # fmt: skip
+            elif kind is ir.Transfer:
+                rank = self.rank
+                groups = [
+                    self._pair_group(a, b, ins.stream) if rank in (a, b) and a != b else ""
+                    for a, b in ins.pairs
+                ]
+                core.transfer(
+                    ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
+                    list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                )  # fmt: skip
             elif kind is ir.Delete:
                 core.delete(ins.stream, list(ins.refs))
             elif kind is ir.DefineMesh:
@@ -77,6 +88,19 @@ class CoreExecutor(ReferenceExecutor):
             name = self._group_names[key] = f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}"
             self.core.set_group(name, partial(self._group, ins))
         return name
+
+    def _pair_group(self, a: int, b: int, stream: str) -> str:
+        """The C++ side's name for the group of ranks ``a`` and ``b`` on ``stream``."""
+        members = sorted((a, b))
+        key = ("pair", *members, stream)
+        name = self._group_names.get(key)
+        if name is None:
+            name = self._group_names[key] = f"pair/{members[0]},{members[1]}/{stream}"
+            self.core.set_group(name, partial(self._pair, members, stream))
+        return name
+
+    def _pair(self, members: list[int], stream: str) -> tuple:
+        return self._pg(members, stream), members.index(self.rank), 2
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the stream threads once they ran what they were given; free every ref and
