@@ -101,48 +101,21 @@ class Executor {
 
   // ---- the ref table, as a mapping (Python handlers use it like the reference's dict) ----
   py::object get(int64_t ref, py::object missing) {
-    Entry e;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto it = refs_.find(ref);
-      if (it == refs_.end()) return missing;
-      e = it->second;
-    }
-    return to_python(e);
+    auto e = lookup(ref);
+    return e ? to_python(*e) : missing;
   }
 
   py::object getitem(int64_t ref) {
-    Entry e;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto it = refs_.find(ref);
-      if (it == refs_.end()) throw py::key_error(std::to_string(ref));
-      e = it->second;
-    }
-    return to_python(e);
+    auto e = lookup(ref);
+    if (!e) throw py::key_error(std::to_string(ref));
+    return to_python(*e);
   }
 
-  void set(int64_t ref, py::handle value) {
-    Entry e = from_python(value);
-    Entry old;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto& slot = refs_[ref];
-      old = std::move(slot);
-      slot = std::move(e);
-    }
-  }  // `old` dies here, outside the lock
+  void set(int64_t ref, py::handle value) { store(ref, from_python(value)); }
 
   py::object pop(int64_t ref, py::object missing) {
-    Entry e;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto it = refs_.find(ref);
-      if (it == refs_.end()) return missing;
-      e = std::move(it->second);
-      refs_.erase(it);
-    }
-    return to_python(e);
+    auto e = take(ref);
+    return e ? to_python(*e) : missing;
   }
 
   bool contains(int64_t ref) {
@@ -414,45 +387,23 @@ class Executor {
       case Kind::Transfer:
         run_transfer(*item.transfer);
         break;
-      case Kind::Delete: {
-        std::vector<Entry> dead;
-        {
-          std::lock_guard<std::mutex> g(refs_lock_);
-          for (auto r : item.refs) {
-            auto it = refs_.find(r);
-            if (it == refs_.end()) continue;
-            dead.push_back(std::move(it->second));
-            refs_.erase(it);
-          }
-        }
+      case Kind::Delete:
+        for (auto r : item.refs) take(r);
         break;
-      }
       case Kind::Signal:
         set_event(item.event);
         break;
       case Kind::Wait:
         wait_event(item.event);
         break;
-      case Kind::BorrowBegin: {
+      case Kind::BorrowBegin:
         wait_event(item.event);  // the origin stream got here: the value is ready
-        std::lock_guard<std::mutex> g(refs_lock_);
-        auto it = refs_.find(item.src);
-        if (it != refs_.end()) refs_[item.dst] = it->second;
+        if (auto e = lookup(item.src)) store(item.dst, std::move(*e));
         break;
-      }
-      case Kind::BorrowEnd: {
-        Entry dead;
-        {
-          std::lock_guard<std::mutex> g(refs_lock_);
-          auto it = refs_.find(item.dst);
-          if (it != refs_.end()) {
-            dead = std::move(it->second);
-            refs_.erase(it);
-          }
-        }
+      case Kind::BorrowEnd:
+        take(item.dst);
         set_event(item.event);
         break;
-      }
       case Kind::Python: {
         py::gil_scoped_acquire gil;
         auto fn = py::reinterpret_steal<py::object>(item.fn);
@@ -545,16 +496,8 @@ class Executor {
           if (is_result(x)) tensors.push_back(x);
       }
     }
-    std::vector<Entry> dead;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      for (size_t i = 0; i < op.outs.size() && i < tensors.size(); ++i) {
-        if (op.outs[i] < 0) continue;
-        auto& slot = refs_[op.outs[i]];
-        dead.push_back(std::move(slot));
-        slot = Entry{std::move(tensors[i]), nullptr};
-      }
-    }
+    for (size_t i = 0; i < op.outs.size() && i < tensors.size(); ++i)
+      if (op.outs[i] >= 0) store(op.outs[i], Entry{std::move(tensors[i]), nullptr});
     stack.clear();
   }
 
@@ -589,12 +532,7 @@ class Executor {
   // part even when its input failed (with zeros), after a flag all-reduce tells all of them
   // whether any input failed -- then every rank's result is failed, none hangs.
   void run_reduce(ReduceCall& r) {
-    Entry in;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto it = refs_.find(r.src);
-      if (it != refs_.end()) in = it->second;
-    }
+    Entry in = lookup(r.src).value_or(Entry{});
     FailurePtr failed = in.failure;
     const bool own_failed = failed != nullptr;
     at::Tensor result;
@@ -626,23 +564,14 @@ class Executor {
       if (!result.is_same(src)) src.copy_(result);
       return;
     }
-    Entry dead;
-    std::lock_guard<std::mutex> g(refs_lock_);
-    auto& slot = refs_[r.out];
-    dead = std::move(slot);
-    slot = Entry{result, nullptr};
+    store(r.out, Entry{result, nullptr});
   }
 
   // ir.Transfer, as the reference executor's transfer(): a sender sends a flag (1: a value,
   // 0: its source had failed) and the value (zeros after a failure), so a receiver fails with
   // it instead of hanging or using zeros. Every send is started before the first receive.
   void run_transfer(TransferCall& t) {
-    Entry in;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto it = refs_.find(t.src);
-      if (it != refs_.end()) in = it->second;
-    }
+    Entry in = lookup(t.src).value_or(Entry{});
     auto options = at::TensorOptions().device(device_.toDevice());
     std::optional<Entry> local;        // a pair of this rank with itself: a copy
     at::Tensor flag_in, value_in;      // what this rank receives
@@ -703,11 +632,7 @@ class Executor {
     } else {
       return;  // a sender only
     }
-    Entry dead;
-    std::lock_guard<std::mutex> g(refs_lock_);
-    auto& slot = refs_[t.out];
-    dead = std::move(slot);
-    slot = std::move(result);
+    store(t.out, std::move(result));
   }
 
   // A wait that keeps `t` alive until it has returned.
@@ -776,17 +701,37 @@ class Executor {
   }
 
   void fail(const std::vector<int64_t>& outs, const FailurePtr& f, bool root) {
-    std::vector<Entry> dead;
+    for (auto r : outs)
+      if (r >= 0) store(r, Entry{c10::IValue(), f});
+    if (root) report(f);
+  }
+
+  // The table's three operations. The lock is held only for the map itself: a replaced or
+  // removed value is destroyed after it is released (a tensor's destructor may take the GIL).
+  std::optional<Entry> lookup(int64_t ref) {
+    std::lock_guard<std::mutex> g(refs_lock_);
+    auto it = refs_.find(ref);
+    if (it == refs_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  void store(int64_t ref, Entry e) {
+    Entry old;
     {
       std::lock_guard<std::mutex> g(refs_lock_);
-      for (auto r : outs) {
-        if (r < 0) continue;
-        auto& slot = refs_[r];
-        dead.push_back(std::move(slot));
-        slot = Entry{c10::IValue(), f};
-      }
+      auto& slot = refs_[ref];
+      old = std::move(slot);
+      slot = std::move(e);
     }
-    if (root) report(f);
+  }
+
+  std::optional<Entry> take(int64_t ref) {
+    std::lock_guard<std::mutex> g(refs_lock_);
+    auto it = refs_.find(ref);
+    if (it == refs_.end()) return std::nullopt;
+    Entry e = std::move(it->second);
+    refs_.erase(it);
+    return e;
   }
 
   // Events order streams: the host thread waits for the flag; on CUDA the waiting stream
