@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from compiler_helpers import mse_step
 
 import monarch_dsl as md
 from monarch_dsl import _build
@@ -141,14 +141,7 @@ def _train_on_workers(executor: str):
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 
-    @md.mesh_fn(data_parallel="dp")
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = md.mesh_fn(data_parallel="dp")(mse_step(model, opt))
     g = torch.Generator().manual_seed(1)
     pm = md.this_host().spawn_procs({"dp": 2}, env={"MD_EXECUTOR": executor})
     try:

@@ -27,7 +27,7 @@ class CoreExecutor(ReferenceExecutor):
         super().__init__(rank, device, **callbacks)
         self.core = core.Executor(rank, ir.Ref, ir.WORKER_DEVICE, device, Failure, self.report)
         self.refs = self.core  # type: ignore[assignment]  # a mapping of ref -> value
-        self._group_names: dict[tuple, str] = {}
+        self._group_names: set[str] = set()  # groups whose getter C++ has
 
     def run(self, items: tuple) -> None:
         core = self.core
@@ -80,23 +80,24 @@ class CoreExecutor(ReferenceExecutor):
                 core.python(ins.stream, partial(self.handlers[kind], ins))
 
     def _group_key(self, ins: ir.Reduce) -> str:
-        """The C++ side's name for the group of ``ins`` (mesh slice and stream); its getter
-        is registered on first sight and called on the stream's thread at first use."""
-        key = (ins.mesh, ins.dims, ins.stream)
-        name = self._group_names.get(key)
-        if name is None:
-            name = self._group_names[key] = f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}"
-            self.core.set_group(name, partial(self._group, ins))
-        return name
+        """The C++ side's name for the group of ``ins`` (mesh slice and stream)."""
+        return self._named_group(
+            f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}", partial(self._group, ins)
+        )
 
     def _pair_group(self, a: int, b: int, stream: str) -> str:
         """The C++ side's name for the group of ranks ``a`` and ``b`` on ``stream``."""
         members = sorted((a, b))
-        key = ("pair", *members, stream)
-        name = self._group_names.get(key)
-        if name is None:
-            name = self._group_names[key] = f"pair/{members[0]},{members[1]}/{stream}"
-            self.core.set_group(name, partial(self._pair, members, stream))
+        return self._named_group(
+            f"pair/{members[0]},{members[1]}/{stream}", partial(self._pair, members, stream)
+        )
+
+    def _named_group(self, name: str, get: Any) -> str:
+        """``name``, whose getter ``get`` is registered on first sight (C++ calls it on the
+        stream's thread at the group's first use)."""
+        if name not in self._group_names:
+            self._group_names.add(name)
+            self.core.set_group(name, get)
         return name
 
     def _pair(self, members: list[int], stream: str) -> tuple:

@@ -82,11 +82,7 @@ class PlanRunner:
             d = comm["dims"][0]
             index, size = coords[d], mesh.sizes[d]
         elif step.op in ("send", "recv"):
-            d = comm["dims"][0]
-            mine = self._rank_at(mesh, coords)
-            other = self._rank_at(mesh, coords[:d] + (comm["peer"],) + coords[d + 1 :])
-            members = sorted((mine, other))
-            group, peer = self.ex._pg(members, step.stream), members.index(other)
+            group, peer = self._pair(step, mesh, coords)
         else:
             group, index, size = self._group(mesh, coords, comm["dims"], step.stream)
         compiled.set_comm(
@@ -118,6 +114,15 @@ class PlanRunner:
             if all(c[d] == coords[k] for k, d in enumerate(mesh.dims) if k not in dims):
                 members.append(r)
         return members
+
+    def _pair(self, step, mesh, coords) -> tuple[Any, int]:
+        """The group of this rank and the peer of send/recv ``step``, and the peer's index in
+        it."""
+        d = step.comm["dims"][0]
+        mine = self._rank_at(mesh, coords)
+        other = self._rank_at(mesh, coords[:d] + (step.comm["peer"],) + coords[d + 1 :])
+        members = sorted((mine, other))
+        return self.ex._pg(members, step.stream), members.index(other)
 
     def _group(self, mesh, coords, dims, stream):
         members = self._members(mesh, coords, dims)
@@ -235,17 +240,12 @@ class PlanRunner:
             env[step.outs[0]] = v if comm["op"] != "sum" or coords[d] == 0 else torch.zeros_like(v)
             return
         if op in ("send", "recv"):
-            d = comm["dims"][0]
-            peer_coords = coords[:d] + (comm["peer"],) + coords[d + 1 :]
-            mine = self._rank_at(mesh, coords)
-            peer = self._rank_at(mesh, peer_coords)
-            members = sorted((mine, peer))
-            group = self.ex._pg(members, step.stream)
+            group, peer = self._pair(step, mesh, coords)
             if op == "send":
-                group.send([value(0).contiguous()], members.index(peer), 0).wait()
+                group.send([value(0).contiguous()], peer, 0).wait()
             else:
                 buf = torch.empty(shapes[0], dtype=dtype, device=self.ex.device)
-                group.recv([buf], members.index(peer), 0).wait()
+                group.recv([buf], peer, 0).wait()
                 env[step.outs[0]] = buf
             return
         group, index, n = self._group(mesh, coords, comm["dims"], step.stream)
