@@ -57,6 +57,16 @@ def to_program(gm: torch.fx.GraphModule) -> tuple[Program, int]:
     slots: dict = {}
     steps = []
     n_inputs = 0
+    # Each value is freed by the step that uses it last (as lowered plans and the GraphModule's
+    # generated code do), unless it is an output.
+    last_use: dict = {}
+    outputs = set()
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            if node.op == "output":
+                outputs.add(arg)
+            else:
+                last_use[arg] = node
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             slots[node] = len(slots)
@@ -82,7 +92,11 @@ def to_program(gm: torch.fx.GraphModule) -> tuple[Program, int]:
                     "main",
                     "",
                     {},
-                    (),
+                    tuple(
+                        slots[a]
+                        for a in dict.fromkeys(node.all_input_nodes)
+                        if last_use.get(a) is node and a not in outputs and a.op != "placeholder"
+                    ),
                 )
             )
     program = Program("bench", (), (), tuple(steps), len(slots), tuple(range(n_inputs)), (), (), ())
@@ -152,6 +166,10 @@ def main() -> None:
     def run_graph():
         gm(a, b)
 
+    def run_graph_inference():  # no autograd dispatch at all, as the C++ runtime runs plans
+        with torch.inference_mode():
+            gm(a, b)
+
     def run_interp():
         interp.run(a, b)
 
@@ -179,7 +197,15 @@ def main() -> None:
                 times[k].append((time.perf_counter() - t0) / iters[k] / n * 1e6)
         return {k: statistics.median(v) for k, v in times.items()}
 
-    med = measure({"cpp": run_cpp, "python": run_python, "graph": run_graph, "interp": run_interp})
+    med = measure(
+        {
+            "cpp": run_cpp,
+            "python": run_python,
+            "graph": run_graph,
+            "graph_inference": run_graph_inference,
+            "interp": run_interp,
+        }
+    )
     ratio = med["graph"] / med["cpp"]
     print(
         f"{n}-op plan of small aten ops on 8x8 tensors; medians of {args.reps} repetitions "
@@ -190,6 +216,7 @@ def main() -> None:
         ("C++ runtime (_core.Program)", "cpp"),
         ("Python reference executor (run_step)", "python"),
         ("peer: make_fx GraphModule forward", "graph"),
+        ("  the same under torch.inference_mode()", "graph_inference"),
         ("torch.fx.Interpreter", "interp"),
     ]
     for label, k in rows:

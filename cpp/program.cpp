@@ -12,6 +12,7 @@
 
 #include <torch/csrc/Dtype.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -30,6 +31,24 @@ struct Step {
   // it when nothing else holds that tensor or its storage any more.
   std::optional<c10::OperatorHandle> out_op;
   at::Tensor buffer;
+  // Python numbers where the schema has a Tensor (x * 0.5): double or int64 wrapped numbers.
+  // TensorIterator copies a double one to float32 on every call with float32 tensors (an
+  // allocation and a copy, as long as the op itself on small tensors); the step keeps that
+  // conversion instead, made once: the same value the op would have made.
+  struct Wrapped {
+    size_t arg;
+    at::Tensor original, converted;
+  };
+  std::vector<Wrapped> wrapped;
+  // An op with no out= overload (relu) whose in-place twin (relu_) takes its first argument:
+  // run in place when that argument dies at this step and nothing else holds it, once an
+  // out-of-place run showed a result like the argument (dtype, sizes, contiguous).
+  std::optional<c10::OperatorHandle> inplace_op;
+  int64_t inplace_slot = -1;
+  int64_t inplace_producer = -1;  // the step that made that argument (it may hold it as buffer)
+  bool inplace_ok = false;
+  at::ScalarType inplace_dtype = at::kFloat;  // of that result
+  std::vector<int64_t> inplace_sizes;
 };
 
 // A communication step of this rank (set by Python: runtime/plan_runner.py), run by
@@ -77,7 +96,11 @@ std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& handle
   if (name.find("view") != std::string::npos || name.find("alias") != std::string::npos)
     return std::nullopt;  // (_unsafe_view returns a view its schema does not declare)
   auto out = c10::Dispatcher::singleton().findOp({name, "out"});
-  if (!out) return std::nullopt;
+  // An out= kernel of a device: not one torchgen made from the functional op (relu.out:
+  // compute, then copy into out), which is slower than the op itself.
+  if (!out || !(out->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+                out->hasKernelForDispatchKey(c10::DispatchKey::CUDA)))
+    return std::nullopt;
   const auto& formals = schema.arguments();
   const auto& out_formals = out->schema().arguments();
   if (out_formals.size() != formals.size() + 1 || !out_formals.back().is_out()) return std::nullopt;
@@ -87,6 +110,44 @@ std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& handle
       return std::nullopt;
   }
   return out;
+}
+
+// The in-place twin of `handle` (relu -> relu_): same arguments, the first written and
+// returned, while the op itself returns one fresh tensor.
+std::optional<c10::OperatorHandle> inplace_variant(const c10::OperatorHandle& handle) {
+  const auto& schema = handle.schema();
+  const auto& returns = schema.returns();
+  if (returns.size() != 1 || returns[0].type()->kind() != c10::TypeKind::TensorType ||
+      returns[0].alias_info() != nullptr || schema.is_mutable() || schema.arguments().empty())
+    return std::nullopt;
+  const std::string name = schema.name();
+  if (name.find("view") != std::string::npos || name.find("alias") != std::string::npos)
+    return std::nullopt;
+  auto twin = c10::Dispatcher::singleton().findOp({name + "_", schema.overload_name()});
+  if (!twin) return std::nullopt;
+  const auto& formals = schema.arguments();
+  const auto& twin_formals = twin->schema().arguments();
+  if (twin_formals.size() != formals.size()) return std::nullopt;
+  for (size_t i = 0; i < formals.size(); ++i) {
+    if (formals[i].name() != twin_formals[i].name() ||
+        formals[i].kwarg_only() != twin_formals[i].kwarg_only())
+      return std::nullopt;
+  }
+  const auto* alias = twin_formals[0].alias_info();
+  if (!alias || !alias->isWrite() || twin_formals[0].type()->kind() != c10::TypeKind::TensorType)
+    return std::nullopt;
+  return twin;
+}
+
+// A tensor-list argument (cat's): type promotion over lists is left to the op.
+bool holds_tensors(const c10::IValue& v) {
+  if (v.isTensorList()) return true;
+  if (!v.isList()) return false;
+  auto kind = v.toListRef().empty() ? c10::TypeKind::AnyType : v.toListRef()[0].isTensor()
+                                                                   ? c10::TypeKind::TensorType
+                                                                   : c10::TypeKind::AnyType;
+  return kind == c10::TypeKind::TensorType || v.toList().elementType()->kind() ==
+                                                  c10::TypeKind::OptionalType;
 }
 
 }  // namespace
@@ -124,6 +185,7 @@ class Program {
     auto slot_of = [&](py::handle obj) -> int64_t {
       return py::isinstance(obj, slot_type) ? obj.attr("index").cast<int64_t>() : -1;
     };
+    std::unordered_map<int64_t, int64_t> producer;  // slot -> the last step writing it
     for (const auto& item : steps) {
       if (item.is_none()) {
         steps_.emplace_back(std::nullopt);
@@ -140,6 +202,29 @@ class Program {
       const auto& returns = handle.schema().returns();
       step.spread = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
       if (step.outs.size() == 1) step.out_op = out_variant(handle);
+      for (size_t i = 0; i < step.call.stack.size(); ++i) {
+        const auto& v = step.call.stack[i];
+        if (v.isTensor() && v.toTensor().defined() &&
+            v.toTensor().unsafeGetTensorImpl()->is_wrapped_number())
+          step.wrapped.push_back({i, v.toTensor(), {}});
+      }
+      if (!step.out_op && step.outs.size() == 1) {
+        const auto& patches = step.call.patches;
+        auto first = std::find_if(patches.begin(), patches.end(),
+                                  [](const md::Patch& p) { return p.arg == 0 && !p.list; });
+        if (first != patches.end()) {
+          int64_t slot = first->keys[0];
+          bool dies = std::count(step.frees.begin(), step.frees.end(), slot) > 0;
+          int64_t uses = 0;
+          for (const auto& p : patches) uses += std::count(p.keys.begin(), p.keys.end(), slot);
+          if (dies && uses == 1 && (step.inplace_op = inplace_variant(handle))) {
+            step.inplace_slot = slot;
+            auto made = producer.find(slot);
+            step.inplace_producer = made == producer.end() ? -1 : made->second;
+          }
+        }
+      }
+      for (auto o : step.outs) producer[o] = static_cast<int64_t>(steps_.size());
       steps_.emplace_back(std::move(step));
     }
   }
@@ -155,7 +240,7 @@ class Program {
     auto& values = env.values;
     if (end > static_cast<int64_t>(steps_.size()) || begin < 0)
       throw std::out_of_range("Program.run: steps out of range");
-    reused_ = 0;
+    reused_ = in_place_ = 0;
     torch::jit::Stack stack;  // reused: no allocation per step
     stack.reserve(16);
     for (int64_t k = begin; k < end; ++k) {
@@ -208,7 +293,7 @@ class Program {
     std::lock_guard<std::mutex> one_run_at_a_time(lock_);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
-    reused_ = 0;
+    reused_ = in_place_ = 0;
     int64_t failed = -1;
     std::unordered_map<int64_t, std::shared_ptr<Pending>> pending;
     auto settle = [&](int64_t slot) {
@@ -262,18 +347,86 @@ class Program {
   std::string last_error() const { return last_error_; }
   bool has_comms() const { return !comms_.empty(); }
   int64_t reused() const { return reused_; }
+  int64_t in_place() const { return in_place_; }
   int64_t size() const { return static_cast<int64_t>(steps_.size()); }
 
  private:
+  // Replace the step's double wrapped numbers by float32 ones where all of the op's tensors
+  // are float32: what TensorIterator's type promotion makes of them on every call.
+  static void convert_wrapped(Step& step, torch::jit::Stack& stack) {
+    std::optional<at::ScalarType> common;
+    for (const auto& v : stack) {
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (!t.defined() || t.unsafeGetTensorImpl()->is_wrapped_number()) continue;
+        if (common && *common != t.scalar_type()) return;
+        common = t.scalar_type();
+      } else if (holds_tensors(v)) {
+        return;
+      }
+    }
+    // Only float32: half and bfloat16 ops read a scalar in float, unrounded; integers are
+    // left as they are (7 into uint8 is not 7, and int / int is a float division).
+    if (!common || *common != at::kFloat) return;
+    for (auto& w : step.wrapped) {
+      const at::ScalarType from = w.original.scalar_type();
+      if (from != at::kDouble) continue;
+      if (!w.converted.defined() || w.converted.scalar_type() != *common) {
+        w.converted = w.original.to(*common);
+        w.converted.unsafeGetTensorImpl()->set_wrapped_number(true);
+      }
+      stack[w.arg] = w.converted;
+    }
+  }
+
+  // Whether `step` can run in place on its first argument now (see Step::inplace_op): held
+  // only by its slot, and maybe as the buffer of the step that made it (which writes that
+  // buffer again only once nothing else holds it).
+  bool in_place_now(const Step& step, const std::vector<c10::IValue>& values) const {
+    if (!step.inplace_ok) return false;
+    const c10::IValue& v = values.at(step.inplace_slot);
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    size_t holders = 1;
+    if (step.inplace_producer >= 0) {
+      const auto& made_by = steps_[step.inplace_producer];
+      if (made_by && made_by->buffer.defined() && made_by->buffer.is_same(t)) ++holders;
+    }
+    return t.defined() && t.use_count() == holders && t.storage().use_count() == 1 &&
+           t.is_contiguous() && t.scalar_type() == step.inplace_dtype &&
+           t.sizes().equals(step.inplace_sizes);
+  }
+
   void run_compute(Step& step, std::vector<c10::IValue>& values, torch::jit::Stack& stack) {
+    const bool in_place = step.inplace_op && in_place_now(step, values);
     md::fill_stack(step.call, stack, [&](int64_t k) -> const c10::IValue& {
       return values.at(k);
     });
+    if (!step.wrapped.empty()) convert_wrapped(step, stack);
     at::Tensor& buffer = step.buffer;
-    if (buffer.defined() && buffer.use_count() == 1 && buffer.storage().use_count() == 1) {
+    if (in_place) {
+      step.inplace_op->callBoxed(&stack);
+      ++reused_;
+      ++in_place_;
+    } else if (step.out_op && buffer.defined() && buffer.use_count() == 1 &&
+               buffer.storage().use_count() == 1) {
       stack.push_back(buffer);  // nothing from the last run holds it: write it again
       step.out_op->callBoxed(&stack);
       ++reused_;
+    } else if (step.inplace_op) {
+      // Out of place; its result tells whether running in place would give the same.
+      const c10::IValue& arg = values.at(step.inplace_slot);
+      step.call.op.callBoxed(&stack);
+      step.inplace_ok = false;
+      if (arg.isTensor() && stack.size() == 1 && stack[0].isTensor()) {
+        const at::Tensor& in = arg.toTensor();
+        const at::Tensor& result = stack[0].toTensor();
+        step.inplace_ok = in.defined() && result.defined() && in.is_contiguous() &&
+                          result.is_contiguous() && in.scalar_type() == result.scalar_type() &&
+                          in.sizes().equals(result.sizes());
+        step.inplace_dtype = result.scalar_type();
+        step.inplace_sizes = result.sizes().vec();
+      }
     } else {
       step.call.op.callBoxed(&stack);
       if (step.out_op && stack.size() == 1 && stack[0].isTensor()) {
@@ -405,7 +558,8 @@ class Program {
   std::vector<std::optional<Step>> steps_;
   std::string last_error_;
   std::mutex lock_;
-  int64_t reused_ = 0;  // steps of the last run that wrote a buffer of the run before
+  int64_t reused_ = 0;    // steps of the last run that wrote a buffer of the run before
+  int64_t in_place_ = 0;  // of those, steps that wrote their argument (relu as relu_)
 };
 
 void bind_program(py::module& m) {
@@ -423,6 +577,7 @@ void bind_program(py::module& m) {
       .def("run", &Program::run)
       .def("last_error", &Program::last_error)
       .def("reused", &Program::reused)
+      .def("in_place", &Program::in_place)
       .def("set_comm", &Program::set_comm)
       .def("set_uses", &Program::set_uses)
       .def("has_comms", &Program::has_comms)

@@ -35,7 +35,13 @@ class Program:
     def reused(self) -> int:
         """How many steps of the last run wrote their result into the previous run's (memory
         planning: a step with an out= overload and a result of at most 64 KiB reuses it when
-        neither that tensor nor its storage is held any more, e.g. by Python)."""
+        neither that tensor nor its storage is held any more, e.g. by Python), or wrote their
+        argument in place (counted by ``in_place()`` too)."""
+    def in_place(self) -> int:
+        """How many steps of the last run ran in place on their argument: an op whose out=
+        overload is not a device kernel (relu) runs as its in-place twin (relu_) where the
+        argument dies at that step, nothing else holds it (but the buffer of the step that
+        made it), and an earlier run gave a result of its dtype and sizes."""
     def set_comm(
         self,
         k: int,

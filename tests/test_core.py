@@ -98,6 +98,78 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
         assert torch.equal(held, value)  # what the caller kept was never written again
 
 
+def _program(steps, n, inputs, outputs):
+    from monarch_dsl.compiler.lower import Program
+    from monarch_dsl.runtime.plan_runner import core_steps
+
+    program = Program("p", (), (), tuple(steps), n, inputs, outputs, (), ())
+    return core.Program(core_steps(program, None, None), Slot)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+     torch.int8, torch.uint8],
+)
+def test_numbers_in_tensor_arguments_give_what_torch_gives_in_every_dtype(dtype):
+    """The program converts a Python number in a Tensor argument (x * 0.1) to float32 once,
+    instead of on every call as TensorIterator does; the results must stay bitwise what eager
+    torch gives, dtype included, in every dtype (half and bfloat16 read the number unrounded,
+    7 in uint8 is not 7, int / int divides in float)."""
+    x = (torch.randn(8, 8) * 10).to(dtype)
+    numbers = [0.1, 1 / 3, 3, -7, 1e-3]
+    eager = {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div,
+             "fmod": torch.fmod, "remainder": torch.remainder}
+    ops = [f"aten.{name}.Tensor" for name in eager]
+    steps = [
+        _step(op, (Slot(0), v), (1 + k,))
+        for k, (op, v) in enumerate((op, v) for op in ops for v in numbers)
+    ]
+    compiled = _program(steps, 1 + len(steps), (0,), tuple(range(1, 1 + len(steps))))
+    for run in range(3):  # the first run converts, the later ones reuse the conversion
+        env = core.Env(1 + len(steps))
+        env[0] = x
+        assert compiled.run(env, 0, len(steps)) == -1, compiled.last_error()
+        for k, s in enumerate(steps):
+            want = eager[s.op.split(".")[1]](x, s.args[1])
+            got = env[1 + k]
+            assert got.dtype == want.dtype and torch.equal(got, want), (run, s.op, s.args[1])
+
+
+def test_ops_without_an_out_kernel_run_in_place_only_on_values_nothing_else_holds():
+    """relu has no out= kernel of its own: from the second run on it runs as relu_ on its
+    argument where that dies at the step and nothing else holds it (here tanh's result, kept
+    only as tanh's buffer) -- never on a plan input, a value used later, or a view."""
+    steps = [
+        _step("aten.tanh.default", (Slot(0),), (1,)),
+        _step("aten.relu.default", (Slot(1),), (2,), frees=(1,)),  # dies here: in place
+        _step("aten.relu.default", (Slot(0),), (3,)),  # a plan input: never
+        _step("aten.tanh.default", (Slot(0),), (4,)),
+        _step("aten.relu.default", (Slot(4),), (5,)),  # used again below: never
+        _step("aten.neg.default", (Slot(4),), (6,), frees=(4,)),
+        _step("aten.tanh.default", (Slot(0),), (7,)),
+        _step("aten.view.default", (Slot(7), [64]), (8,)),
+        _step("aten.relu.default", (Slot(7),), (9,), frees=(7,)),  # a view holds it: never
+    ]
+    outputs = (2, 3, 5, 6, 8, 9)
+    compiled = _program(steps, 10, (0,), outputs)
+    in_place = []
+    for run in range(3):
+        x = torch.randn(8, 8)
+        before = x.clone()
+        env = core.Env(10)
+        env[0] = x
+        assert compiled.run(env, 0, len(steps)) == -1, compiled.last_error()
+        in_place.append(compiled.in_place())
+        assert torch.equal(x, before)
+        t = torch.tanh(before)
+        want = {2: t.relu(), 3: before.relu(), 5: t.relu(), 6: -t, 8: t.view(64), 9: t.relu()}
+        for k, v in want.items():
+            assert torch.equal(env[k], v), (run, k)
+        del env
+    assert in_place == [0, 1, 1]  # run 0 learns; then exactly one relu runs in place
+
+
 def test_program_error_names_the_step_and_later_steps_do_not_run():
     steps = [
         _step("aten.relu.default", (Slot(0),), (2,)),
