@@ -59,17 +59,24 @@ def simulate_training(make, mesh, batches, steps=3, **options):
         text = str(plan)  # every compiled plan prints and parses back exactly
         assert Plan.parse(text) == plan and str(Plan.parse(text)) == text
         plans.append(plan)
-        program = lower(plan)
-        values = [v.clone() for v in c.input_values]
-        outs, after = simulate_values(plan, program, c.input_values)
-        # Differential: the C++ runtime's compute gives the very same values.
-        cpp_outs, cpp_after = simulate_values(plan, program, values, core=_build.load(build=False))
-        for a, b in zip(outs + after, cpp_outs + cpp_after):
-            assert torch.equal(a, b), "the C++ executor differs from the reference executor"
+        outs, after = simulate_both(plan, c.input_values)
         write_back(c, outs, after, {"model": model}, [opt])
         losses.append(outs[0])
         ref_losses.append(ref_fn(x, y))
     return model, ref_model, losses, ref_losses, plans
+
+
+def simulate_both(plan, values: list) -> tuple[list, list]:
+    """``simulate_values`` of ``plan`` on ``values`` with the Python reference executor's
+    compute and, differentially, with the C++ runtime's (on copies): the two must give the
+    very same outputs and updated inputs. Returns the reference's (``values`` updated)."""
+    program = lower(plan)
+    copies = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    outs, after = simulate_values(plan, program, values)
+    cpp_outs, cpp_after = simulate_values(plan, program, copies, core=_build.load(build=False))
+    for a, b in zip(outs + after, cpp_outs + cpp_after, strict=True):
+        assert torch.equal(a, b), "the C++ executor differs from the reference executor"
+    return outs, after
 
 
 # ---- models and steps shared by the simulated (test_compiler.py) and worker (test_mesh_fn.py)

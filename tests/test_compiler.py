@@ -27,6 +27,7 @@ from compiler_helpers import (  # noqa: E402
     cross_entropy_step,
     mse_batches,
     mse_step,
+    simulate_both,
     simulate_training,
     two_stages_sgd,
 )
@@ -322,12 +323,10 @@ def test_dropout_cat_chunk_amax_log_softmax_stay_sharded():
 
 def _simulate(fn, args, mesh, **options):
     from monarch_dsl.compiler.compile import compile_step
-    from monarch_dsl.compiler.interpret import simulate_values
-    from monarch_dsl.compiler.lower import lower
 
     plan, c = compile_step(fn, args, {}, mesh, **options)
     plan.check()
-    return simulate_values(plan, lower(plan), c.input_values)[0]
+    return simulate_both(plan, c.input_values)[0]
 
 
 def test_a_value_used_twice_can_be_wanted_two_ways():
@@ -492,13 +491,11 @@ def _run_simulated(fn, args, mesh, **options):
     parses back exactly, and run it on the simulated mesh; returns the plan and the whole
     results."""
     from monarch_dsl.compiler.compile import compile_step
-    from monarch_dsl.compiler.interpret import simulate_values
-    from monarch_dsl.compiler.lower import lower
 
     plan, c = compile_step(fn, args, {}, mesh, **options)
     text = str(plan)
     assert Plan.parse(text) == plan and str(Plan.parse(text)) == text
-    return plan, simulate_values(plan, lower(plan), c.input_values)[0]
+    return plan, simulate_both(plan, c.input_values)[0]
 
 
 def _made_by(plan, value):

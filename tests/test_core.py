@@ -108,8 +108,16 @@ def _program(steps, n, inputs, outputs):
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-     torch.int8, torch.uint8],
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int32,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+    ],
 )
 def test_numbers_in_tensor_arguments_give_what_torch_gives_in_every_dtype(dtype):
     """The program converts a Python number in a Tensor argument (x * 0.1) to float32 once,
@@ -118,8 +126,14 @@ def test_numbers_in_tensor_arguments_give_what_torch_gives_in_every_dtype(dtype)
     7 in uint8 is not 7, int / int divides in float)."""
     x = (torch.randn(8, 8) * 10).to(dtype)
     numbers = [0.1, 1 / 3, 3, -7, 1e-3]
-    eager = {"mul": torch.mul, "add": torch.add, "sub": torch.sub, "div": torch.div,
-             "fmod": torch.fmod, "remainder": torch.remainder}
+    eager = {
+        "mul": torch.mul,
+        "add": torch.add,
+        "sub": torch.sub,
+        "div": torch.div,
+        "fmod": torch.fmod,
+        "remainder": torch.remainder,
+    }
     ops = [f"aten.{name}.Tensor" for name in eager]
     steps = [
         _step(op, (Slot(0), v), (1 + k,))

@@ -17,6 +17,7 @@ from compiler_helpers import (  # noqa: E402
     TwoStages,
     mse_batches,
     mse_step,
+    simulate_both,
     simulate_training,
     two_stages_sgd,
 )
@@ -225,8 +226,6 @@ def test_micro_batches_keep_the_order_of_writes_in_place(make, micro_batches, dp
     could likewise run before the write it comes after. Now a write waits for the earlier
     reads of its storage and a read for the earlier write, aliases included."""
     from monarch_dsl.compiler.compile import compile_step
-    from monarch_dsl.compiler.interpret import simulate_values
-    from monarch_dsl.compiler.lower import lower
 
     torch.manual_seed(0)
     step = make(torch.nn.Linear(16, 16))
@@ -235,7 +234,7 @@ def test_micro_batches_keep_the_order_of_writes_in_place(make, micro_batches, dp
         plan, c = compile_step(
             step, (x,), {}, (("dp", dp),), data_parallel="dp", micro_batches=micro_batches
         )
-    out = simulate_values(plan, lower(plan), c.input_values)[0][0]
+    out = simulate_both(plan, c.input_values)[0][0]
     torch.testing.assert_close(out, step(x).detach(), atol=1e-4, rtol=1e-5)
 
 
