@@ -21,6 +21,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Dtype.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -143,6 +144,78 @@ class Executor {
     auto call = std::make_shared<OpCall>(OpCall{prepare(op, args, kwargs), outs, std::move(line)});
     Item item{Kind::Op, std::move(call)};
     push(stream, std::move(item));
+  }
+
+  // A message's (mesh, instruction) pairs, in order: those of meshes this rank is not in
+  // (`member[mesh]` false or missing; mesh < 0: every rank) are skipped; eager ops
+  // (`callop_type`: op, args, kwargs, outs, stream, line) are prepared here and queued with
+  // one lock and one wake-up per stream for a run of them; every other instruction, and an op
+  // C++ cannot prepare, goes to `other(mesh, instruction)` in its place (what that queues comes
+  // after the ops before it).
+  void run_batch(const py::tuple& items, const py::dict& member, py::handle callop_type,
+                 const py::function& other) {
+    constexpr size_t kFlushEvery = 64;  // ops: the streams start on a long batch early
+    std::vector<std::pair<Stream*, std::vector<Item>>> pending;
+    size_t held = 0;
+    auto flush = [&] {
+      for (auto& [stream, queued] : pending) {
+        if (queued.empty()) continue;
+        {
+          std::lock_guard<std::mutex> g(stream->lock);
+          for (auto& item : queued) stream->queue.push_back(std::move(item));
+        }
+        stream->cv.notify_one();
+        queued.clear();
+      }
+      held = 0;
+    };
+    auto* callop = reinterpret_cast<PyTypeObject*>(callop_type.ptr());
+    for (auto entry : items) {
+      PyObject* pair = entry.ptr();
+      if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2)
+        throw py::type_error("run_batch: items are (mesh, instruction) pairs");
+      PyObject* mesh = PyTuple_GET_ITEM(pair, 0);
+      PyObject* ins = PyTuple_GET_ITEM(pair, 1);
+      if (PyLong_AsLongLong(mesh) >= 0) {
+        PyObject* in = PyDict_GetItemWithError(member.ptr(), mesh);
+        if (!in) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          continue;
+        }
+        int yes = PyObject_IsTrue(in);
+        if (yes < 0) throw py::error_already_set();
+        if (!yes) continue;
+      }
+      if (Py_TYPE(ins) == callop && PyTuple_GET_SIZE(ins) == 6) {
+        std::optional<Item> item;
+        std::string stream;
+        try {
+          auto field = [&](int i) { return py::handle(PyTuple_GET_ITEM(ins, i)); };
+          stream = field(4).cast<std::string>();
+          std::vector<int64_t> outs;
+          for (auto o : py::reinterpret_borrow<py::tuple>(field(3)))
+            outs.push_back(o.is_none() ? -1 : o.cast<int64_t>());
+          auto call = std::make_shared<OpCall>(
+              OpCall{prepare(field(0).cast<std::string>(), py::reinterpret_borrow<py::tuple>(field(1)),
+                             py::reinterpret_borrow<py::dict>(field(2))),
+                     std::move(outs), field(5).cast<std::string>()});
+          item = Item{Kind::Op, std::move(call)};
+        } catch (const std::exception&) {  // (py::error_already_set too: a mesh coordinate...)
+        }
+        if (item) {
+          Stream* s = stream_named(stream);
+          auto it = std::find_if(pending.begin(), pending.end(),
+                                 [&](const auto& p) { return p.first == s; });
+          if (it == pending.end()) it = pending.insert(pending.end(), {s, {}});
+          it->second.push_back(std::move(*item));
+          if (++held >= kFlushEvery) flush();
+          continue;
+        }
+      }
+      flush();
+      other(py::handle(mesh), py::handle(ins));
+    }
+    flush();
   }
 
   // `get()` (called once, under the GIL, on the stream thread of the first collective that
@@ -326,21 +399,20 @@ class Executor {
     return e;
   }
 
-  void push(const std::string& name, Item item) {
-    Stream* s;
-    {
-      std::lock_guard<std::mutex> g(streams_lock_);
-      if (closed_) throw std::runtime_error("the executor is closed");
-      auto& slot = streams_[name];
-      if (!slot) {
-        slot = std::make_unique<Stream>();
-        Stream* raw = slot.get();
-        raw->thread = std::thread([this, raw] { loop(*raw); });
-      }
-      s = slot.get();
+  // The stream `name`, its thread started on first use.
+  Stream* stream_named(const std::string& name) {
+    std::lock_guard<std::mutex> g(streams_lock_);
+    if (closed_) throw std::runtime_error("the executor is closed");
+    auto& slot = streams_[name];
+    if (!slot) {
+      slot = std::make_unique<Stream>();
+      Stream* raw = slot.get();
+      raw->thread = std::thread([this, raw] { loop(*raw); });
     }
-    enqueue(*s, std::move(item));
+    return slot.get();
   }
+
+  void push(const std::string& name, Item item) { enqueue(*stream_named(name), std::move(item)); }
 
   static void enqueue(Stream& s, Item item) {
     {
@@ -805,6 +877,7 @@ void bind_executor(py::module& m) {
       .def("__len__", &Executor::size)
       .def("keys", &Executor::keys)
       .def("call_op", &Executor::call_op)
+      .def("run_batch", &Executor::run_batch)
       .def("set_group", &Executor::set_group)
       .def("reduce", &Executor::reduce)
       .def("transfer", &Executor::transfer)

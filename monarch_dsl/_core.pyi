@@ -112,6 +112,19 @@ class Executor:
         """``outs = op(*args, **kwargs)``, ``op`` as ``"aten::add.Tensor"``; ``outs`` receive the
         tensor results in order (-1: not kept). Raises here, before queueing, for what the
         dispatcher cannot take (unknown op, arguments its schema rejects)."""
+    def run_batch(
+        self,
+        items: tuple,
+        member: dict[int, bool],
+        callop_type: type,
+        other: Callable[[int, Any], None],
+    ) -> None:
+        """A message's ``(mesh, instruction)`` pairs in order, skipping meshes this rank is
+        not in (``member[mesh]`` false or missing; mesh < 0 is every rank). Eager ops
+        (``callop_type`` tuples: op, args, kwargs, outs, stream, line) are prepared as by
+        ``call_op`` and queued with one lock and one wake-up per stream for each run of up to 64
+        of them; every other instruction, and an op ``call_op`` would refuse, is passed to
+        ``other(mesh, instruction)`` in its place, after the ops before it are queued."""
     def set_group(self, key: str, get: Callable[[], tuple[Any, int, int]]) -> None:
         """Name a process group: ``get()`` returns (group, this rank's index, size), a c10d
         backend (gloo, NCCL) or a ``runtime/shm.py`` ShmProcessGroup; called under the GIL on

@@ -45,6 +45,8 @@ PROGRAM = [
     op("aten::clone", [R(1)], [15]),
     op("aten::index_put_", [R(15), [R(14)], R(13)], [15]),  # a Tensor?[] argument
     op("aten::scalar_tensor", [ir.MeshCoord(0, ("gpu",))], [16], {"device": D}),  # Python path
+    op("aten::add.Tensor", [R(16), 1], [37]),  # queued after it, in C++: runs after it
+    (3, ir.CallOp("aten::ones", ([2],), {}, (38,), "main", "")),  # a mesh without this rank
     op("aten::mul.Tensor", [R(12), 2], [None]),  # an output nobody holds
     # stream "comms" borrows %5, computes with it, and gives it back
     (0, ir.BorrowBegin(5, 17, "main", "comms", 1, "prog.py:20")),
@@ -106,7 +108,7 @@ def test_both_executors_give_the_same_ref_table(executors):
     assert isinstance(cpp.refs, core.Executor) and isinstance(py.refs, dict)
     assert sorted(got) == sorted(want) == [
         1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25,
-        30, 31, 32, 33, 34, 35, 36,
+        30, 31, 32, 33, 34, 35, 36, 37,
     ]  # fmt: skip
     for k, w in want.items():
         g = got[k]
@@ -120,6 +122,7 @@ def test_both_executors_give_the_same_ref_table(executors):
     assert torch.equal(got[24], got[1]) and got[24].data_ptr() != got[1].data_ptr()  # a copy
     assert got[21].shape == (1, 8, 4) and torch.equal(got[20], got[1])
     assert got[35].shape == got[36].shape == (4,)  # weight and bias gradients, in that order
+    assert got[37].item() == 1.0  # the mesh coordinate 0, plus 1: ran after the Python op
     assert [(f.line, f.error) for f in cpp_reports] == [(f.line, f.error) for f in py_reports]
     assert len(cpp_reports) == 1  # one root cause, reported once
 

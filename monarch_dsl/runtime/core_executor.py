@@ -30,54 +30,51 @@ class CoreExecutor(ReferenceExecutor):
         self._group_names: set[str] = set()  # groups whose getter C++ has
 
     def run(self, items: tuple) -> None:
+        """Eager ops go to C++ in runs (prepared and queued there, one wake-up per stream per
+        run); everything else comes back to :meth:`_other`, in its place."""
+        self.core.run_batch(items, self.member, ir.CallOp, self._other)
+
+    def _other(self, mesh: int, ins: Any) -> None:
+        """One instruction of this rank that is not an op C++ prepares."""
         core = self.core
-        member = self.member
-        for mesh, ins in items:
-            if not (mesh < 0 or member.get(mesh, False)):
-                continue
-            kind = type(ins)
-            if kind is ir.CallOp:
-                outs = [-1 if r is None else r for r in ins.outs]
-                try:
-                    core.call_op(ins.stream, ins.op, ins.args, ins.kwargs, outs, ins.line)
-                    continue
-                except Exception:  # noqa: BLE001 - arguments only Python takes (a mesh coordinate)
-                    core.python(ins.stream, partial(self.call_op, ins))
-            elif kind is ir.Reduce:
-                group = self._group_key(ins)
-                core.reduce(
-                    ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
-                    list(ins.shape), getattr(torch, ins.dtype), ins.line,
-                    f"reduce over {ins.dims}", f"reduce {ins.dims}",
-                )  # fmt: skip
-            elif kind is ir.Transfer:
-                rank = self.rank
-                groups = [
-                    self._pair_group(a, b, ins.stream) if rank in (a, b) and a != b else ""
-                    for a, b in ins.pairs
-                ]
-                core.transfer(
-                    ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
-                    list(ins.shape), getattr(torch, ins.dtype), ins.line,
-                )  # fmt: skip
-            elif kind is ir.Delete:
-                core.delete(ins.stream, list(ins.refs))
-            elif kind is ir.DefineMesh:
-                self.define_mesh(ins)
-            elif kind is ir.DefinePlan:
-                self._plans().define(ins)
-            elif kind is ir.Seed:
-                core.python("main", partial(self.seed, ins))
-            elif kind is ir.Fetch and ins.ref < 0:
-                core.barrier(partial(self.reply, ins.call_id, None))
-            elif kind is ir.BorrowBegin:
-                core.signal(ins.origin, ins.event)
-                core.borrow_begin(ins.stream, ins.event, ins.src, ins.dst)
-            elif kind is ir.BorrowEnd:
-                core.borrow_end(ins.stream, ins.event, ins.dst)
-                core.wait(ins.origin, ins.event)
-            else:
-                core.python(ins.stream, partial(self.handlers[kind], ins))
+        kind = type(ins)
+        if kind is ir.CallOp:  # arguments only Python takes (a mesh coordinate)
+            core.python(ins.stream, partial(self.call_op, ins))
+        elif kind is ir.Reduce:
+            group = self._group_key(ins)
+            core.reduce(
+                ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
+                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                f"reduce over {ins.dims}", f"reduce {ins.dims}",
+            )  # fmt: skip
+        elif kind is ir.Transfer:
+            rank = self.rank
+            groups = [
+                self._pair_group(a, b, ins.stream) if rank in (a, b) and a != b else ""
+                for a, b in ins.pairs
+            ]
+            core.transfer(
+                ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
+                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+            )  # fmt: skip
+        elif kind is ir.Delete:
+            core.delete(ins.stream, list(ins.refs))
+        elif kind is ir.DefineMesh:
+            self.define_mesh(ins)
+        elif kind is ir.DefinePlan:
+            self._plans().define(ins)
+        elif kind is ir.Seed:
+            core.python("main", partial(self.seed, ins))
+        elif kind is ir.Fetch and ins.ref < 0:
+            core.barrier(partial(self.reply, ins.call_id, None))
+        elif kind is ir.BorrowBegin:
+            core.signal(ins.origin, ins.event)
+            core.borrow_begin(ins.stream, ins.event, ins.src, ins.dst)
+        elif kind is ir.BorrowEnd:
+            core.borrow_end(ins.stream, ins.event, ins.dst)
+            core.wait(ins.origin, ins.event)
+        else:
+            core.python(ins.stream, partial(self.handlers[kind], ins))
 
     def _group_key(self, ins: ir.Reduce) -> str:
         """The C++ side's name for the group of ``ins`` (mesh slice and stream)."""
