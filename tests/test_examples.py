@@ -43,7 +43,7 @@ def test_tutorial_runs_unchanged_on_cuda():
 
     if torch.cuda.device_count() < 4:
         pytest.skip("the tutorial's meshes have 4 ranks: one GPU each")
-    check_tutorial(run_example("tutorial.py", 300))
+    check_tutorial(run_example("tutorial.py", 300, MD_DEVICE="cuda"))
 
 
 def check_tutorial(text: str) -> None:

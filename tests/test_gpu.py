@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.procs]
 @pytest.fixture
 def gpu_mesh():
     n = min(2, torch.cuda.device_count())
-    pm = md.this_host().spawn_procs({"gpu": n})
+    pm = md.this_host().spawn_procs({"gpu": n}, env={"MD_DEVICE": "cuda"})
     try:
         yield pm
     finally:
@@ -29,8 +29,10 @@ def test_tensors_live_on_the_workers_gpus(gpu_mesh):
         assert x.device.type == "cuda"
         y = x @ x
         torch.manual_seed(0)
-        expected = torch.rand(64, 64)
-        torch.testing.assert_close(md.inspect(y, gpu=n - 1), expected @ expected)
+        expected = torch.rand(64, 64)  # on the workers too: compared on the CPU
+        torch.testing.assert_close(
+            md.inspect(y, gpu=n - 1), md.inspect(expected @ expected, gpu=n - 1)
+        )
         total = md.inspect(torch.ones(8).reduce("gpu"))  # an NCCL all-reduce
         assert total.tolist() == [float(n)] * 8
         md.inspect(x.reduce("gpu", "stack"))  # all-gather

@@ -197,6 +197,50 @@ def test_transformer_block_dp2_on_workers_runs_in_cpp(pm, opt):
     assert new == [(_build.NAME, 2)] * 2, "compiled plans did not run in the C++ runtime"
 
 
+class Groups(md.Actor):
+    """The streams whose process groups this worker's tensor engine has made."""
+
+    @md.endpoint
+    def streams(self) -> list[str]:
+        return sorted({key[0] for key in worker.current._executor.groups})
+
+
+def test_a_plans_comms_do_not_share_groups_with_a_users_comms_stream(pm):
+    """A compiled dp step (gradients all-reduced in buckets on the plan's comms stream) runs
+    while the user's own md.Stream("comms") keeps reducing: both stay right. The plan's comms
+    collectives have groups of their own; on one group, the two threads would mix up their
+    messages."""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    ref = copy.deepcopy(model)
+    step = md.mesh_fn(
+        mse_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+        data_parallel="dp",
+        bucket_cap_mb=1e-3,  # ~1 KiB: the weight's and the bias's gradients in two buckets
+    )
+    comms = md.Stream("comms")
+    batches = _batches(3)
+    with dp.activate():
+        sums = []
+        for x, y in batches:
+            with comms.activate():
+                ones = torch.ones(64)
+                for _ in range(4):
+                    sums.append(ones.reduce("dp"))  # concurrent with the step's buckets
+            loss = step(x, y)
+        got = md.inspect(loss)
+        with comms.activate():
+            totals = [md.inspect(t) for t in sums]
+    assert all(t.tolist() == [2.0] * 64 for t in totals)
+    ref_step = mse_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    for x, y in batches:
+        want = ref_step(x, y).detach()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    streams = dp.spawn("groups", Groups).streams.call().get(timeout=30).values()
+    assert all("plan/main/comms" in s and "comms" in s for s in streams), streams
+
+
 def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
     from monarch_dsl.compiler import ir
     from monarch_dsl.tensor import Engine

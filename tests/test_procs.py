@@ -84,6 +84,20 @@ def test_worker_that_dies_while_starting_is_an_error():
     assert info.value.coords is not None
 
 
+@pytest.mark.parametrize(
+    "device, why",
+    [("cuda", "MD_DEVICE=cuda, but this worker sees no CUDA device"), ("tpu", "MD_DEVICE must be")],
+)
+def test_a_device_the_workers_cannot_use_is_a_clear_spawn_error(device, why):
+    import torch
+
+    if device == "cuda" and torch.cuda.device_count() > 0:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(md.SpawnError) as info:
+        md.this_host().spawn_procs({"gpu": 2}, env={"MD_DEVICE": device}, timeout=60)
+    assert why in info.value.stderr
+
+
 def test_env_and_setup_reach_the_workers():
     marker = "monarch-dsl-test"
     pm = md.this_host().spawn_procs(

@@ -106,8 +106,11 @@ class ForkServerClient:
         if not hasattr(os, "fork"):
             return "this platform cannot fork"
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return "CUDA is initialized in the controller"
+        # A torch built with CUDA: asking it whether a GPU is there (torch.cuda.is_available,
+        # as most scripts do) already makes its forked children refuse to use CUDA, so
+        # workers on such a build come from a fresh interpreter. (CPU builds fork.)
+        if torch is not None and torch.cuda._is_compiled():
+            return "torch is built with CUDA (a forked worker could not initialize it)"
         return ""
 
     def _start_forked(self, timeout: float):

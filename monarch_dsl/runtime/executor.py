@@ -150,6 +150,8 @@ class ReferenceExecutor:
         self.plan_runner = None
 
     def _stream_loop(self, q: queue.SimpleQueue) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: ops without a device use this GPU
         handlers = self.handlers
         while True:
             ins = q.get()

@@ -60,31 +60,31 @@ class PlanRunner:
     def define(self, ins: ir.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
 
-    def _compiled(self, plan: int, program: Program, mesh, coords: tuple[int, ...]) -> Any:
+    def _compiled(self, plan: int, program: Program, mesh, coords: tuple[int, ...], on: str) -> Any:
         """The C++ program of ``plan`` for the rank at ``coords``: its compute steps, and its
         communication with the groups it uses (made here, in step order, as the Python path
         makes them at first use; every member makes them in the same order)."""
-        key = (plan, coords)
+        key = (plan, coords, on)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.core.Program(core_steps(program, coords, self.ex.device), Slot)
             for k, step in enumerate(program.steps):
                 if (step.comm or step.op in ("send", "recv")) and runs_on(step, coords):
-                    self._set_comm(compiled, k, step, mesh, coords)
+                    self._set_comm(compiled, k, step, mesh, coords, on)
             compiled.set_uses([list(u) for u in self.programs[plan][1]])
             self.compiled[key] = compiled
         return compiled
 
-    def _set_comm(self, compiled, k: int, step, mesh, coords) -> None:
+    def _set_comm(self, compiled, k: int, step, mesh, coords, on: str) -> None:
         comm = step.comm or {}
         group, index, size, peer = None, 0, 1, -1
         if step.op in ("shard_local", "partial_local"):
             d = comm["dims"][0]
             index, size = coords[d], mesh.sizes[d]
         elif step.op in ("send", "recv"):
-            group, peer = self._pair(step, mesh, coords)
+            group, peer = self._pair(step, mesh, coords, on)
         else:
-            group, index, size = self._group(mesh, coords, comm["dims"], step.stream)
+            group, index, size = self._group(mesh, coords, comm["dims"], _groups_of(on, step))
         compiled.set_comm(
             k,
             step.op,
@@ -115,14 +115,14 @@ class PlanRunner:
                 members.append(r)
         return members
 
-    def _pair(self, step, mesh, coords) -> tuple[Any, int]:
+    def _pair(self, step, mesh, coords, on: str) -> tuple[Any, int]:
         """The group of this rank and the peer of send/recv ``step``, and the peer's index in
         it."""
         d = step.comm["dims"][0]
         mine = self._rank_at(mesh, coords)
         other = self._rank_at(mesh, coords[:d] + (step.comm["peer"],) + coords[d + 1 :])
         members = sorted((mine, other))
-        return self.ex._pg(members, step.stream), members.index(other)
+        return self.ex._pg(members, _groups_of(on, step)), members.index(other)
 
     def _group(self, mesh, coords, dims, stream):
         members = self._members(mesh, coords, dims)
@@ -148,7 +148,7 @@ class PlanRunner:
                 ex.refs[local] = local_value(v, t, coords, sizes)
         core = self.core
         env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
-        compiled = self._compiled(ins.plan, program, mesh, coords) if core else None
+        compiled = self._compiled(ins.plan, program, mesh, coords, ins.stream) if core else None
         for slot, ref in zip(program.inputs, ins.inputs):
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
@@ -191,7 +191,7 @@ class PlanRunner:
                     pending.pop(s)()
             try:
                 if step.comm or step.op in ("send", "recv"):
-                    self._comm(step, env, mesh, coords, pending, failure is not None)
+                    self._comm(step, env, mesh, coords, pending, failure is not None, ins.stream)
                 elif failure is None:
                     run_step(step, env, ex.device)
             except Exception as e:  # noqa: BLE001 - the user's op failed on this rank
@@ -217,7 +217,7 @@ class PlanRunner:
             return Failure(self.ex.rank, ins.line, "plan", why, "")
         return failure
 
-    def _comm(self, step, env, mesh, coords, pending, failed: bool) -> None:
+    def _comm(self, step, env, mesh, coords, pending, failed: bool, on: str) -> None:
         op = step.op
         comm = step.comm
         shapes = comm.get("shapes", ())
@@ -240,7 +240,7 @@ class PlanRunner:
             env[step.outs[0]] = v if comm["op"] != "sum" or coords[d] == 0 else torch.zeros_like(v)
             return
         if op in ("send", "recv"):
-            group, peer = self._pair(step, mesh, coords)
+            group, peer = self._pair(step, mesh, coords, on)
             if op == "send":
                 group.send([value(0).contiguous()], peer, 0).wait()
             else:
@@ -248,7 +248,7 @@ class PlanRunner:
                 group.recv([buf], peer, 0).wait()
                 env[step.outs[0]] = buf
             return
-        group, index, n = self._group(mesh, coords, comm["dims"], step.stream)
+        group, index, n = self._group(mesh, coords, comm["dims"], _groups_of(on, step))
         if op == "all_reduce":
             tensors = [value(i) for i in range(len(step.args))]
             if len(tensors) == 1:
@@ -324,6 +324,16 @@ class PlanRunner:
         for c, n in zip(coords, mesh.sizes):
             index = index * n + c
         return mesh.ranks[index]
+
+
+def _groups_of(on: str, step) -> str:
+    """The stream whose groups ``step`` of a plan run on stream ``on`` uses. The whole plan
+    runs on ``on``'s thread: its ``main`` steps take their place in that stream's order and
+    use its groups; its other streams' steps (``comms``, started and waited for later) get
+    groups of their own, never a user stream's -- a user's ``md.Stream("comms")`` runs its
+    collectives on another thread at the same time, and two threads on one group mix up their
+    messages."""
+    return on if step.stream == "main" else f"plan/{on}/{step.stream}"
 
 
 def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list:

@@ -234,12 +234,29 @@ class Worker:
 
 
 def worker_device():
-    """SPEC: a worker uses ``cuda:<local index>`` when GPUs are present, ``cpu`` otherwise."""
+    """SPEC: a worker uses ``cuda:<local index>`` when GPUs are present, ``cpu`` otherwise.
+    ``MD_DEVICE`` (``cpu`` or ``cuda``, e.g. from ``spawn_procs(env=...)``) chooses instead.
+    A host with fewer GPUs than its workers is refused here, clearly: two NCCL ranks on one
+    GPU fail later, obscurely."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    want = os.environ.get("MD_DEVICE", "").strip().lower()
+    if want not in ("", "cpu", "cuda"):
+        raise RuntimeError(f"MD_DEVICE must be 'cpu' or 'cuda', not {want!r}")
+    if want == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        if want == "cuda":
+            raise RuntimeError("MD_DEVICE=cuda, but this worker sees no CUDA device")
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= count:
+        raise RuntimeError(
+            f"worker with LOCAL_RANK={local} on a host with {count} CUDA device(s): at most "
+            f"{count} worker(s) per host can have a GPU each (MD_DEVICE=cpu runs them on the CPU)"
+        )
+    return torch.device("cuda", local)
 
 
 def _exit(code: int) -> None:
