@@ -929,3 +929,17 @@ def test_broken_compiled_plan_fails_check_at_the_users_line(make, brk, fragment,
     assert fragment in str(e.value)
     _assert_loc(e.value.loc, *where)
     assert str(e.value).endswith(f"(at {e.value.loc})")
+
+
+def test_a_scalar_constant_in_the_step_takes_the_workers_device():
+    """A 0-dim constant tensor in the step becomes ``aten.scalar_tensor`` with a device that
+    each worker replaces by its own (cuda:i on GPUs: ``cat`` with a CPU tensor would fail)."""
+
+    def f(x):
+        return torch.cat([x, torch.tensor(3.0).expand(4, 1)], 1)
+
+    x = torch.randn(4, 2)
+    plan, out = _run_simulated(f, (x,), (("dp", 2),), data_parallel="dp")
+    (const,) = [i for i in plan.body if i.op == "aten.scalar_tensor.default"]
+    assert dict(const.kwargs)["device"] == torch.device("cpu")
+    assert torch.equal(out[0], f(x))

@@ -703,7 +703,8 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
                     (names[node],),
                     "aten.scalar_tensor.default",
                     (value.item(),),
-                    (("dtype", value.dtype),),
+                    # (a device: each worker puts its own there, as for every factory op)
+                    (("dtype", value.dtype), ("device", torch.device("cpu"))),
                     (_type_of(value, nd),),
                     loc=user_location(node.meta.get("stack_trace")),
                 )
