@@ -611,6 +611,15 @@ class Executor {
     try {
       if (!own_failed && !in.value.isTensor())
         throw std::runtime_error("internal error: no value for %" + std::to_string(r.src));
+      if (!own_failed && in.value.toTensor().device() != device_.toDevice()) {
+        // (a remote function's CPU tensor on a GPU worker): this rank alone would fail in the
+        // collective while the others wait in it; it is a failed input instead.
+        failed = std::make_shared<Failure>(Failure{
+            rank_, r.line, r.what_error,
+            "RuntimeError: the input is on " + in.value.toTensor().device().str() +
+                ", not on this worker's device",
+            ""});
+      }
       Group& grp = group(r.group);
       auto options = at::TensorOptions().device(device_.toDevice());
       at::Tensor flag = at::full({1}, failed ? 1 : 0, options.dtype(at::kInt));

@@ -271,6 +271,13 @@ def _fails_on_gpu1(t):
     return t + 1
 
 
+@md.remote(propagate=lambda t: t)
+def _meta_on_gpu1(t):
+    # A tensor on another device than the worker's (as a CPU tensor on a GPU worker) on one
+    # rank only.
+    return torch.empty_like(t, device="meta") if md.current_rank()["gpu"] == 1 else t + 1
+
+
 def test_remote_functions_learn_or_propagate_shapes(pm):
     _plus_rank._shapes.clear()  # learnt on the other executor's mesh, if that ran first
     with pm.activate():
@@ -285,6 +292,18 @@ def test_remote_functions_learn_or_propagate_shapes(pm):
         assert md.inspect(b).item() == 3.0
     with pytest.raises(RuntimeError, match="active mesh"):
         _plus_rank(1, 2)
+
+
+def test_an_input_on_another_device_fails_the_collective_on_every_rank_without_a_hang(pm):
+    with pm.activate():
+        z = _meta_on_gpu1(torch.ones(3))
+        total = z.reduce("gpu")
+        with pytest.raises(md.RemoteError, match="the input is on meta") as info:
+            md.inspect(total, host=0, gpu=1)
+        assert info.value.coords == {"host": 0, "gpu": 1}
+        with pytest.raises(md.RemoteError):
+            md.inspect(total, host=0, gpu=0)
+        assert md.inspect(torch.ones(2).reduce("gpu")).tolist() == [2.0, 2.0]  # still usable
 
 
 def test_failure_on_some_ranks_does_not_hang_a_collective(pm):

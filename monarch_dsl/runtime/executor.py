@@ -436,6 +436,10 @@ class ReferenceExecutor:
     def reduce(self, ins: ir.Reduce) -> None:
         src = self.refs.get(ins.src)
         failed = src if isinstance(src, Failure) else None
+        if failed is None and isinstance(src, torch.Tensor) and src.device != self.device:
+            # (a remote function's CPU tensor on a GPU worker): this rank alone would fail in
+            # the collective while the others wait in it; it is a failed input instead.
+            failed = Failure(self.rank, ins.line, f"reduce {ins.dims}", _elsewhere(src), "")
         try:
             group, index, size = self._group(ins)
             # Whether any rank of the group lost its input: then every rank's result is failed
@@ -472,6 +476,10 @@ class ReferenceExecutor:
 
     def _placeholder_meta(self, ins: ir.Reduce) -> tuple[tuple[int, ...], torch.dtype]:
         return ins.shape, getattr(torch, ins.dtype)
+
+
+def _elsewhere(t: torch.Tensor) -> str:
+    return f"RuntimeError: the input is on {t.device}, not on this worker's device"
 
 
 def new_group(store: Any, index: int, size: int, device: torch.device) -> Any:
