@@ -140,10 +140,8 @@ class Executor {
   // Prepare an op call: raises if it cannot be called from C++ (the caller runs it in
   // Python instead).
   void call_op(const std::string& stream, const std::string& op, const py::tuple& args,
-               const py::dict& kwargs, const std::vector<int64_t>& outs, std::string line) {
-    auto call = std::make_shared<OpCall>(OpCall{prepare(op, args, kwargs), outs, std::move(line)});
-    Item item{Kind::Op, std::move(call)};
-    push(stream, std::move(item));
+               const py::dict& kwargs, std::vector<int64_t> outs, std::string line) {
+    push(stream, op_item(op, args, kwargs, std::move(outs), std::move(line)));
   }
 
   // A message's (mesh, instruction) pairs, in order: those of meshes this rank is not in
@@ -195,11 +193,9 @@ class Executor {
           std::vector<int64_t> outs;
           for (auto o : py::reinterpret_borrow<py::tuple>(field(3)))
             outs.push_back(o.is_none() ? -1 : o.cast<int64_t>());
-          auto call = std::make_shared<OpCall>(
-              OpCall{prepare(field(0).cast<std::string>(), py::reinterpret_borrow<py::tuple>(field(1)),
-                             py::reinterpret_borrow<py::dict>(field(2))),
-                     std::move(outs), field(5).cast<std::string>()});
-          item = Item{Kind::Op, std::move(call)};
+          item = op_item(field(0).cast<std::string>(), py::reinterpret_borrow<py::tuple>(field(1)),
+                         py::reinterpret_borrow<py::dict>(field(2)), std::move(outs),
+                         field(5).cast<std::string>());
         } catch (const std::exception&) {  // (py::error_already_set too: a mesh coordinate...)
         }
         if (item) {
@@ -352,6 +348,13 @@ class Executor {
     bool stop = false;
     std::thread thread;
   };
+
+  // An eager op, prepared (raises for what the dispatcher cannot take).
+  Item op_item(const std::string& op, const py::tuple& args, const py::dict& kwargs,
+               std::vector<int64_t> outs, std::string line) {
+    return Item{Kind::Op, std::make_shared<OpCall>(
+                              OpCall{prepare(op, args, kwargs), std::move(outs), std::move(line)})};
+  }
 
   md::BoxedCall prepare(const std::string& op, const py::tuple& args, const py::dict& kwargs) {
     auto sep = op.find("::");

@@ -143,11 +143,9 @@ std::optional<c10::OperatorHandle> inplace_variant(const c10::OperatorHandle& ha
 bool holds_tensors(const c10::IValue& v) {
   if (v.isTensorList()) return true;
   if (!v.isList()) return false;
-  auto kind = v.toListRef().empty() ? c10::TypeKind::AnyType : v.toListRef()[0].isTensor()
-                                                                   ? c10::TypeKind::TensorType
-                                                                   : c10::TypeKind::AnyType;
-  return kind == c10::TypeKind::TensorType || v.toList().elementType()->kind() ==
-                                                  c10::TypeKind::OptionalType;
+  // Tensor?[], or a generic list of tensors
+  return v.toList().elementType()->kind() == c10::TypeKind::OptionalType ||
+         (!v.toListRef().empty() && v.toListRef()[0].isTensor());
 }
 
 }  // namespace

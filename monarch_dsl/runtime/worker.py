@@ -41,9 +41,10 @@ FLUSH_AFTER = 0.0005  # seconds a finished reply may wait for the ones after it
 
 
 class Worker:
-    def __init__(self, conn: transport.Connection, rank: int):
+    def __init__(self, conn: transport.Connection, rank: int, device: Any):
         self.conn = conn
         self.rank = rank
+        self.device = device  # worker_device(), told to the controller in Hello
         self.actors: dict[int, tuple[Any, context.Point]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._methods: dict[tuple[type, str], tuple[Callable, bool]] = {}
@@ -201,7 +202,7 @@ class Worker:
             from monarch_dsl.runtime.executor import ReferenceExecutor
             from monarch_dsl.runtime.plan_runner import _core
 
-            device = worker_device()
+            device = self.device
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL and new CUDA tensors use this GPU
             callbacks = dict(
@@ -294,5 +295,6 @@ def connect_and_serve(
     sock = transport.dial(address)
     transport.handshake_dialer(sock, token)
     conn = transport.Connection(sock, peer=address)
-    conn.send(Hello(rank, os.getpid(), socket.gethostname(), worker_device().type))
-    Worker(conn, rank).run()
+    device = worker_device()
+    conn.send(Hello(rank, os.getpid(), socket.gethostname(), device.type))
+    Worker(conn, rank, device).run()
