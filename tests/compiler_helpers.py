@@ -134,12 +134,19 @@ class TwoStages(nn.Module):
             return self.second(h)
 
 
-def two_stages_sgd():
-    """A ``make`` for ``simulate_training``: a seeded ``TwoStages``, SGD with momentum, and
-    ``mse_step``."""
-    torch.manual_seed(0)
-    model = TwoStages()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+def two_stages(opt_cls=torch.optim.SGD, **opt_kwargs):
+    """A ``make`` for ``simulate_training``: a seeded ``TwoStages``, ``opt_cls(**opt_kwargs)``
+    (``lr=0.1`` when none are given), and ``mse_step``."""
+
+    def make():
+        torch.manual_seed(0)
+        model = TwoStages()
+        return model, opt_cls(model.parameters(), **(opt_kwargs or {"lr": 0.1})), mse_step
+
+    return make
+
+
+two_stages_sgd = two_stages(torch.optim.SGD, lr=0.1, momentum=0.9)  # SGD with momentum
 
 
 def mse_batches(n=3, shape=(8, 16)):

@@ -29,6 +29,7 @@ from compiler_helpers import (  # noqa: E402
     mse_step,
     simulate_both,
     simulate_training,
+    two_stages,
     two_stages_sgd,
 )
 
@@ -527,15 +528,6 @@ def test_zero_sharded_parameters_reduce_scatter_their_gradients():
     assert updated == set(zero)
 
 
-def _two_stages(opt_cls=torch.optim.SGD, **opt_kwargs):
-    def make():
-        torch.manual_seed(0)
-        model = TwoStages()
-        return model, opt_cls(model.parameters(), **(opt_kwargs or {"lr": 0.1})), mse_step
-
-    return make
-
-
 ZERO_OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.1}),
     (torch.optim.Adam, {"lr": 0.01}),
@@ -555,7 +547,7 @@ def test_zero_sharded_parameters_with_micro_batches(opt, mesh, micro_batches):
     if len(mesh) == 1:
         make, layers = _mlp(opt[0], **opt[1]), ("0", "2")
     else:
-        make, layers = _two_stages(opt[0], **opt[1]), ("first.0", "second")
+        make, layers = two_stages(opt[0], **opt[1]), ("first.0", "second")
     zero = {f"model.{k}.{p}": {"dp": S(0)} for k in layers for p in ("weight", "bias")}
     model, ref, losses, ref_losses, plans = simulate_training(
         make, mesh, mse_batches(), placements=zero, data_parallel="dp", micro_batches=micro_batches
@@ -592,7 +584,7 @@ def test_foreach_optimizers_match_one_process(opt, where):
     meta"). Traced as one op per tensor, each is placed, sharded and staged on its own."""
     options = dict(FOREACH_MESHES[where])
     mesh = options.pop("mesh")
-    make = (_two_stages if where.endswith("pp2") else _mlp)(opt[0], **opt[1])
+    make = (two_stages if where.endswith("pp2") else _mlp)(opt[0], **opt[1])
     model, ref, losses, ref_losses, plans = simulate_training(make, mesh, mse_batches(), **options)
     close = dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.state_dict(), ref.state_dict(), **close)
@@ -619,7 +611,7 @@ def test_a_foreach_op_writes_each_tensor_of_its_list(monkeypatch):
     x, y = mse_batches(1)[0]
     sgd = {"lr": 0.1, "foreach": True}
     cases = [
-        (_two_stages(**sgd), "pp=2", r"_foreach_add_\.List updates tensors of several pipeline"),
+        (two_stages(**sgd), "pp=2", r"_foreach_add_\.List updates tensors of several pipeline"),
         (_mlp(**sgd), "tp=2", r"_foreach_add_\.List writes in place into %model\.0\.weight"),
         (_mlp(torch.optim.Adam, lr=0.01, foreach=True), "tp=2", "could not be traced"),
     ]

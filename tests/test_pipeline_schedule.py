@@ -14,11 +14,11 @@ import monarch_dsl as md
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compiler_helpers import (  # noqa: E402
-    TwoStages,
     mse_batches,
     mse_step,
     simulate_both,
     simulate_training,
+    two_stages,
     two_stages_sgd,
 )
 
@@ -105,20 +105,11 @@ def test_parity_with_one_process(bucket_cap_mb):
 # step counter) is made on its parameter's stage ------------------------------------------------
 
 
-def _adam(opt_type):
-    def make():
-        torch.manual_seed(0)
-        model = TwoStages()
-        return model, opt_type(model.parameters(), lr=0.01), mse_step
-
-    return make
-
-
 @pytest.mark.parametrize("opt_type", [torch.optim.Adam, torch.optim.AdamW], ids=["adam", "adamw"])
 @pytest.mark.parametrize("mesh, dp", [((("pp", 2),), None), (MESH, "dp")], ids=["pp2", "dp2xpp2"])
 def test_adam_parity_with_one_process(opt_type, mesh, dp):
     model, ref, losses, ref_losses, plans = simulate_training(
-        _adam(opt_type), mesh, mse_batches(), micro_batches=4, data_parallel=dp
+        two_stages(opt_type, lr=0.01), mesh, mse_batches(), micro_batches=4, data_parallel=dp
     )
     close = dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.state_dict(), ref.state_dict(), **close)
@@ -160,7 +151,7 @@ def test_weight_shared_across_stages_is_refused():
 def test_bucket_reason_names_the_placement_change_and_the_reading_ops():
     """Like every other collective's reason: which placement change, for which ops (here
     Adam's, which read each gradient twice: exp_avg's lerp_ and exp_avg_sq's addcmul_)."""
-    model, opt, step_of = _adam(torch.optim.Adam)()
+    model, opt, step_of = two_stages(torch.optim.Adam, lr=0.01)()
     step = md.mesh_fn(step_of(model, opt), data_parallel="dp", micro_batches=4)
     x, y = mse_batches(1)[0]
     plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=2"))

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from monarch_dsl.compiler.plan import PlanError
+from monarch_dsl.compiler.propagate import FOREACH
 
 aten = torch.ops.aten
 
@@ -80,7 +81,6 @@ def decompositions() -> dict:
 # (``add_(p0, g0)``, ``add_(p1, g1)``, ...) instead, each is placed, sharded and ordered on
 # its own, like the foreach=False update.
 
-_FOREACH = "_foreach_"
 # Per-tensor ops whose name is not the foreach op's without its prefix.
 _FOREACH_AS = {
     "norm": lambda x, ord=2, dtype=None: aten.linalg_vector_norm(x, ord, dtype=dtype),
@@ -93,7 +93,7 @@ def _foreach_decompositions() -> dict:
     table = {}
     for schema in torch._C._jit_get_all_schemas():
         ns, _, name = schema.name.partition("::")
-        if ns != "aten" or not name.startswith(_FOREACH) or "out" in schema.overload_name:
+        if ns != "aten" or not name.startswith(FOREACH) or "out" in schema.overload_name:
             continue
         packet = getattr(aten, name, None)
         op = getattr(packet, schema.overload_name or "default", None)
@@ -105,7 +105,7 @@ def _foreach_decompositions() -> dict:
 def _foreach_per_tensor(op, *args, **kwargs):
     """``op`` (a foreach op) as one op per tensor of its list arguments."""
     schema = op._schema
-    base = schema.name.partition("::")[2].removeprefix(_FOREACH)
+    base = schema.name.partition("::")[2].removeprefix(FOREACH)
     inplace = base.endswith("_")
     is_list = {a.name: str(a.type).startswith("List[") for a in schema.arguments}
     positional = [is_list[a.name] for a in schema.arguments if not a.kwarg_only]
@@ -217,8 +217,12 @@ def _written_nodes(node: torch.fx.Node) -> set:
 
 def _user_location_here() -> str:
     """``file:line`` of the innermost user frame of the current stack."""
+    return _innermost_user(traceback.extract_stack())
+
+
+def _innermost_user(frames: traceback.StackSummary) -> str:
     last = ""
-    for frame in traceback.extract_stack():
+    for frame in frames:
         if _is_user_file(frame.filename):
             last = f"{short_path(frame.filename)}:{frame.lineno}"
     return last
@@ -578,11 +582,7 @@ def user_location(stack_trace: str | None) -> str:
 
 
 def user_location_of_exception(e: BaseException) -> str:
-    last = ""
-    for frame in traceback.extract_tb(e.__traceback__):
-        if _is_user_file(frame.filename):
-            last = f"{short_path(frame.filename)}:{frame.lineno}"
-    return last
+    return _innermost_user(traceback.extract_tb(e.__traceback__))
 
 
 def _is_data_dependent(e: BaseException) -> bool:
@@ -601,10 +601,10 @@ def _in_foreach(e: BaseException) -> bool:
     """Whether ``e`` was raised in a foreach (multi-tensor) op or a torch function calling
     them (``torch.optim.adam._multi_tensor_adam``, ``_foreach_norm`` in clip_grad_norm_)."""
     for x in _chain(e):
-        if _FOREACH in str(x):
+        if FOREACH in str(x):
             return True
         for frame in traceback.extract_tb(x.__traceback__):
-            if frame.name.startswith("_multi_tensor_") or _FOREACH in frame.name:
+            if frame.name.startswith("_multi_tensor_") or FOREACH in frame.name:
                 return True
     return False
 

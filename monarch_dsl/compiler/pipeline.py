@@ -332,12 +332,12 @@ def _phases(plan: Plan) -> dict[int, str]:
 
 
 def _order_by_dependencies(
-    body: list[Instr], available: set[str], program: list[Instr] | None = None
+    body: list[Instr], available: set[str], program: list[Instr]
 ) -> list[Instr]:
     """``body`` in its order, except that an instruction waits until its inputs are defined
-    and, when ``program`` (the same instructions in an order that runs them correctly one
-    after the other) is given, until the accesses to the storage it reads or writes that
-    come before it in ``program`` are done (``_memory_dependencies``).
+    and until the accesses to the storage it reads or writes that come before it in
+    ``program`` (the same instructions in an order that runs them correctly one after the
+    other) are done (``_memory_dependencies``).
 
     Whatever a defined value (or a done instruction) lets go runs right after it, in sweeps
     in body order: those later in the body than the instruction that freed them in the same
@@ -349,7 +349,7 @@ def _order_by_dependencies(
     # What each instruction waits for: values (by name) and instructions (by body index).
     waiters: dict[str | int, list[int]] = {}
     missing: dict[int, int] = {}  # waiting instruction -> how many of those are not there yet
-    after = _memory_dependencies(body, program) if program is not None else {}
+    after = _memory_dependencies(body, program)
 
     def release(key: str | int, k: int, sweep: list[int], following: list[int]) -> None:
         for w in waiters.pop(key, ()):
