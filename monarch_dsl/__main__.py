@@ -36,6 +36,11 @@ def _worker(args: argparse.Namespace) -> int:
         )
         return 2
     os.environ["MONARCH_DSL_ROLE"] = "worker"
+    if os.environ.get("MD_EXECUTOR", "cpp") != "python":
+        from monarch_dsl import _build
+
+        if _build.ensure() is None:  # said why on stderr; this worker runs Python
+            os.environ["MD_EXECUTOR"] = "python"
     from monarch_dsl.runtime import transport, worker
 
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
@@ -55,18 +60,64 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from monarch_dsl import _build
+
+    return _build.main()
+
+
+# Every subcommand: (name, one line, an example). `monarch-dsl --help` lists them.
+COMMANDS = [
+    (
+        "run",
+        "run a script; its meshes are local worker processes",
+        "monarch-dsl run train.py --lr 0.1",
+    ),
+    (
+        "worker",
+        "join a controller as a worker (for torchrun, SLURM, ...)",
+        "torchrun --nproc-per-node=4 -m monarch_dsl worker --connect tcp:HOST:29600",
+    ),
+    (
+        "build",
+        "compile the C++ runtime for the installed torch now (else: on first use)",
+        "monarch-dsl build",
+    ),
+    ("version", "print the version", "monarch-dsl version"),
+]
+
+
+def _epilog() -> str:
+    width = max(len(name) for name, _, _ in COMMANDS)
+    lines = ["commands:"]
+    for name, text, example in COMMANDS:
+        lines.append(f"  {name:<{width}}  {text}")
+        lines.append(f"  {'':<{width}}    e.g. {example}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="monarch-dsl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("worker", help="join a controller as a worker (for external launchers)")
-    w.add_argument("--connect", required=True, help="the controller's address, tcp:HOST:PORT")
-    w.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $RANK)")
-    w.set_defaults(fn=_worker)
-    r = sub.add_parser("run", help="run a script (its meshes are local)")
+    parser = argparse.ArgumentParser(
+        prog="monarch-dsl",
+        description="Drive a mesh of processes (and their GPUs) from one Python program.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="one of the commands below"
+    )
+    helps = {name: text for name, text, _ in COMMANDS}
+    r = sub.add_parser("run", description=helps["run"])
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_run)
-    v = sub.add_parser("version", help="print the version")
+    w = sub.add_parser("worker", description=helps["worker"])
+    w.add_argument("--connect", required=True, help="the controller's address, tcp:HOST:PORT")
+    w.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $RANK)")
+    w.set_defaults(fn=_worker)
+    b = sub.add_parser("build", description=helps["build"])
+    b.set_defaults(fn=_build)
+    v = sub.add_parser("version", description=helps["version"])
     v.set_defaults(fn=lambda _: print(__import__("monarch_dsl").__version__) or 0)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from monarch_dsl import _build
 from monarch_dsl import actor as _actor
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.mesh import Mesh
@@ -142,14 +143,18 @@ class LocalHost:
             if buffers:
                 raise TypeError("setup must not close over tensors")
             setup_bytes = payload
+        env = dict(env or {})
+        if env.get("MD_EXECUTOR", os.environ.get("MD_EXECUTOR", "cpp")) != "python":
+            # Built here, once, before any worker starts (workers only load it). Without it
+            # (no compiler, ...) ensure() says why and how to fix it, and workers run Python.
+            if _build.ensure() is None:
+                env["MD_EXECUTOR"] = "python"
         label = ",".join(f"{d}={s}" for d, s in zip(dims, sizes))
         job = controller.Job(dims, sizes)
         controller.register(job)
         local = sizes[-1] if dims[0] == "host" and len(dims) > 1 else job.world
         try:
-            job.start_local(
-                local, dict(env or {}), setup_bytes, timeout, _progress_printer(label, _quiet())
-            )
+            job.start_local(local, env, setup_bytes, timeout, _progress_printer(label, _quiet()))
         except BaseException:
             job.stop()
             raise

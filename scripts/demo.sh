@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set everything up, then run the actors demo on a local 4-process mesh.
+# Set everything up, then run the demo on a local CPU mesh: a training step compiled for a
+# dp x tp mesh (its communications, plan.check(), run on 4 workers beside one process), then
+# actors. Extra arguments go to examples/demo.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${VIRTUAL_ENV:-.venv}
-exec "$VENV/bin/python" examples/actors.py "$@"
+exec "$VENV/bin/python" examples/demo.py "$@"

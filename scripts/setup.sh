@@ -40,7 +40,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c 'import m
 fi
 # The C++ runtime: compiled once against this torch (about a minute per source file on two
 # cores), then only loaded; a failed build prints the compiler's output.
-"$PY" -m monarch_dsl._build
+"$PY" -m monarch_dsl build
 
 "$PY" -c 'import platform, torch, monarch_dsl
 print(f"setup: ok (python {platform.python_version()}, torch {torch.__version__}, monarch_dsl {monarch_dsl.__version__})")'

@@ -106,6 +106,36 @@ def test_dp_times_tp():
     assert {c.dims for c in plans[0].collectives} == {("dp",), ("tp",)}
 
 
+def test_plan_summary_is_a_table_of_the_communications():
+    model, opt, _ = _mlp()()
+    step = md.mesh_fn(data_parallel="dp", placements=MEGATRON_MLP)(mse_step(model, opt))
+    plan = step.compile(*mse_batches(1, (8, 16))[0], mesh=md.Mesh.from_string("dp=2,tp=2"))
+    text = plan.summary()
+    head, blank, header, rule, *rows = text.splitlines()
+    assert head.startswith("plan 'step' for mesh dp=2,tp=2:")
+    assert f"{len(plan.collectives)} communications" in head
+    assert header.split() == [
+        "#",
+        "kind",
+        "dims",
+        "stream",
+        "moves",
+        "(per",
+        "rank)",
+        "why",
+        "where",
+    ]
+    numbered = [r for r in rows if r[:1].isdigit()]  # a row per communication (+ wrapped reasons)
+    assert len(numbered) == len(plan.collectives)
+    for row, c in zip(numbered, plan.collectives, strict=True):
+        assert row.split()[1:3] == [c.kind, ",".join(c.dims)]
+        assert row.rstrip().endswith(c.loc.rsplit("/", 1)[-1])  # the user's file:line
+    # the tp all-reduce of the row-parallel result moves each rank's (8/2)x16 float32 part
+    assert "f32[4x16]" in numbered[0], numbered[0]
+    assert "tensors," in text  # a gradient bucket: how many tensors and bytes
+    assert plan.summary() == text
+
+
 def test_transformer_block_dp2():
     def make():
         torch.manual_seed(0)

@@ -206,8 +206,9 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     def fail(**kwargs):
-        print("program.cpp:1: error: expected ';'")
-        raise RuntimeError("Error building extension 'monarch_dsl_core'")
+        raise RuntimeError(
+            "Error building extension 'monarch_dsl_core': program.cpp:1: error: expected ';'"
+        )
 
     monkeypatch.setattr(cpp_extension, "load", fail)
     with pytest.raises(_build.BuildError, match="expected ';'"):

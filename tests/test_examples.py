@@ -23,8 +23,13 @@ def run_example(name: str, timeout: float, **env: str) -> str:
     return out.stdout
 
 
-def test_actors_example_runs():
-    text = run_example("actors.py", 180)
+def test_demo_runs():
+    """``bash scripts/demo.sh``: the compiled dp x tp step, checked, run on 4 workers with the
+    losses of one process; then the actors example."""
+    text = run_example("demo.py", 180)
+    assert "plan.check(): every collective is matched on all 4 ranks" in text
+    assert "all_reduce  tp" in text and "all_reduce  dp    comms" in text
+    assert "the compiled step on the mesh trains exactly like one process" in text
     assert "after broadcast: 116" in text
     assert "ActorError: actor Point(host=0, gpu=1) raised: ValueError" in text
     assert "still alive after the error: 116" in text

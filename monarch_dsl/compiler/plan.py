@@ -15,6 +15,8 @@ Text form (``str(plan)`` / ``Plan.parse``) is in ``compiler/text.py``; the gramm
 
 from __future__ import annotations
 
+import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -113,6 +115,20 @@ class TensorType(NamedTuple):
             if isinstance(p, Shard):
                 shape[p.dim] //= n
         return tuple(shape)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 # ---- values in instructions ------------------------------------------------------------------
@@ -272,6 +288,53 @@ class Plan:
                 dims = tuple(ins.kw("dims", ()))
                 out.append(Collective(ins.op, dims, ins.reason, ins.loc, value, ins.stream))
         return out
+
+    def summary(self) -> str:
+        """A plain-text table of the plan for people: its size, then one row per inserted
+        communication (kind, mesh dims, stream, the local shape it moves, why, and the user's
+        ``file:line``). ``str(plan)`` is the complete text; this is the overview."""
+        types = self.types()
+        comms = self.collectives
+        compute = sum(1 for ins in self.body if not ins.is_comm)
+        mesh = ",".join(f"{d}={n}" for d, n in self.mesh)
+        head = (
+            f"plan {self.name!r} for mesh {mesh}: {len(self.inputs)} inputs, "
+            f"{compute} compute instructions, {len(comms)} communications"
+        )
+        if self.micro_batches > 1:
+            head += f", {self.micro_batches} micro-batches"
+        rows = [("#", "kind", "dims", "stream", "moves (per rank)", "why", "where")]
+        comm_instrs = [ins for ins in self.body if ins.is_comm]
+        for i, (c, ins) in enumerate(zip(comms, comm_instrs)):
+            values = ins.uses() if ins.op == "send" else list(ins.outs)
+            moved = [t for t in (types.get(v) for v in values) if t is not None and t.shape]
+            moves = ""
+            if len(moved) == 1:
+                t = moved[0]
+                shape = "x".join(map(str, t.local_shape(self.sizes)))
+                moves = f"{DTYPE_NAMES.get(t.dtype, t.dtype)}[{shape}]"
+            elif moved:
+                size = sum(math.prod(t.local_shape(self.sizes)) * _itemsize(t.dtype) for t in moved)
+                moves = f"{len(moved)} tensors, {_bytes(size)}"
+            elif values and types.get(values[0]) is not None:
+                moves = f"{DTYPE_NAMES.get(types[values[0]].dtype, '?')} scalar"
+            where = c.loc.rsplit("/", 1)[-1]
+            rows.append((str(i), c.kind, ",".join(c.dims), c.stream, moves, c.reason, where))
+        why = 5  # the reason column, wrapped: bucket reasons list every gradient
+        wrapped = [r[:why] + (textwrap.wrap(r[why], 60) or [""],) + r[why + 1 :] for r in rows]
+        widths = [
+            max(max(map(len, c)) if isinstance(c, list) else len(c) for c in col)
+            for col in zip(*wrapped)
+        ]
+        lines = [head, ""]
+        for k, r in enumerate(wrapped):
+            for n, part in enumerate(r[why]):
+                cells = [c if n == 0 else "" for c in r]
+                cells[why] = part
+                lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
 
     def types(self) -> dict[str, TensorType]:
         """Every value's type by name (inputs and instruction results)."""

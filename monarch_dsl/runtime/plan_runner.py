@@ -357,8 +357,8 @@ def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) ->
 
 def _core() -> Any:
     """The C++ runtime, unless ``MD_EXECUTOR=python`` asks for the reference executor. A
-    worker never builds it (setup does): without a build, compute runs in Python, and says so
-    once."""
+    worker never builds it (the controller does, before starting workers): without a build,
+    compute runs in Python, and says so once."""
     import os
     import sys
 

@@ -148,8 +148,6 @@ bool holds_tensors(const c10::IValue& v) {
          (!v.toListRef().empty() && v.toListRef()[0].isTensor());
 }
 
-}  // namespace
-
 class Env {
  public:
   explicit Env(int64_t n) : values(n) {}
@@ -559,6 +557,8 @@ class Program {
   int64_t reused_ = 0;    // steps of the last run that wrote a buffer of the run before
   int64_t in_place_ = 0;  // of those, steps that wrote their argument (relu as relu_)
 };
+
+}  // namespace
 
 void bind_program(py::module& m) {
   py::class_<Env>(m, "Env")

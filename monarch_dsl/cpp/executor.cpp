@@ -85,8 +85,6 @@ struct Item {
   std::shared_ptr<std::atomic<int64_t>> counter;  // Barrier: streams still to arrive
 };
 
-}  // namespace
-
 class Executor {
  public:
   Executor(int64_t rank, py::object ref_type, py::object device_sentinel, py::object device,
@@ -875,6 +873,8 @@ class Executor {
   std::condition_variable events_cv_;
   std::unordered_map<int64_t, EventState> events_;
 };
+
+}  // namespace
 
 void bind_executor(py::module& m) {
   py::class_<Executor>(m, "Executor")
