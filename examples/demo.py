@@ -65,9 +65,8 @@ def main() -> None:
     print(plan.summary())
     plan.check()
     print("\nplan.check(): every collective is matched on all 4 ranks; no transfer can deadlock")
-    print(
-        f"(str(plan) is the whole plan, one line per instruction: {len(str(plan).splitlines())} lines)"
-    )
+    lines = len(str(plan).splitlines())
+    print(f"(str(plan) is the whole plan, one line per instruction: {lines} lines)")
 
     section("3. run it on 4 local CPU worker processes, beside one process")
     local = make_step()

@@ -13,6 +13,7 @@ from monarch_dsl.errors import (
     MonarchError,
     RemoteError,
     SpawnError,
+    SpmdError,
     SupervisionError,
 )
 from monarch_dsl.mesh import Mesh
@@ -35,6 +36,8 @@ from monarch_dsl.grads import grad_generator
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, PlanError, Replicate, Shard
 from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
+from monarch_dsl.parallel.ddp import DistributedDataParallel
+from monarch_dsl.parallel.distribute import distribute
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -44,6 +47,7 @@ __all__ = [
     "ActorError",
     "ActorMesh",
     "Borrow",
+    "DistributedDataParallel",
     "EndpointRef",
     "Future",
     "LocalHost",
@@ -73,10 +77,12 @@ __all__ = [
     "show",
     "RemoteHosts",
     "SpawnError",
+    "SpmdError",
     "Stream",
     "SupervisionError",
     "ValueMesh",
     "current_rank",
+    "distribute",
     "endpoint",
     "remote_hosts",
     "this_host",

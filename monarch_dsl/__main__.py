@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import signal
 import sys
 
 
@@ -54,10 +55,57 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.spmd:
+        return _run_spmd(args)
+    if args.nproc is not None:
+        print("monarch-dsl run: -n/--nproc goes with --spmd", file=sys.stderr)
+        return 2
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     runpy.run_path(args.script, run_name="__main__")
     return 0
+
+
+def _run_spmd(args: argparse.Namespace) -> int:
+    """A torchrun script on a new local mesh of N workers (``pm.run_spmd``); exits with the
+    first failed rank's code (128 + signal for a killed one)."""
+    from monarch_dsl.parallel import spmd
+
+    nproc = 1 if args.nproc is None else args.nproc
+    if nproc < 1:
+        print(f"monarch-dsl run --spmd: -n must be at least 1, got {nproc}", file=sys.stderr)
+        return 2
+    try:  # before paying for a mesh
+        spmd.check_arguments(args.script, args.args, None, None)
+    except (OSError, TypeError, ValueError) as e:
+        print(f"monarch-dsl run --spmd: {e}", file=sys.stderr)
+        return 2
+    import monarch_dsl as md
+    from monarch_dsl.errors import MonarchError, SpmdError
+
+    def terminate(signum, frame):  # as torchrun: SIGTERM to us stops the ranks, then we exit
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+    # The workers only host the ranks: no GPU of their own, no C++ runtime to build.
+    pm = md.this_host().spawn_procs(
+        {"rank": nproc}, env={"MD_DEVICE": "cpu", "MD_EXECUTOR": "python"}
+    )
+    try:
+        pm.run_spmd(args.script, *args.args)
+        return 0
+    except SpmdError as e:
+        print(f"monarch-dsl run --spmd: {e}", file=sys.stderr)
+        code = e.returncode
+        return 1 if code is None or code == 0 else code if code > 0 else 128 - code
+    except MonarchError as e:
+        print(f"monarch-dsl run --spmd: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 128 + 2
+    finally:
+        pm.stop()
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -72,6 +120,11 @@ COMMANDS = [
         "run",
         "run a script; its meshes are local worker processes",
         "monarch-dsl run train.py --lr 0.1",
+    ),
+    (
+        "run --spmd",
+        "run an unchanged torchrun script on -n N local workers (output prefixed by rank)",
+        "monarch-dsl run --spmd -n 4 train_ddp.py --epochs 1",
     ),
     (
         "worker",
@@ -107,7 +160,20 @@ def main(argv: list[str] | None = None) -> int:
         dest="command", required=True, metavar="COMMAND", help="one of the commands below"
     )
     helps = {name: text for name, text, _ in COMMANDS}
-    r = sub.add_parser("run", description=helps["run"])
+    r = sub.add_parser("run", description=helps["run"] + "; with --spmd: " + helps["run --spmd"])
+    r.add_argument(
+        "--spmd",
+        action="store_true",
+        help="run SCRIPT once per worker, as torchrun would (RANK, WORLD_SIZE, ... set)",
+    )
+    r.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --spmd: the number of ranks (default 1)",
+    )
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_run)

@@ -69,3 +69,41 @@ class RemoteError(MonarchError):
         self.op = op
         self.error = error
         self.remote_traceback = remote_traceback
+
+
+class SpmdError(MonarchError):
+    """A rank of ``pm.run_spmd`` failed (exited non-zero or was killed), or the run timed out;
+    the other ranks were stopped. The mesh itself is unharmed.
+
+    ``failures``: run rank -> exit code of every rank that failed on its own (negative: killed
+    by that signal, as in ``subprocess``), first failure first; ``rank``/``coords``/``returncode``:
+    that first failure (None after a timeout); ``stderr``: the end of its stderr;
+    ``stopped``: the ranks stopped because of it; ``timed_out``: the run hit its ``timeout``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures=None,
+        rank=None,
+        coords=None,
+        returncode=None,
+        stderr="",
+        stopped=(),
+        timed_out=False,
+    ):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.rank = rank
+        self.coords = coords
+        self.returncode = returncode
+        self.stderr = stderr
+        self.stopped = tuple(stopped)
+        self.timed_out = timed_out
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.stderr:
+            text += "\n\nits stderr ended with:\n" + self.stderr.rstrip()
+        return text

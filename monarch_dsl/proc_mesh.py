@@ -15,6 +15,7 @@ from monarch_dsl import _build
 from monarch_dsl import actor as _actor
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.mesh import Mesh
+from monarch_dsl.parallel import spmd as _spmd
 from monarch_dsl.runtime import controller, serialize, transport
 
 DEFAULT_TIMEOUT = 120.0
@@ -54,6 +55,22 @@ class ProcMesh(Mesh):
         job.stop()
         if unseen:
             raise job.remote_error(unseen[0], observed=True)
+
+    def run_spmd(
+        self,
+        script: str | os.PathLike,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> _actor.ValueMesh:
+        """Run an unchanged ``torchrun`` script on every worker of this mesh: rank ``i`` is
+        the ``i``-th worker, row-major, with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (``env`` adds variables),
+        its output prefixed by the worker's coordinates. Returns each rank's exit code (0) as
+        a ValueMesh. A rank that exits non-zero or is killed stops the others and raises
+        ``md.SpmdError`` naming it; so does ``timeout`` (seconds). The mesh outlives the run:
+        each rank is forked from the fork server, which has imported torch already."""
+        return _spmd.run_spmd(self, script, args, env, timeout)
 
     def activate(self):
         """``with pm.activate():`` torch calls create and run on every rank of this mesh."""

@@ -87,7 +87,9 @@ class RemoteFunction:
             described, out_spec = self._shapes[key]
         else:  # learn the output shapes from a first run (one round trip, then cached)
             shapes_rank = mesh.ranks[0]
-            shapes_to, future = engine.job.expect((shapes_rank,), lambda values: values[0])
+            shapes_to, future = engine.job.expect(
+                (shapes_rank,), lambda values: values[0], whole_job=True
+            )
         # Output refs: known now when the shapes are known; else one per possible tensor
         # output, decided after the first run (the worker assigns refs in output order).
         if future is None:

@@ -396,6 +396,16 @@ def _active_mesh() -> Any:
     return stack[-1] if stack else None
 
 
+def active_mesh() -> Any:
+    """The mesh of the innermost ``with pm.activate():`` of this thread, or None."""
+    return _active_mesh()
+
+
+def user_line() -> str:
+    """The ``file:line`` of the user's code calling into monarch_dsl (outside this package)."""
+    return _user_line(3)
+
+
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 # Ops that turn a tensor into a Python value (t.item(), bool(t), ...): not on a mesh tensor.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
@@ -570,7 +580,11 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     worker_args, worker_kwargs = pytree.tree_unflatten(worker_flat, spec)
     if first is None:  # a factory: make it on meta here, on the worker's device there
         worker_kwargs["device"] = ir.WORKER_DEVICE
+    known = _known_inputs(func, flat) if first is not None else None
     if name in _NEEDS_VALUE:
+        if known is not None:  # the controller knows the value: nothing to ask the workers
+            local_args, local_kwargs = pytree.tree_unflatten(known, spec)
+            return func(*local_args, **local_kwargs)
         raise TypeError(
             f"{op} needs the tensor's value, which lives on the workers: fetch it first, e.g. "
             f"md.inspect(t).item() (or md.inspect(t, **coords) for another rank)"
@@ -594,6 +608,10 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     engine.append(
         mid, ir.CallOp(op, worker_args, worker_kwargs, tuple(outs), _current_stream(), _user_line())
     )
+    if first is not None:
+        _track_known(func, args, kwargs, flat, spec, known, out_leaves, results)
+        if known is not None:
+            fast_key = None  # the fast path would skip the tracking
     if fast_key is not None and out_spec.is_leaf() and len(_fast_cache) < _META_CACHE_MAX:
         leaf = out_leaves[0]
         if isinstance(leaf, _Alias):
@@ -603,6 +621,72 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             desc = results[0]._md_desc
             _fast_cache[fast_key] = (op, (desc, *_maker(desc, engine.device)))
     return pytree.tree_unflatten(results, out_spec)
+
+
+# ---- values the controller knows ----------------------------------------------------------
+# A small tensor made here from a constant (``torch.tensor(0.0)`` under activation: an
+# optimizer's step count) has the same value on every rank, and so has every deterministic op
+# whose tensor inputs are all such tensors. The controller keeps that value beside the handle
+# (``_md_state = ("known", local tensor)``), computes it along, and answers ``.item()`` from it
+# without asking the workers (torch's Adam/AdamW call ``step_t.item()`` every step). It stops
+# being known -- never stale -- when anything the controller does not compute writes it (an op
+# with an unknown input, a reduce), when a view of it is taken (a write through the view would
+# not be seen), or when it is borrowed.
+KNOWN_MAX_NUMEL = 16
+
+
+def _known(x: Any) -> Any:
+    state = x._md_state if isinstance(x, Tensor) else None
+    return state[1] if state is not None and state[0] == "known" else None
+
+
+def _known_inputs(func, flat: list) -> list | None:
+    """``flat`` with each mesh tensor replaced by its known value, or None if one is not known
+    (or the op is random)."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    out = []
+    for x in flat:
+        if isinstance(x, Tensor):
+            value = _known(x)
+            if value is None:
+                return None
+            out.append(value)
+        elif isinstance(x, torch.device):
+            out.append(torch.device("cpu"))
+        else:
+            out.append(x)
+    return out
+
+
+def _forget(t: Tensor) -> None:
+    if _known(t) is not None:
+        t._md_state = None
+
+
+def _track_known(func, args, kwargs, flat, spec, known, out_leaves, results) -> None:
+    written = [args[i] for i, _ in _written_args(func) if i < len(args)]
+    written += [kwargs[n] for _, n in _written_args(func) if n in kwargs]
+    is_view = not written and any(r.alias_info is not None for r in func._schema.returns)
+    if known is None or is_view:
+        for x in flat:  # written by what the controller does not compute, or viewed
+            if isinstance(x, Tensor) and (is_view or any(x is w for w in written)):
+                _forget(x)
+        return
+    local_args, local_kwargs = pytree.tree_unflatten(known, spec)
+    try:
+        value = func(*local_args, **local_kwargs)  # writes the known inputs it writes
+    except Exception:  # noqa: BLE001 - the workers will say what is wrong; forget the inputs
+        for x in flat:
+            if isinstance(x, Tensor):
+                _forget(x)
+        return
+    values = pytree.tree_leaves(value)
+    for leaf, result, v in zip(out_leaves, results, values):
+        if isinstance(leaf, _Alias) or not isinstance(result, Tensor):
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() <= KNOWN_MAX_NUMEL:
+            result._md_state = ("known", v)
 
 
 # Output metadata by (op, input metadata, other arguments): running an op on meta tensors goes
@@ -709,6 +793,8 @@ def _lift(value: torch.Tensor, mesh: Any) -> Tensor:
     ref = engine.new_ref()
     meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     out = Tensor(meta, mesh, engine, ref, _current_stream())
+    if value.numel() <= KNOWN_MAX_NUMEL and value.device.type == "cpu":
+        out._md_state = ("known", value.detach().clone())
     engine.append(
         engine.mesh_id(mesh),
         ir.CallOp(
@@ -720,6 +806,70 @@ def _lift(value: torch.Tensor, mesh: Any) -> Tensor:
             _user_line(),
         ),
     )
+    return out
+
+
+def from_local_per_rank(values: list[torch.Tensor], mesh: Any, line: str) -> Tensor:
+    """A mesh tensor whose value on the ``i``-th rank of ``mesh`` (``mesh.ranks`` order) is
+    ``values[i]``: each worker is sent its own value only (after everything issued before).
+    The handle has ``values[0]``'s shape and dtype (values of other shapes, e.g. uneven chunks,
+    are each rank's own; fetch gives them)."""
+    engine = Engine.of(mesh)
+    mid = engine.mesh_id(mesh)
+    ref = engine.new_ref()
+    stream = _current_stream()
+    first = values[0]
+    meta = torch.empty_strided(first.shape, first.stride(), dtype=first.dtype, device="meta")
+    out = Tensor(meta, mesh, engine, ref, stream)
+    engine.flush()  # what was issued before goes first, on every worker
+    with engine.send_lock:
+        for rank, value in zip(mesh.ranks, values, strict=True):
+            item = ir.CallOp(
+                "aten::_to_copy.default",
+                (value.detach().contiguous(),),
+                {"device": ir.WORKER_DEVICE},
+                (ref,),
+                stream,
+                line,
+            )
+            engine.job.post([rank], RunBatch(((mid, item),)))
+    return out
+
+
+def narrow_per_rank(t: Tensor, ranges: list, shape: tuple, line: str) -> Tensor:
+    """A new mesh tensor holding, on the ``i``-th rank of ``t.mesh``, a copy of ``t``'s value
+    there narrowed to ``ranges[i]`` (``[(tensor dim, (start, length)), ...]``). The handle has
+    ``shape`` (the first rank's)."""
+    _check_usable(t, "distribute", 0, write=False)
+    mesh, engine = t._md_mesh, t._md_engine
+    stream = t._md_stream
+    meta = torch.empty(shape, dtype=t.dtype, device="meta")
+    ref = engine.new_ref()
+    out = Tensor(meta, mesh, engine, ref, stream)
+    for rank, steps in zip(mesh.ranks, ranges, strict=True):
+        mid = engine.rank_mesh_id(rank)
+        src = t._md_ref
+        temps = []
+        for k, (d, (start, length)) in enumerate(steps or [(0, (0, shape[0] if shape else 0))]):
+            last = k == max(len(steps), 1) - 1
+            dst = ref if last else engine.new_ref()
+            if not steps:  # nothing sharded on this rank's path: a plain copy
+                call = ir.CallOp("aten::clone.default", (ir.Ref(src),), {}, (dst,), stream, line)
+            else:
+                call = ir.CallOp(
+                    "aten::narrow_copy.default",
+                    (ir.Ref(src), d, start, length),
+                    {},
+                    (dst,),
+                    stream,
+                    line,
+                )
+            engine.append(mid, call)
+            if not last:
+                temps.append(dst)
+            src = dst
+        if temps:
+            engine.append(mid, ir.Delete(tuple(temps), stream))
     return out
 
 
@@ -1059,6 +1209,8 @@ def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool,
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce needs an md.Tensor, got {type(t).__name__}")
     _check_usable(t, "reduce_" if in_place else "reduce", 0, write=in_place)
+    if in_place:
+        _forget(t)  # the ranks' values are combined: no longer what the controller computed
     mesh = t._md_mesh
     if isinstance(dims, str):
         dims = (dims,)
@@ -1184,7 +1336,7 @@ def _fetch_one(t: Tensor, coords: dict, line: str) -> Future:
         index = 0
     rank = mesh.ranks[index]
     engine = t._md_engine
-    call_id, fut = engine.job.expect((rank,), lambda values: values[0])
+    call_id, fut = engine.job.expect((rank,), lambda values: values[0], whole_job=True)
     engine.append(engine.rank_mesh_id(rank), ir.Fetch(call_id, t._md_ref, t._md_stream, line))
     engine.flush()
     return fut
@@ -1201,7 +1353,7 @@ def sync(mesh: Any, timeout: float | None = None) -> None:
     engine = mesh._job.engine
     if engine is None or engine.job.stopped:
         return
-    call_id, fut = engine.job.expect(engine.ranks, None)
+    call_id, fut = engine.job.expect(engine.ranks, None, whole_job=True)
     engine.append(-1, ir.Fetch(call_id, -1, "main", _user_line()))
     engine.flush()
     fut.get(timeout)

@@ -59,3 +59,30 @@ def check_tutorial(text: str) -> None:
     assert "renamed: dp=2,tp=2  split: pp=2,dp=2  slice: [1, 3]" in text
     assert "pipeline output at dp=1:" in text
     assert "ddp step matches single-process training: True" in text
+
+
+def test_ddp_train_gives_the_same_weights_four_ways():
+    """examples/ddp_train.py: torch DDP under torchrun, the unchanged script on a mesh
+    (monarch-dsl run --spmd), md.DistributedDataParallel and the compiled loop body end with
+    the same weights; the first three print the same per-rank losses."""
+    script = os.path.join(ROOT, "examples", "ddp_train.py")
+    env = dict(os.environ, MONARCH_DSL_QUIET="1", OMP_NUM_THREADS="1")
+
+    def run(*cmd):
+        out = subprocess.run(
+            [sys.executable, *cmd], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    def line(text, prefix):
+        return next(x.split(prefix, 1)[1] for x in text.splitlines() if prefix in x)
+
+    torchrun = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script)
+    spmd = run("-m", "monarch_dsl", "run", "--spmd", "-n", "2", script)
+    eager = run(script, "--md")
+    compiled = run(script, "--md", "--compiled")
+    weights = {line(t, "weight checksum:") for t in (torchrun, spmd, eager, compiled)}
+    assert len(weights) == 1, (torchrun, spmd, eager, compiled)
+    losses = {line(t, "losses (rank 0):") for t in (torchrun, spmd, eager)}
+    assert len(losses) == 1, (torchrun, spmd, eager)

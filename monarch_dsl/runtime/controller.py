@@ -376,10 +376,12 @@ class Job:
         self.hellos: dict[int, Hello] = {}
         self.pids: dict[int, int] = {}  # local workers: rank -> pid
         self.stderr: dict[int, Any] = {}  # local workers: rank -> log pipe
+        self.worker_env: dict[str, str] = {}  # local workers: the env they were started with
         self.dead: dict[int, SupervisionError] = {}
         self.exit_status: dict[int, int] = {}
         self.pending: dict[int, Pending] = {}
         self.pending_by_rank: dict[int, set[int]] = {}
+        self.pending_whole_job: set[int] = set()  # call ids that any worker's death fails
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
         self.engine: Any = None  # the tensor engine, once a mesh of this job is activated
@@ -426,6 +428,7 @@ class Job:
         """Fork every worker from the fork server and wait until all have joined."""
         server = fork_server()
         server.ensure_started()
+        self.worker_env = dict(env)
         fds: list[int] = []
         for rank in range(self.world):
             label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
@@ -671,10 +674,12 @@ class Job:
         self.pending_by_rank[rank].discard(call_id)
         if p.remaining == 0:
             del self.pending[call_id]
+            self.pending_whole_job.discard(call_id)
             p.future.set_result(p.finish(p.values) if p.finish else None)
 
     def _forget(self, call_id: int, p: Pending) -> None:
         self.pending.pop(call_id, None)
+        self.pending_whole_job.discard(call_id)
         for r in p.ranks:
             s = self.pending_by_rank.get(r)
             if s is not None:
@@ -703,7 +708,7 @@ class Job:
         with self._cond:
             self.dead[rank] = err
             self.conns.pop(rank, None)
-            call_ids = self.pending_by_rank.pop(rank, set())
+            call_ids = self.pending_by_rank.pop(rank, set()) | self.pending_whole_job
             self._cond.notify_all()
         for call_id in call_ids:
             p = self.pending.get(call_id)
@@ -739,16 +744,22 @@ class Job:
     def unobserved_failures(self) -> list[tuple]:
         return [f for f in self.failures if tuple(f[1:4]) not in self.observed]
 
-    def expect(self, ranks: Sequence[int], finish: Callable[[list], Any] | None) -> tuple:
+    def expect(
+        self, ranks: Sequence[int], finish: Callable[[list], Any] | None, whole_job: bool = False
+    ) -> tuple:
         """Register a call whose message goes out some other way (in a tensor batch);
-        returns (call_id, future)."""
-        self.check_alive(ranks)
+        returns (call_id, future). ``whole_job``: the answer may depend on every worker (a
+        tensor-engine fetch waits for its rank's streams, which may wait in a collective for
+        any other rank): a dead worker anywhere fails it, before and while it is pending."""
+        self.check_alive(range(self.world) if whole_job else ranks)
         call_id = next(_call_ids)
         p = Pending(ranks, finish, None, None, self)
         with self._lock:
             self.pending[call_id] = p
             for r in ranks:
                 self.pending_by_rank[r].add(call_id)
+            if whole_job:
+                self.pending_whole_job.add(call_id)
         return call_id, p.future
 
     # ------------------------------------------------------------------ sending

@@ -148,6 +148,21 @@ class ForkWorkers(NamedTuple):
     setup: bytes | None  # cloudpickled callable run in each worker before it connects
 
 
+class ForkScripts(NamedTuple):
+    """Ask the fork server for one process per entry of ``envs`` that runs ``script`` as
+    ``__main__`` (``pm.run_spmd``; see zygote.run_script). Sent with 2 file descriptors per
+    process (stdout and stderr write ends, in order); answered with ``Forked``, and each
+    process's exit with ``ChildExited``. Each process leads its own process group, so the
+    controller stops a rank and whatever it started with one ``killpg``."""
+
+    request_id: int
+    script: str  # an absolute path
+    args: tuple[str, ...]
+    envs: tuple[dict[str, str], ...]  # the whole environment of each process, in rank order
+    sys_path: tuple[str, ...]  # sys.path after the script's directory
+    cwd: str
+
+
 class Forked(NamedTuple):
     request_id: int
     pids: tuple[int, ...]

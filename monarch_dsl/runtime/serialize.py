@@ -26,9 +26,13 @@ _cloud_table: dict = {**copyreg.dispatch_table, **cloudpickle.Pickler.dispatch_t
 def _rebuild_tensor(buf, dtype, shape, requires_grad):
     import torch
 
-    flat = (
-        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-    )
+    if len(buf):
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    else:  # a factory: made here even under pm.activate() (which would make it on the mesh)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            flat = torch.empty(0, dtype=torch.uint8)
     t = flat.view(dtype).reshape(shape)
     if requires_grad:
         t.requires_grad_(True)

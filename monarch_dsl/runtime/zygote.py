@@ -18,22 +18,38 @@ Two ways to start it:
 The fork server is single-threaded (so forking it is always safe), lives in its own session
 (Ctrl-C in the controller's terminal does not reach the workers), kills its children and exits
 when the controller's end of the channel closes, and reports every child's exit status.
+
+It also forks the processes of ``pm.run_spmd`` (``ForkScripts``): one per rank, each running an
+unchanged torchrun script as ``__main__`` (``run_script``). They come from here, not from the
+workers, for the reason the workers do: this process has imported torch and is proven safe to
+fork, while a worker has started threads (its executor's streams, gloo, OpenMP) and may have
+initialized CUDA. ``run_script`` first undoes what a fork inherits and a fresh interpreter would
+not have (signal handlers, atexit functions, logging handlers, the random generators' state,
+torch's thread count), and ends the way an interpreter does (non-daemon threads joined, atexit
+functions run, streams flushed). Each such process leads its own process group, so stopping a
+rank also stops what it started (a DataLoader's workers).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import faulthandler
 import os
 import pickle
+import runpy
 import selectors
 import signal
 import socket
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 
 from monarch_dsl.runtime.messages import (
     ChildExited,
     Forked,
+    ForkScripts,
     ForkServerReady,
     ForkServerUnsafe,
     ForkWorkers,
@@ -83,6 +99,7 @@ class ForkServer:
         self.chan = chan
         self.forked = forked_from_controller
         self.children: set[int] = set()
+        self.groups: set[int] = set()  # children that lead a process group (scripts)
 
     def serve(self) -> None:
         if self.forked:
@@ -116,22 +133,30 @@ class ForkServer:
             data, fds, _, _ = socket.recv_fds(self.chan, MAX_MESSAGE, MAX_FDS)
         except OSError:
             data, fds = b"", []
-        if not data:  # the controller is gone: so are its workers
+        if not data:  # the controller is gone: so are its workers and scripts
             for pid in self.children:
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    if pid in self.groups:
+                        os.killpg(pid, signal.SIGKILL)
+                    else:
+                        os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
                     pass
             os._exit(0)
         msg = pickle.loads(data)
-        if not isinstance(msg, ForkWorkers):
-            return
         pids = []
-        for i, rank in enumerate(msg.ranks):
-            pids.append(self.fork_worker(msg, rank, fds[2 * i], fds[2 * i + 1], fds))
+        if isinstance(msg, ForkWorkers):
+            for i, rank in enumerate(msg.ranks):
+                body = self._worker_body(msg, rank)
+                pids.append(self.fork(body, fds[2 * i], fds[2 * i + 1], fds, group=False))
+        elif isinstance(msg, ForkScripts):
+            for i, env in enumerate(msg.envs):
+                body = self._script_body(msg, env)
+                pids.append(self.fork(body, fds[2 * i], fds[2 * i + 1], fds, group=True))
         for fd in fds:
             os.close(fd)
-        _send(self.chan, Forked(msg.request_id, tuple(pids)))
+        if isinstance(msg, (ForkWorkers, ForkScripts)):
+            _send(self.chan, Forked(msg.request_id, tuple(pids)))
 
     def reap(self) -> None:
         while self.children:
@@ -142,21 +167,32 @@ class ForkServer:
             if pid == 0:
                 return
             self.children.discard(pid)
+            self.groups.discard(pid)
             _send(self.chan, ChildExited(pid, status))
 
-    def fork_worker(self, msg: ForkWorkers, rank: int, out_fd: int, err_fd: int, fds) -> int:
+    def fork(self, body: Callable[[], int], out_fd: int, err_fd: int, fds, *, group: bool) -> int:
+        """Fork a child that writes to ``out_fd``/``err_fd``, runs ``body()`` and exits with
+        the code it returns; ``group``: the child leads a new process group."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        me = os.getpid()
         pid = os.fork()
         if pid:
             self.children.add(pid)
+            if group:
+                self.groups.add(pid)
+                try:  # here too, so the group exists before the controller hears of the pid
+                    os.setpgid(pid, pid)
+                except OSError:
+                    pass
             return pid
         code = 1
         try:
-            me = os.getppid()
             _set_parent_death_signal()
-            if os.getppid() != me:
+            if os.getppid() != me:  # the fork server died before the signal was armed
                 os._exit(1)
+            if group:
+                os.setpgid(0, 0)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self.chan.close()
@@ -173,6 +209,22 @@ class ForkServer:
             # write to those fds at all (e.g. pytest's capture in a forked controller).
             sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
             sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            code = body()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - the controller reads this from our stderr
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _worker_body(msg: ForkWorkers, rank: int) -> Callable[[], int]:
+        def body() -> int:
             os.environ.update(msg.env)
             os.environ["LOCAL_RANK"] = str(msg.ranks.index(rank))
             sys.path[:] = list(msg.sys_path)
@@ -187,16 +239,104 @@ class ForkServer:
             worker.connect_and_serve(
                 msg.address, msg.token, rank, msg.world_size, msg.local_world_size
             )
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:  # noqa: BLE001 - the controller reads this from our stderr
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        raise AssertionError("unreachable")
+            return 1  # connect_and_serve never returns
+
+        return body
+
+    @staticmethod
+    def _script_body(msg: ForkScripts, env: dict[str, str]) -> Callable[[], int]:
+        return lambda: run_script(msg.script, msg.args, env, msg.sys_path, msg.cwd)
+
+
+# =============================================================================== scripts
+
+
+def run_script(
+    script: str, args: tuple[str, ...], env: dict[str, str], sys_path: tuple[str, ...], cwd: str
+) -> int:
+    """In a process just forked from the fork server: run ``script`` as ``__main__`` as a fresh
+    ``python script ARGS`` would, with exactly ``env`` as its environment; returns its exit
+    code (SystemExit's, 1 for an uncaught exception, whose traceback goes to stderr)."""
+    os.environ.clear()
+    os.environ.update(env)
+    _as_if_fresh(env)
+    sys.argv[:] = [script, *args]
+    sys.path[:] = [os.path.dirname(script), *(p for p in sys_path if p)]
+    os.chdir(cwd)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException as e:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+        _print_script_traceback(e, script)
+        code = 1
+        if isinstance(e, KeyboardInterrupt):
+            code = 128 + signal.SIGINT
+    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit.
+    try:
+        threading._shutdown()  # type: ignore[attr-defined] # as multiprocessing's children do
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    return code
+
+
+def _as_if_fresh(env: dict[str, str]) -> None:
+    """Undo the state a fork inherits from the fork server (or the controller it was forked
+    from) that a fresh interpreter would not have."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if sig == signal.SIGINT:
+            handler = signal.default_int_handler
+        elif sig in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
+            handler = signal.SIG_IGN  # as Python sets them at startup
+        else:
+            handler = signal.SIG_DFL
+        try:
+            signal.signal(sig, handler)
+        except (OSError, ValueError, RuntimeError):
+            pass
+    atexit._clear()
+    faulthandler.disable()
+    if env.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    if "logging" in sys.modules:  # the controller's handlers would swallow basicConfig()
+        import logging
+
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+    # Random state: forked children would all draw the same numbers (fresh ones differ).
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    import torch
+
+    torch.seed()
+    # torch read OMP_NUM_THREADS when the fork server imported it; the script's may differ.
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
+    return 1
+
+
+def _print_script_traceback(exc: BaseException, script: str) -> None:
+    """The traceback from the script's own frames on (not runpy's or ours)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
 def main() -> None:

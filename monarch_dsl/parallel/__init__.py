@@ -1,0 +1,1 @@
+"""Data-parallel drop-ins: DistributedDataParallel, fully_shard, distribute, run_spmd."""

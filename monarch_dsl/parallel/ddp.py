@@ -1,0 +1,379 @@
+"""``md.DistributedDataParallel``: torch DDP's semantics, driven from one controller.
+
+A training loop written for ``torch.nn.parallel.DistributedDataParallel`` runs after changing
+the import and the process setup: the model and the data are made under ``pm.activate()``
+(each rank's batch with ``md.distribute(batch, {"dp": md.Shard(0)})``), then
+``ddp = md.DistributedDataParallel(model)`` and the loop is unchanged.
+
+What it does, as torch's reducer does:
+
+- At construction, every parameter and buffer is broadcast from the first rank along ``dim``
+  (one flat all-reduce per dtype, the other ranks contributing zeros), after checking that every
+  rank holds the same parameter shapes (an error names the parameter and the ranks' shapes).
+- Gradients are averaged over ``dim`` in buckets of ``bucket_cap_mb`` (the first one 1 MiB, as
+  torch's ``_DEFAULT_FIRST_BUCKET_BYTES``), parameters in reverse registration order at first and,
+  from the second iteration, in the order their gradients arrived in the first. A parameter's
+  post-accumulate-grad hook marks it ready; a bucket whose parameters are all ready is flattened
+  on the main stream and all-reduced on a ``comms`` stream (borrowed, so the rest of the backward
+  pass keeps running on the workers' main stream meanwhile). A callback queued on autograd's
+  engine runs at the end of ``backward()``: it waits for the buckets (drops the borrows) and
+  writes the averages into ``.grad``.
+- A parameter that got no gradient in a backward pass is an error raised by that
+  ``backward()`` naming the parameters (torch says only that some exist, at the next forward),
+  unless ``find_unused_parameters=True``: then its bucket is reduced without it, and its
+  ``.grad`` is left as it was.
+- ``no_sync()`` accumulates gradients locally; the first backward outside it reduces the sums.
+- ``broadcast_buffers=True`` re-broadcasts buffers from the first rank before each forward.
+
+Accepted for compatibility, with no effect because the single controller makes them moot:
+``static_graph`` (the graph is seen whole), ``gradient_as_bucket_view`` (gradients are written
+back either way), ``init_sync`` (the broadcast is one collective), ``check_reduction``,
+``output_device``, ``device_ids`` of one device (each worker uses its own device), and
+``dim=0`` in torch's sense (the batch dim; our batches are already per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from monarch_dsl import tensor as _tensor
+from monarch_dsl.remote import remote as _remote_fn
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+class _Bucket:
+    """Parameters reduced together (one dtype), in the order they are laid out flat."""
+
+    def __init__(self, index: int, params: list[int]):
+        self.index = index
+        self.params = params
+        self.flat: Any = None  # while its reduce is in flight: the flat buffer and its borrow
+        self.borrow: Any = None
+        self.present: list[int] = []  # the parameters in the flat buffer (unused ones left out)
+
+
+class DistributedDataParallel(nn.Module):
+    """``module`` replicated over the mesh dim ``dim`` with gradients averaged in buckets; see
+    the module docstring. ``mesh``: the module's parameters' mesh (default: the active one)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Any = None,
+        dim: Any = "dp",
+        bucket_cap_mb: float | None = 25,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        device_ids: Any = None,
+        output_device: Any = None,
+        process_group: Any = None,
+        device_mesh: Any = None,
+        init_sync: bool = True,
+        check_reduction: bool = False,
+        **unsupported: Any,
+    ):
+        super().__init__()
+        if unsupported:
+            names = ", ".join(sorted(unsupported))
+            raise TypeError(
+                f"md.DistributedDataParallel does not support {names} (torch DDP keywords "
+                "without a single-controller meaning yet)"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        _check_devices(device_ids, output_device)
+        mesh = _resolve_mesh(mesh, process_group, device_mesh)
+        dim = _resolve_dim(dim, mesh)
+        self.module = module
+        self.mesh, self.dim = mesh, dim
+        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                "md.DistributedDataParallel: the module has no parameter that requires grad"
+            )
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        _check_on_mesh(named, list(module.named_buffers()), mesh)
+        self._comms = _tensor.Stream("comms")
+        if init_sync:
+            _verify_shapes(named, mesh, dim)
+            _broadcast([p for _, p in named] + [b for _, b in module.named_buffers()], mesh, dim)
+        self._buckets = self._assign([len(self._params) - 1 - i for i in range(len(self._params))])
+        self._bucket_of = {i: b for b in self._buckets for i in b.params}
+        self._rebuilt = False
+        self._arrivals: list[int] = []
+        self._ready: set[int] = set()
+        self._waiting: dict[int, int] = {}  # bucket index -> parameters not ready yet
+        self._callback_queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
+        ]
+
+    # ---- the parts a loop sees ---------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                _broadcast(buffers, self.mesh, self.dim)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        raise NotImplementedError(
+            "md.DistributedDataParallel has no communication hooks yet; the buckets' all-reduce "
+            "is fixed (average over the mesh dim)"
+        )
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Parameters per bucket, in the order buckets are reduced."""
+        return [len(b.params) for b in self._buckets]
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The parameters' names in each bucket, in the order buckets are reduced."""
+        return [[self._names[i] for i in b.params] for b in self._buckets]
+
+    # ---- buckets -----------------------------------------------------------------------------
+    def _assign(self, order: list[int]) -> list[_Bucket]:
+        """Buckets over parameters in ``order``: one dtype each, the first up to 1 MiB, the
+        others up to ``bucket_cap_mb`` (a bucket holds at least one parameter)."""
+        buckets: list[_Bucket] = []
+        open_: dict[torch.dtype, tuple[list[int], int]] = {}
+        for i in order:
+            p = self._params[i]
+            size = p.numel() * p.element_size()
+            params, used = open_.get(p.dtype, ([], 0))
+            cap = FIRST_BUCKET_BYTES if not buckets else self.bucket_cap_bytes
+            cap = min(cap, self.bucket_cap_bytes)
+            if params and used + size > cap:
+                buckets.append(_Bucket(len(buckets), params))
+                params, used = [], 0
+            open_[p.dtype] = (params + [i], used + size)
+        for params, _ in open_.values():
+            if params:
+                buckets.append(_Bucket(len(buckets), params))
+        return buckets
+
+    def _hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.require_backward_grad_sync:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                self._ready.clear()
+                self._waiting = {b.index: len(b.params) for b in self._buckets}
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if i in self._ready:
+                return  # a parameter used twice gets one hook call per accumulation
+            self._ready.add(i)
+            if not self._rebuilt:
+                self._arrivals.append(i)
+            bucket = self._bucket_of[i]
+            self._waiting[bucket.index] -= 1
+            if self._waiting[bucket.index] == 0:
+                self._launch(bucket)
+
+        return hook
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Flatten the bucket's gradients on the main stream, average them over ``dim`` on the
+        comms stream."""
+        present = [i for i in bucket.params if self._params[i].grad is not None]
+        bucket.present = present
+        if not present:
+            return
+        grads = [self._params[i].grad for i in present]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        lent, borrow = self._comms.borrow(flat, mutable=True)
+        with self._comms.activate():
+            lent.reduce_(self.dim, "avg")
+        bucket.flat, bucket.borrow = flat, borrow
+
+    def _finish(self) -> None:
+        """End of backward: reduce what is left, write the averages back, check for unused
+        parameters, rebuild the buckets after the first iteration."""
+        self._callback_queued = False
+        unused = [i for i in range(len(self._params)) if i not in self._ready]
+        if unused and self.find_unused_parameters:
+            for b in self._buckets:
+                if self._waiting.get(b.index, 0) > 0:
+                    self._launch(b)
+        for b in self._buckets:
+            if b.borrow is None:
+                continue
+            b.borrow.drop()  # the main stream waits here for the bucket's reduce
+            flat, b.flat, b.borrow = b.flat, None, None
+            sizes = [self._params[i].numel() for i in b.present]
+            with torch.no_grad():
+                for i, part in zip(b.present, flat.split(sizes)):
+                    grad = self._params[i].grad
+                    grad.copy_(part.view_as(grad))
+        if unused and not self.find_unused_parameters:
+            names = ", ".join(f"module.{self._names[i]}" for i in unused)
+            raise RuntimeError(
+                f"md.DistributedDataParallel: {len(unused)} parameter(s) received no gradient in "
+                f"this backward pass: {names}. Their gradients were not averaged. If they are "
+                "unused on purpose, pass find_unused_parameters=True (or set requires_grad=False "
+                "on them)."
+            )
+        if not self._rebuilt and len(self._arrivals) == len(self._params):
+            # torch's Reducer rebuilds its buckets once, from the first iteration's order
+            self._buckets = self._assign(self._arrivals)
+            self._bucket_of = {i: b for b in self._buckets for i in b.params}
+            self._rebuilt = True
+
+
+# ---- checks and collectives ----------------------------------------------------------------------
+
+
+def _check_devices(device_ids: Any, output_device: Any) -> None:
+    if device_ids is not None:
+        ids = list(device_ids) if isinstance(device_ids, (list, tuple)) else None
+        if ids is None or len(ids) != 1:
+            raise ValueError(
+                "device_ids: md.DistributedDataParallel drives one device per worker (each "
+                "worker uses its own GPU, or the CPU): pass None or a list of one device "
+                f"(the per-process idiom device_ids=[local_rank]); got {device_ids!r}"
+            )
+
+
+def _resolve_mesh(mesh: Any, process_group: Any, device_mesh: Any) -> Any:
+    for name, value in (("process_group", process_group), ("device_mesh", device_mesh)):
+        if value is None:
+            continue
+        if not hasattr(value, "_job"):
+            raise TypeError(
+                f"{name}: monarch_dsl meshes replace torch process groups and device meshes; "
+                f"pass an md ProcMesh (mesh=pm) and the mesh dim (dim='dp'), not a "
+                f"{type(value).__name__}"
+            )
+        if mesh is not None and value is not mesh:
+            raise ValueError(f"both mesh= and {name}= given, and they differ")
+        mesh = value
+    if mesh is None:
+        mesh = _tensor.active_mesh()
+    if mesh is None:
+        raise RuntimeError(
+            "md.DistributedDataParallel needs a mesh: pass mesh=, or construct it under "
+            "`with pm.activate():`"
+        )
+    return mesh
+
+
+def _resolve_dim(dim: Any, mesh: Any) -> str:
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        if dim != 0:
+            raise ValueError(
+                f"dim={dim}: torch DDP's dim scatters inputs along a batch dim, which the single "
+                "controller does not do (each rank's batch is its own: md.distribute); name the "
+                "mesh dim instead, e.g. dim='dp'"
+            )
+        dim = "dp"
+    if not isinstance(dim, str):
+        raise TypeError(f"dim must name a mesh dim, got {dim!r}")
+    if dim not in mesh.dims:
+        if dim == "dp" and len(mesh.dims) == 1:
+            return mesh.dims[0]  # a 1-D mesh: its one dim is the data-parallel one
+        raise KeyError(f"dim {dim!r}: the mesh has dims {mesh.dims}")
+    return dim
+
+
+def _check_on_mesh(named: list, buffers: list, mesh: Any) -> None:
+    for kind, items in (("parameter", named), ("buffer", buffers)):
+        for name, t in items:
+            if not isinstance(t, _tensor.Tensor):
+                raise TypeError(
+                    f"{kind} {name!r} is a local tensor: create the model under "
+                    "`with pm.activate():` or put it on the mesh with md.to_mesh(model, pm)"
+                )
+            if t.mesh._job is not mesh._job or tuple(t.mesh.ranks) != tuple(mesh.ranks):
+                raise ValueError(
+                    f"{kind} {name!r} lives on mesh {t.mesh}, not on the DDP mesh {mesh}"
+                )
+
+
+@_remote_fn(propagate=lambda *ps: torch.zeros(len(ps), 8, dtype=torch.int64))
+def _local_shapes(*params):
+    """Each parameter's local (ndim, shape padded to 7) on this rank."""
+    out = torch.zeros(len(params), 8, dtype=torch.int64)
+    for k, p in enumerate(params):
+        shape = list(p.shape)[:7]
+        out[k, 0] = p.dim()
+        out[k, 1 : 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return out
+
+
+def _verify_shapes(named: list, mesh: Any, dim: str) -> None:
+    """Every rank holds the same parameter shapes (torch's
+    ``_verify_param_shape_across_processes``); else a ValueError naming the parameter and the
+    ranks' shapes."""
+    with _tensor.activate(mesh):
+        shapes = _local_shapes(*[p.detach() for _, p in named]).reduce(mesh.dims, "stack")
+        every = _tensor.fetch(shapes).get()  # [ranks, params, 8], ranks in row-major order
+    points = [",".join(f"{d}={c}" for d, c in zip(mesh.dims, p)) for p in _points(mesh)]
+    for k, (name, _) in enumerate(named):
+        found = [tuple(_shape(every[r, k])) for r in range(every.shape[0])]
+        if len(set(found)) > 1:
+            seen = "; ".join(f"{pt}: {s}" for pt, s in zip(points, found))
+            raise ValueError(
+                f"md.DistributedDataParallel: parameter {name!r} has different shapes on "
+                f"different ranks ({seen}); DDP needs the same parameters on every rank"
+            )
+
+
+def _points(mesh: Any):
+    import itertools
+
+    return itertools.product(*(range(mesh.size(d)) for d in mesh.dims))
+
+
+def _shape(row: torch.Tensor) -> list[int]:
+    n = int(row[0])
+    return [int(v) for v in row[1 : 1 + n]]
+
+
+def _broadcast(tensors: list, mesh: Any, dim: str) -> None:
+    """Every rank of ``dim`` takes the first rank's values (one flat all-reduce per dtype: the
+    first rank's values, zeros elsewhere)."""
+    with _tensor.activate(mesh), torch.no_grad():
+        first = mesh.rank(dim) == 0
+        by_dtype: dict[torch.dtype, list] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, ts in by_dtype.items():
+            work = torch.int64 if dtype == torch.bool else dtype
+            flat = torch.cat([t.detach().reshape(-1).to(work) for t in ts])
+            flat = torch.where(first, flat, torch.zeros_like(flat))
+            flat.reduce_(dim, "sum")
+            for t, part in zip(ts, flat.split([math.prod(t.shape) for t in ts])):
+                t.detach().copy_(part.view(t.shape).to(dtype))

@@ -1,0 +1,85 @@
+"""Torchrun-style scripts for tests/test_spmd.py: ``ranks.py ACTION DIR``. Each rank writes
+``DIR/<RANK>.json`` (its pid, environment and whether torch was already imported when the
+script started) and then does ACTION:
+
+- ``ok``: prints a line and exits 0;
+- ``exit3``: rank 1 exits 3, the others sleep (to be stopped);
+- ``kill9``: rank 1 kills itself with SIGKILL while rank 0 waits in a gloo all_reduce;
+- ``sleep``: every rank sleeps (for timeouts and dying workers);
+- ``ignore_term``: rank 0 ignores SIGTERM and sleeps, rank 1 exits 1.
+"""
+
+import sys
+
+TORCH_PRELOADED = "torch" in sys.modules  # before this script imports anything heavy
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "OMP_NUM_THREADS",
+    "SPMD_TEST_EXTRA",
+)
+
+action, out_dir = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+
+
+def wait_for_rank_0() -> None:
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(out_dir, "0.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+if action == "ignore_term" and rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(out_dir, f"{rank}.tmp"), "w") as f:
+    json.dump(
+        {
+            "pid": os.getpid(),
+            "env": {k: os.environ.get(k) for k in VARS},
+            "torch_preloaded": TORCH_PRELOADED,
+            "argv": sys.argv[1:],
+            "cwd": os.getcwd(),
+        },
+        f,
+    )
+os.replace(os.path.join(out_dir, f"{rank}.tmp"), os.path.join(out_dir, f"{rank}.json"))
+
+if action == "ok":
+    print(f"hello from rank {rank} of {os.environ['WORLD_SIZE']}")
+    print(f"to stderr from rank {rank}", file=sys.stderr)
+elif action == "exit3":
+    if rank == 1:
+        wait_for_rank_0()
+        print("rank 1 gives up", file=sys.stderr)
+        sys.exit(3)
+    time.sleep(120)
+elif action == "kill9":
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(4))  # never completes: rank 1 is gone
+    time.sleep(120)
+elif action == "sleep":
+    time.sleep(120)
+elif action == "ignore_term":
+    if rank == 1:
+        wait_for_rank_0()
+        sys.exit(1)
+    time.sleep(120)
+else:
+    sys.exit(f"unknown action {action!r}")

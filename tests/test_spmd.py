@@ -1,0 +1,289 @@
+"""Unchanged torchrun scripts on a mesh (SPEC §6, ``pm.run_spmd`` / ``monarch-dsl run --spmd``):
+the same weights as torchrun, the torch.distributed variables, output prefixed by rank, a mesh
+that outlives runs, failed / killed ranks named with the others stopped, bad inputs refused."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import pid_alive, wait_until
+
+import monarch_dsl as md
+from monarch_dsl.errors import SpmdError
+from monarch_dsl.parallel import spmd
+
+pytestmark = pytest.mark.procs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "spmd_scripts")
+DDP_TRAIN = os.path.join(SCRIPTS, "ddp_train.py")
+RANKS = os.path.join(SCRIPTS, "ranks.py")
+
+
+@pytest.fixture(scope="module")
+def pm():
+    mesh = md.this_host().spawn_procs({"gpu": 2})
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def rank_files(path, n=2):
+    out = []
+    for r in range(n):
+        with open(os.path.join(path, f"{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def assert_gone(pids):
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10, what=f"pids {pids} gone")
+
+
+def assert_mesh_runs(pm, tmp_path):
+    """The mesh still runs a script (and its workers still answer)."""
+    again = tmp_path / "again"
+    again.mkdir()
+    assert pm.run_spmd(RANKS, "ok", str(again)).values() == [0, 0]
+
+
+# ----------------------------------------------------------------------------- same as torchrun
+
+
+def test_ddp_script_gives_the_weights_torchrun_gives(pm, tmp_path):
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "torchrun.pt"
+    codes = pm.run_spmd(DDP_TRAIN, str(ours), "4")
+    assert isinstance(codes, md.ValueMesh) and codes.values() == [0, 0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [DDP_TRAIN, str(theirs), "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    a, b = torch.load(ours), torch.load(theirs)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_ranks_see_the_torch_distributed_variables_and_output_is_prefixed(pm, tmp_path, capfd):
+    pm.run_spmd(RANKS, "ok", str(tmp_path), env={"SPMD_TEST_EXTRA": "x"})
+    seen = rank_files(tmp_path)
+    ports = {s["env"]["MASTER_PORT"] for s in seen}
+    assert len(ports) == 1 and ports.pop().isdigit()
+    for r, s in enumerate(seen):
+        env = s["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GROUP_RANK"] == "0"
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")  # as torchrun
+        assert env["SPMD_TEST_EXTRA"] == "x"
+        assert s["argv"] == ["ok", str(tmp_path)] and s["cwd"] == os.getcwd()
+        assert s["pid"] not in pm._job.pids.values()  # a process of its own, not the worker
+    out, err = capfd.readouterr()
+    assert "[gpu=0] hello from rank 0 of 2" in out and "[gpu=1] hello from rank 1 of 2" in out
+    assert "[gpu=1] to stderr from rank 1" in err
+
+
+def test_a_slice_runs_with_its_own_ranks(pm, tmp_path, capfd):
+    assert pm.slice(gpu=1).run_spmd(RANKS, "ok", str(tmp_path)).values() == [0]
+    (seen,) = rank_files(tmp_path, 1)
+    assert seen["env"]["RANK"] == "0" and seen["env"]["WORLD_SIZE"] == "1"
+    assert "[gpu=1] hello from rank 0 of 1" in capfd.readouterr().out
+
+
+def test_a_second_run_starts_no_process_and_imports_no_torch(pm, tmp_path):
+    workers = dict(pm._job.pids)
+    times = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        start = time.perf_counter()
+        pm.run_spmd(RANKS, "ok", str(d))
+        times.append(time.perf_counter() - start)
+        assert all(s["torch_preloaded"] for s in rank_files(d))
+    assert pm._job.pids == workers and all(pid_alive(p) for p in workers.values())
+    print(f"first run {times[0] * 1e3:.0f} ms, second {times[1] * 1e3:.0f} ms")  # not a check
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_a_rank_exiting_3_is_named_and_the_others_are_stopped(pm, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(SpmdError) as info:
+        pm.run_spmd(RANKS, "exit3", str(tmp_path))
+    assert time.monotonic() - start < spmd.STOP_GRACE  # rank 0 ended by SIGTERM, not a wait
+    err = info.value
+    assert err.rank == 1 and err.returncode == 3 and err.failures == {1: 3}
+    assert err.coords == {"gpu": 1} and err.stopped == (0,) and not err.timed_out
+    assert "rank 1 (gpu=1" in str(err) and "exited with code 3" in str(err)
+    assert "rank 1 gives up" in err.stderr
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+    assert_mesh_runs(pm, tmp_path)
+
+
+def test_a_rank_killed_mid_collective_is_named_and_rank_0_is_not_left_in_it(pm, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(SpmdError) as info:
+        pm.run_spmd(RANKS, "kill9", str(tmp_path), timeout=60)
+    assert time.monotonic() - start < 30
+    err = info.value
+    assert err.failures.get(1) == -signal.SIGKILL, err
+    assert "rank 1 (gpu=1" in str(err) and "killed by signal SIGKILL" in str(err)
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+    assert_mesh_runs(pm, tmp_path)
+
+
+def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(pm, tmp_path, monkeypatch):
+    monkeypatch.setattr(spmd, "STOP_GRACE", 0.5)
+    with pytest.raises(SpmdError) as info:
+        pm.run_spmd(RANKS, "ignore_term", str(tmp_path))
+    assert info.value.failures == {1: 1} and info.value.stopped == (0,)
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+
+
+def test_timeout_stops_every_rank(pm, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(SpmdError, match="timed out after 1 s") as info:
+        pm.run_spmd(RANKS, "sleep", str(tmp_path), timeout=1)
+    assert time.monotonic() - start < 1 + spmd.STOP_GRACE
+    assert info.value.timed_out and info.value.stopped == (0, 1) and info.value.failures == {}
+    wait_until(lambda: len(os.listdir(tmp_path)) == 2, what="both ranks' files")
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+
+
+def test_killing_a_worker_during_a_run_is_a_supervision_error(tmp_path):
+    mesh = md.this_host().spawn_procs({"gpu": 2})
+    try:
+        worker = mesh._job.pids[1]
+
+        def kill_when_started():
+            wait_until(lambda: len(os.listdir(tmp_path)) == 2, what="both ranks started")
+            os.kill(worker, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_started, daemon=True)
+        killer.start()
+        with pytest.raises(md.SupervisionError) as info:
+            mesh.run_spmd(RANKS, "sleep", str(tmp_path), timeout=60)
+        killer.join()
+        assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value)
+        assert_gone([s["pid"] for s in rank_files(tmp_path)])
+        with pytest.raises(md.SupervisionError):  # as for any call needing the dead worker
+            mesh.run_spmd(RANKS, "ok", str(tmp_path))
+    finally:
+        mesh.stop()
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((os.path.join(SCRIPTS, "no_such_script.py"),), {}, FileNotFoundError, "no such script"),
+        ((SCRIPTS,), {}, FileNotFoundError, "no such script"),
+        ((42,), {}, TypeError, "script must be a path"),
+        ((RANKS, "ok", 3), {}, TypeError, "arguments are strings"),
+        ((RANKS,), {"env": {"A": 1}}, TypeError, "env must map str to str"),
+        ((RANKS,), {"env": [("A", "1")]}, TypeError, "env must be a dict"),
+        ((RANKS,), {"env": {"A=B": "1"}}, ValueError, "not a valid environment variable"),
+        ((RANKS,), {"env": {"RANK": "1"}}, ValueError, "sets RANK"),
+        ((RANKS,), {"env": {"MASTER_PORT": "http"}}, ValueError, "MASTER_PORT"),
+        ((RANKS,), {"timeout": 0}, ValueError, "timeout"),
+    ],
+)
+def test_bad_inputs_are_refused_before_anything_starts(pm, monkeypatch, args, kwargs, exc, match):
+    def no_run(*a, **k):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(spmd, "_Run", no_run)
+    with pytest.raises(exc, match=match):
+        pm.run_spmd(*args, **kwargs)
+
+
+def test_a_mesh_of_remote_hosts_is_refused_clearly(pm, monkeypatch, tmp_path):
+    monkeypatch.setattr(pm._job, "pids", {})  # as for workers that joined over TCP
+    with pytest.raises(NotImplementedError, match="remote_hosts"):
+        pm.run_spmd(RANKS, "ok", str(tmp_path))
+
+
+def test_a_stopped_mesh_refuses_to_run(tmp_path):
+    mesh = md.this_host().spawn_procs({"gpu": 1})
+    mesh.stop()
+    with pytest.raises(md.SupervisionError, match="stopped"):
+        mesh.run_spmd(RANKS, "ok", str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def cli_command(*args):
+    return [sys.executable, "-m", "monarch_dsl", "run", *args]
+
+
+def cli_env(**extra):
+    return dict(os.environ, MONARCH_DSL_QUIET="1", PYTHONPATH=ROOT, **extra)
+
+
+def cli(*args, timeout=120, **env):
+    return subprocess.run(
+        cli_command(*args), capture_output=True, text=True, timeout=timeout, env=cli_env(**env)
+    )
+
+
+@pytest.mark.parametrize("mode", ["fork", "fresh"])
+def test_cli_runs_a_script_on_n_ranks(tmp_path, mode):
+    proc = cli("--spmd", "-n", "2", RANKS, "ok", str(tmp_path), MONARCH_DSL_FORK_SERVER=mode)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank=0] hello from rank 0 of 2" in proc.stdout
+    assert "[rank=1] hello from rank 1 of 2" in proc.stdout
+    assert all(s["torch_preloaded"] for s in rank_files(tmp_path))
+
+
+def test_cli_exits_with_the_failed_rank_code(tmp_path):
+    proc = cli("--spmd", "-n", "2", RANKS, "exit3", str(tmp_path))
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 1 (rank=1" in proc.stderr and "exited with code 3" in proc.stderr
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_cli_killed_during_a_run_leaves_no_rank_behind(tmp_path, sig):
+    proc = subprocess.Popen(
+        cli_command("--spmd", "-n", "2", RANKS, "sleep", str(tmp_path)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(),
+    )
+    try:
+        wait_until(lambda: len(os.listdir(tmp_path)) == 2, timeout=60, what="both ranks started")
+        proc.send_signal(sig)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert code == (128 + sig if sig == signal.SIGTERM else -sig)
+    assert_gone([s["pid"] for s in rank_files(tmp_path)])
+
+
+def test_cli_refuses_bad_arguments_before_starting_a_mesh(tmp_path, monkeypatch, capsys):
+    from monarch_dsl.__main__ import main
+
+    def no_mesh(*a, **k):
+        raise AssertionError("a mesh was started")
+
+    monkeypatch.setattr(md.LocalHost, "spawn_procs", no_mesh)
+    assert main(["run", "--spmd", "-n", "2", str(tmp_path / "missing.py")]) == 2
+    assert "no such script file" in capsys.readouterr().err
+    assert main(["run", "--spmd", "-n", "0", RANKS]) == 2
+    assert "-n must be at least 1" in capsys.readouterr().err
+    assert main(["run", "-n", "2", RANKS]) == 2
+    assert "goes with --spmd" in capsys.readouterr().err
