@@ -38,6 +38,7 @@ from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.parallel.ddp import DistributedDataParallel
 from monarch_dsl.parallel.distribute import distribute
+from monarch_dsl.parallel.fsdp import fully_shard
 from monarch_dsl.runtime.future import Future
 
 __version__ = "0.1.0"
@@ -83,6 +84,7 @@ __all__ = [
     "ValueMesh",
     "current_rank",
     "distribute",
+    "fully_shard",
     "endpoint",
     "remote_hosts",
     "this_host",

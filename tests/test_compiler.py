@@ -544,7 +544,9 @@ def test_zero_sharded_parameters_reduce_scatter_their_gradients():
     )
     _assert_parity(model, ref, losses, ref_losses)
     plan = plans[0]
-    assert not [c for c in plan.collectives if c.stream == "comms"]  # no gradient bucket
+    # no gradient bucket (the reduce-scatters go out on comms as soon as their gradient is
+    # ready; a parameter gathered whole is prefetched there)
+    assert not [c for c in plan.collectives if c.stream == "comms" and c.kind == "all_reduce"]
     scattered = {c.value: c for c in plan.collectives if c.kind == "reduce_scatter"}
     updated = set()
     for ins in plan.body:
@@ -553,7 +555,11 @@ def test_zero_sharded_parameters_reduce_scatter_their_gradients():
             grad = ins.args[1].name
             c, rs = scattered[grad], _made_by(plan, grad)
             assert c.dims == ("dp",) and rs.kw("dim") == 0 and rs.kw("op") == "sum"
-            assert c.reason == f"{{dp: P(sum)}} -> {{dp: S(0)}} of %{rs.uses()[0]} for {ins.op}"
+            assert c.reason == (
+                "sharded gradient, as soon as it is ready: "
+                f"{{dp: P(sum)}} -> {{dp: S(0)}} of %{rs.uses()[0]} for {ins.op}"
+            )
+            assert rs.stream == "comms"
             _assert_loc(c.loc, mse_step, "opt.step()")
     assert updated == set(zero)
 

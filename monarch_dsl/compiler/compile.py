@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler.capture import Captured, capture, to_plan
+from monarch_dsl.compiler.capture import Captured, capture, to_plan, used_objects
 from monarch_dsl.compiler.plan import Placement, Plan, PlanError, Replicate, Shard
 from monarch_dsl.compiler.propagate import propagate, stamp
 
@@ -105,6 +105,46 @@ def state_placements(
     return out
 
 
+FULLY_SHARD = "_md_fully_shard"  # the mesh dim md.fully_shard set on a parameter
+
+
+def fully_sharded(
+    fn: Callable,
+    captured: Captured,
+    given: dict[str, tuple[Placement, ...]],
+    mesh: tuple[tuple[str, int], ...],
+    explicit: dict[str, Any] | None,
+) -> dict[str, str]:
+    """{parameter: mesh dim} of the parameters ``md.fully_shard`` marked, now laid out
+    ``Shard(0)`` over that dim in ``given`` (unless ``placements=`` names them, or dim 0 does
+    not divide by the dim's size: those stay as they are, whole)."""
+    dims = [d for d, _ in mesh]
+    sizes = dict(mesh)
+    modules, _ = used_objects(fn)
+    marked: dict[str, str] = {}
+    for mname, mod in modules.items():
+        for pname, p in mod.named_parameters():
+            dim = getattr(p, FULLY_SHARD, None)
+            if dim is not None:
+                marked.setdefault(f"{mname}.{pname}", dim)
+    shapes = {n: tuple(v.shape) for n, v in zip(captured.input_names, captured.input_values)}
+    out: dict[str, str] = {}
+    for name, dim in marked.items():
+        shape = shapes.get(name)
+        if dim not in sizes or shape is None or name in (explicit or {}):
+            continue
+        if not shape or shape[0] % sizes[dim]:
+            continue
+        pl = list(given.get(name, (R,) * len(dims)))
+        m = dims.index(dim)
+        if not pl[m].is_replicate() and pl[m] != Shard(0):
+            continue
+        pl[m] = Shard(0)
+        given[name] = tuple(pl)
+        out[name] = dim
+    return out
+
+
 def compile_step(
     fn: Callable,
     args: tuple,
@@ -155,6 +195,7 @@ def compile_step(
             k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in (state_placement or {}).items()
         }
     given.update(state_placement or {})
+    gather = fully_sharded(fn, captured, given, mesh, placements)
     given = state_placements(captured, given, len(dims))
     outs = None
     if out_placements:
@@ -163,7 +204,7 @@ def compile_step(
     if outs and micro_batches > 1:
         mb = dims.index(MB)
         outs = {k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in outs.items()}
-    plan = propagate(plan, given, outs, pipeline_dim=pipeline_dim)
+    plan = propagate(plan, given, outs, pipeline_dim=pipeline_dim, gather=gather)
     plan = microbatch(plan)
     plan = split_stages(plan, pipeline_dim)
     plan = schedule(plan, bucket_cap_mb=bucket_cap_mb)

@@ -22,6 +22,7 @@ all-reduced once instead of once per micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 import warnings
@@ -519,11 +520,17 @@ def propagate(
     placements: dict[str, tuple[Placement, ...]],
     out_placements: dict[str, tuple[Placement, ...]] | None = None,
     pipeline_dim: str | None = None,
+    gather: dict[str, str] | None = None,
 ) -> Plan:
     """Placements for every value, starting from ``placements`` of the inputs (by input name;
     missing: Replicate on every dim), with the communication they need inserted. The
     function's results get ``out_placements`` (by output name; default Replicate); a
-    gradient kept after the step is its reduced version when the step made one."""
+    gradient kept after the step is its reduced version when the step made one.
+
+    ``gather``: {input: mesh dim} of parameters kept sharded over that dim between steps
+    (``md.fully_shard``): the forward and backward passes use them whole -- gathered at their
+    first use, once, whatever the cost model would prefer -- so the batch stays sharded and
+    their gradients are reduce-scattered back to their layout for the update."""
     t0 = time.perf_counter()
     sizes = plan.sizes
     types: dict[str, TensorType] = {}
@@ -535,6 +542,8 @@ def propagate(
         types[i.name] = t
         inputs.append(i._replace(type=t))
     st = _State(plan, types)
+    st.gather = {n: plan.dims.index(d) for n, d in (gather or {}).items()}
+    st.phase = (plan.notes or {}).get("phase", {}) if isinstance(plan.notes, dict) else {}
     if pipeline_dim in plan.dims:  # stages, not data: everything is whole along it
         st.flat_dims.add(plan.dims.index(pipeline_dim))
     for ins in plan.body:
@@ -550,6 +559,18 @@ def propagate(
                     var,
                     tuple(want),
                     Instr((), f"the result {o.name}", (), (), (), loc=st.loc_of.get(var, "")),
+                )
+        elif o.kind == "state" and t.shape is not None and o.name.rpartition(".")[0] in st.gather:
+            # Optimizer state made in the step (SGD's momentum buffer, cloned from a gradient
+            # the cost model kept whole) of a fully sharded parameter: kept sharded like it.
+            param = types[o.name.rpartition(".")[0]]
+            if param.shape == t.shape and param.placements != t.placements:
+                var = st.redistribute(
+                    var,
+                    param.placements,
+                    Instr(
+                        (), f"the sharded state {o.name}", (), (), (), loc=st.loc_of.get(var, "")
+                    ),
                 )
         elif o.kind == "grad" and t.shape is not None:
             # Laid out like its parameter (DDP's grads are whole and averaged): usually the
@@ -610,6 +631,8 @@ class _State:
         self.counter = 0
         self.flat_dims: set[int] = set()  # mesh dims along which everything is Replicate
         self.taken = set(types) | {o for i in plan.body for o in i.outs}
+        self.gather: dict[str, int] = {}  # fully sharded parameters: gathered for use
+        self.phase: dict[str, str] = {}  # by an instruction's first out (capture's notes)
 
     def fresh(self, base: str) -> str:
         while True:
@@ -620,6 +643,8 @@ class _State:
                 return name
 
     def step(self, ins: Instr) -> None:
+        if self.gather:
+            ins = self._gathered(ins)
         sizes = self.plan.sizes
         uses = ins.uses()
         name, inplace = _base(ins.op)
@@ -732,6 +757,31 @@ class _State:
             }
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
+
+    def _gathered(self, ins: Instr) -> Instr:
+        """``ins`` reading the whole of each fully sharded parameter it uses (forward and
+        backward only: the optimizer updates each rank's shard)."""
+        if ins.outs and self.phase.get(ins.outs[0], "forward") == "update":
+            return ins
+        uses = ins.uses()
+        if not any(u in self.gather for u in uses):
+            return ins
+        writes = set(written(ins))
+        names = []
+        for u in uses:
+            m = self.gather.get(u)
+            pl = self.types[u].placements
+            if m is None or u in writes or pl[m].is_replicate():
+                names.append(u)
+                continue
+            want = tuple(R if k == m else p for k, p in enumerate(pl))
+            names.append(self.redistribute(u, want, ins))
+        it = iter(names)
+        return dataclasses.replace(
+            ins,
+            args=_rename_uses(ins.args, it),
+            kwargs=tuple((k, _rename_uses(v, it)) for k, v in ins.kwargs),
+        )
 
     def _fits(
         self,

@@ -20,6 +20,7 @@ its one all-reduce is ready when its last micro-batch's backward is.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from monarch_dsl.compiler.plan import Instr, Plan, Var
@@ -50,9 +51,12 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             writes.setdefault(root.get(w, w), []).append(k)
 
     candidates = []
+    scatters = []  # reduce-scatters of gradients (fully sharded parameters): moved one by one
     sources: dict[int, str] = {}
     for k, ins in enumerate(body):
-        if ins.op != "all_reduce" or ins.stream != "main" or len(ins.outs) != 1:
+        if ins.op not in ("all_reduce", "reduce_scatter") or ins.stream != "main":
+            continue
+        if len(ins.outs) != 1:
             continue
         src = ins.uses()[0]
         # detach/alias only rename a value: reduce the one they come from, as soon as it is
@@ -69,10 +73,13 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         # Not movable above a write into the same storage.
         if any(ready < w < k for w in writes.get(r, [])):
             continue
+        if ins.op == "reduce_scatter":
+            if k - ready >= 2:  # a gradient, ready well before the update needs it
+                scatters.append((ready, k))
+                sources[k] = src
+            continue
         candidates.append((ready, k))
         sources[k] = src
-    if not candidates:
-        return stamp(plan, "schedule", t0)
 
     # Per group of ranks and kind of reduction (``_key``), in the order the gradients are ready.
     groups: dict[tuple, list[tuple[int, int]]] = {}
@@ -85,9 +92,19 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     buckets = [b for b in buckets if len(b) > 1 or b[0][1] - b[0][0] >= 2]
     buckets.sort(key=lambda b: b[-1])  # in the order they go out
 
-    moved = {k for b in buckets for _, k in b}
+    moved = {k for b in buckets for _, k in b} | {k for _, k in scatters}
     types = plan.types()
     insert_after: dict[int, list[Instr]] = {}
+    for ready, k in scatters:
+        ins = body[k]
+        args = (Var(sources[k]), *ins.args[1:])  # the gradient itself (not its later detach)
+        why = ins.reason.replace(f"of %{ins.uses()[0]} ", f"of %{sources[k]} ", 1)
+        reason = f"sharded gradient, as soon as it is ready: {why}"
+        insert_after.setdefault(ready, []).append(
+            dataclasses.replace(ins, args=args, stream="comms", reason=reason)
+        )
+    insert_before, prefetched = _prefetch(body, plan, first_use)
+    moved |= prefetched
     for bi, bucket in enumerate(buckets):
         members = [body[k] for _, k in bucket]
         first = members[0]
@@ -109,12 +126,44 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             reason,
         )
         insert_after.setdefault(max(r for r, _ in bucket), []).append(instr)
+    if not moved:
+        return stamp(plan, "schedule", t0)
     out: list[Instr] = list(insert_after.get(-1, []))
     for k, ins in enumerate(body):
+        out.extend(insert_before.get(k, []))
         if k not in moved:
             out.append(ins)
         out.extend(insert_after.get(k, []))
     return stamp(plan.replace(body=tuple(out)), "schedule", t0)
+
+
+def _prefetch(
+    body: list[Instr], plan: Plan, first_use: dict[str, int]
+) -> tuple[dict[int, list[Instr]], set[int]]:
+    """Parameter all-gathers (``md.fully_shard``: a plan input gathered whole for the forward
+    pass) on the comms stream, each issued one ahead: the first where it was, the next one
+    where the first is first used, and so on -- so the next layer's parameters travel while
+    this layer computes. Returns (instructions to insert before each index, indices moved)."""
+    inputs = {i.name for i in plan.inputs if i.kind == "param"}
+    gathers = [
+        k
+        for k, ins in enumerate(body)
+        if ins.op == "all_gather"
+        and ins.stream == "main"
+        and not ins.on
+        and len(ins.outs) == 1
+        and ins.uses()[0] in inputs
+        and ins.outs[0] in first_use
+    ]
+    insert_before: dict[int, list[Instr]] = {}
+    for n, k in enumerate(gathers):
+        at = k if n == 0 else min(k, first_use[body[gathers[n - 1]].outs[0]])
+        ins = body[k]
+        reason = f"prefetched parameter: {ins.reason}"
+        insert_before.setdefault(at, []).append(
+            dataclasses.replace(ins, stream="comms", reason=reason)
+        )
+    return insert_before, set(gathers)
 
 
 _RENAMES = ("aten.detach.default", "aten.alias.default")

@@ -1,0 +1,135 @@
+"""md.fully_shard: parameters, gradients and optimizer state Shard(0) over dp in compiled steps;
+each parameter gathered for use (prefetched on the comms stream), each gradient
+reduce-scattered as soon as it is ready; values match unsharded training (simulated in process
+through both executors, and on workers), and each rank holds half of the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import monarch_dsl as md
+
+from compiler_helpers import mse_batches, mse_step, simulate_training  # noqa: E402
+
+S = md.Shard
+
+
+def _sharded_mlp(opt_cls=torch.optim.SGD, **kwargs):
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        md.fully_shard(model)
+        return model, opt_cls(model.parameters(), **(kwargs or {"lr": 0.1})), mse_step
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "opt_cls, kwargs",
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01})],
+)
+def test_fully_sharded_training_matches_one_process(opt_cls, kwargs):
+    model, ref, losses, ref_losses, plans = simulate_training(
+        _sharded_mlp(opt_cls, **kwargs), (("dp", 2),), mse_batches(), data_parallel="dp"
+    )
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    plan = plans[-1].check()  # (SGD's momentum buffers are inputs from the second step on)
+    params = [n for n, _ in model.named_parameters()]
+    for i in plan.inputs:
+        if i.kind in ("param", "state") and i.type.shape:  # (a 0-dim step count is whole)
+            assert i.type.placements == (S(0),), (i.name, i.type)
+    gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+    scatters = [c for c in plan.collectives if c.kind == "reduce_scatter"]
+    # every parameter gathered once (prefetched on comms), every gradient reduce-scattered
+    assert len(gathers) == len(params) and all(c.stream == "comms" for c in gathers)
+    assert all("prefetched parameter" in c.reason for c in gathers)
+    assert len(scatters) == len(params)
+    # those the update reads go out on comms as soon as their gradient is ready (one that only
+    # makes the .grad kept after the step stays at the end)
+    read = [c for c in scatters if "for the gradient" not in c.reason]
+    assert all(c.stream == "comms" and "as soon as it is ready" in c.reason for c in read)
+    if opt_cls is torch.optim.AdamW:
+        assert len(read) == len(params)
+    assert not any(c.kind == "all_reduce" and "gradient" in c.reason for c in plan.collectives)
+    # the next parameter's gather is issued before the current one is used
+    body = plan.plan.body if hasattr(plan, "plan") else plan.body
+    order = [k for k, ins in enumerate(body) if ins.op == "all_gather"]
+    first_use = {}
+    for k, ins in enumerate(body):
+        for u in ins.uses():
+            first_use.setdefault(u, k)
+    assert order[1] < first_use[body[order[0]].outs[0]] + 1
+
+
+def test_a_parameter_that_does_not_divide_stays_whole():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 15))  # 15 rows
+        md.fully_shard(model)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step
+
+    batches = [(x, y[:, :15]) for x, y in mse_batches()]
+    model, ref, *_, plans = simulate_training(make, (("dp", 2),), batches, data_parallel="dp")
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    types = {i.name: i.type for i in plans[0].inputs}
+    assert types["model.0.weight"].placements == (S(0),)
+    assert types["model.2.weight"].placements == (md.Replicate(),)
+
+
+def test_fully_shard_checks_its_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        md.fully_shard(torch.zeros(2))
+    model = nn.Linear(4, 4)
+    assert md.fully_shard(model) is model
+    with pytest.raises(ValueError, match="already fully sharded over 'dp'"):
+        md.fully_shard(model, dim="fsdp")
+    with pytest.raises(KeyError, match="'dp'"):
+        md.fully_shard(nn.Linear(4, 4), mesh=md.Mesh.from_string("tp=2"))
+
+
+@pytest.mark.procs
+def test_on_workers_each_rank_holds_half_the_state():
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    ref.load_state_dict(local.state_dict())
+    md.fully_shard(local)
+    opt = torch.optim.AdamW(local.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    step = md.mesh_fn(data_parallel="dp")(mse_step(local, opt))
+    batches = mse_batches()
+    pm = md.this_host().spawn_procs({"dp": 2})
+    try:
+        with pm.activate():
+            losses = [md.inspect(step(x, y)) for x, y in batches]
+            held = {
+                name: [tuple(md.inspect(h, dp=r).shape) for r in range(2)]
+                for name, (h, t, kind) in step.state.items()
+            }
+        step.pull()
+    finally:
+        pm.stop()
+    for x, y in batches:
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for a, b in zip(local.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    whole = {f"model.{n}": p for n, p in local.named_parameters()}
+    checked = 0
+    for name, shapes in held.items():
+        base = whole.get(name, whole.get(name.rpartition(".")[0]))
+        if base is None or name.endswith(".step"):
+            continue
+        # parameters, their gradients and their AdamW moments: half of dim 0 on each rank
+        assert shapes == [(base.shape[0] // 2, *base.shape[1:])] * 2, (name, shapes)
+        checked += 1
+    assert checked >= 3 * len(whole), held  # param, exp_avg, exp_avg_sq (and grad) of each
+    assert len(losses) == 3
