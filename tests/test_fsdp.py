@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from compiler_helpers import mse_batches, mse_step, simulate_training  # noqa: E402
 
 import monarch_dsl as md
-
-from compiler_helpers import mse_batches, mse_step, simulate_training  # noqa: E402
 
 S = md.Shard
 
