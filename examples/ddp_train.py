@@ -58,12 +58,12 @@ def setup_torch():
     return model, data, rank == 0, lambda t: t.detach()
 
 
-def setup_md(pm):
+def setup_md(pm, batches):
     """monarch_dsl: one controller; the model and the data are put on the mesh."""
     import monarch_dsl as md
 
     model = md.DistributedDataParallel(md.to_mesh(make_model(), pm))
-    data = [md.distribute((x, y), {"dp": md.Shard(0)}) for x, y in global_batches()]
+    data = [md.distribute((x, y), {"dp": md.Shard(0)}) for x, y in batches]
     return model, data, True, md.inspect
 
 
@@ -88,11 +88,13 @@ def main() -> None:
 
     import monarch_dsl as md
 
+    # Made here, before pm.activate(): under it, torch.randn would run on the workers.
+    batches = global_batches()
     pm = md.this_host().spawn_procs({"dp": WORLD})
     try:
         if not args.compiled:
             with pm.activate():
-                model, data, _, fetch = setup_md(pm)
+                model, data, _, fetch = setup_md(pm, batches)
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 report(train(model, opt, data), model, fetch)
             return
@@ -104,7 +106,7 @@ def main() -> None:
             return train(model, opt, [(x, y)])[0]
 
         with pm.activate():
-            losses = [step(x, y) for x, y in global_batches()]
+            losses = [step(x, y) for x, y in batches]
             # The compiled step returns the global batch's loss (the mean over the ranks').
             print("global losses:", [round(float(md.inspect(loss)), 6) for loss in losses])
         step.pull()  # the trained weights back into the local module

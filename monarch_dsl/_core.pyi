@@ -70,10 +70,11 @@ class Program:
     def set_uses(self, uses: Sequence[Sequence[int]]) -> None:
         """Per step, the slots it reads (where a collective in flight is waited for)."""
     def has_comms(self) -> bool: ...
-    def run_plan(self, env: Env, device: Any) -> int:
+    def run_plan(self, env: Env, device: Any, inputs_failed: bool = False) -> int:
         """The whole plan for this rank without the GIL, compute and communication in order;
-        after a failure only communication goes on (with zeros). Returns -1, or the index of
-        the step that failed (``last_error()`` says why)."""
+        after a failure (from the start with ``inputs_failed``) only communication goes on
+        (with zeros). Returns -1, or the index of the step that failed (``last_error()`` says
+        why; the number of steps: after them, or the inputs)."""
     def __len__(self) -> int: ...
 
 class Executor:
@@ -181,6 +182,10 @@ class ShmGroup:
     def all_reduce(self, tensor: Any, op: str = "sum") -> None:
         """In place: sum / avg / max / min / prod; each rank reduces its slice of each chunk,
         so every rank gets bit-identical results."""
+    def all_reduce_into(self, output: Any, inputs: Sequence[Any], op: str = "sum") -> None:
+        """``output`` = the all-reduce of the concatenation of ``inputs`` (contiguous, the
+        output's dtype and, in all, its number of elements), read where they are: a gradient
+        bucket without a flat copy first. The same results as ``all_reduce`` of that copy."""
     def all_gather(self, tensor: Any) -> Any:
         """The members' tensors stacked along a new dim 0, in rank order."""
     def all_gather_into(self, outputs: Sequence[Any], input: Any) -> None: ...

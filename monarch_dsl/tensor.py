@@ -447,7 +447,7 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
             wargs.append(a)
     if kwargs:
         for a in kwargs.values():
-            if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict)):
+            if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict, torch.Generator)):
                 return _dispatch_general(func, args, kwargs, active)
         key.extend(kwargs.items())
     if mesh is None:
@@ -548,6 +548,16 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
                 )
         elif isinstance(x, torch.Tensor) and local is None:
             local = i
+    for x in flat:
+        if isinstance(x, torch.Generator):
+            # Its state would be copied to the workers whenever the batch is sent, and the
+            # generator here would not advance: each run could draw different numbers.
+            raise TypeError(
+                f"{op}: a torch.Generator cannot drive an op on the mesh (the workers draw "
+                "from their own generators; seed them with torch.manual_seed under "
+                "activation), and under pm.activate() this op runs on the mesh. Make data "
+                "from a local generator before activating, then md.distribute / md.to_mesh it"
+            )
     if name in _FACTORY_DEVICE_OPS and mesh is None and active is not None:
         return _lift(flat[local], active)
     if mesh is None:

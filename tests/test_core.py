@@ -230,13 +230,11 @@ def _train_on_workers(executor: str):
 
     step = md.mesh_fn(data_parallel="dp")(mse_step(model, opt))
     g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
     pm = md.this_host().spawn_procs({"dp": 2}, env={"MD_EXECUTOR": executor})
     try:
         with pm.activate():
-            losses = [
-                step(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
-                for _ in range(3)
-            ]
+            losses = [step(x, y) for x, y in batches]
             got = [md.inspect(loss) for loss in losses]
             assert bool(md.inspect(_worker_uses_cpp())) == (executor == "cpp")
         step.pull()

@@ -97,3 +97,18 @@ def test_bad_placements_are_refused_before_anything_is_sent(ab):
             md.distribute(x, {"a": md.Shard(2)})
         with pytest.raises(TypeError, match="placements must be"):
             md.distribute(x, "dp")
+
+
+def test_a_local_generator_cannot_drive_a_mesh_op(ab):
+    """Under activation torch.randn(..., generator=g) would run on the workers with a copy of
+    g's state taken whenever the batch is sent (and g never advancing): refused, saying what to
+    do instead."""
+    g = torch.Generator().manual_seed(1)
+    local = torch.randn(4, 2, generator=g)  # made locally, before activating
+    with ab.activate():
+        with pytest.raises(TypeError, match="a torch.Generator cannot drive an op on the mesh"):
+            torch.randn(4, generator=g)
+        with pytest.raises(TypeError, match="torch.Generator"):
+            torch.bernoulli(torch.full((4,), 0.5), generator=g)
+        x = md.distribute(local, {"a": md.Shard(0)})
+        torch.testing.assert_close(md.inspect(x, a=1, b=0), local[2:])

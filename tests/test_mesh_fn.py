@@ -132,6 +132,29 @@ def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
         assert md.inspect(out).shape == (8,)
 
 
+def test_an_input_failed_on_one_rank_fails_the_results_everywhere(pm):
+    """No rank hangs: the one whose input failed computes nothing but communicates zeros."""
+    model = nn.Linear(16, 16)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x):
+        return model(x).sum()
+
+    want = model(torch.ones(8, 16)).sum()
+    with pm.activate():
+        x = torch.ones(4, 16)  # each rank's part of an [8, 16] batch
+        idx = (pm.rank("dp") * 99).long()  # out of range on dp=1 only
+        bad = torch.index_select(x, 1, idx.reshape(1)).expand(4, 16).contiguous()
+        out = step(bad)
+        with pytest.raises(md.RemoteError, match="index"):
+            md.inspect(bad, dp=1, tp=0)
+        with pytest.raises(md.RemoteError, match="index"):
+            md.inspect(out, dp=1, tp=0)  # its own input's root cause
+        with pytest.raises(md.RemoteError, match="failed on another rank"):
+            md.inspect(out, dp=0, tp=0)
+        torch.testing.assert_close(md.inspect(step(x)), want)  # the workers go on
+
+
 @pytest.mark.parametrize(
     "layout, make",
     [

@@ -107,9 +107,16 @@ def _collectives(rank: int, size: int, name: str) -> list[str]:
                 if op == "avg" and not dtype.is_floating_point:
                     continue
                 x = _input(rank, n, dtype, op)
+                # the same reduction from pieces read where they are (a gradient bucket):
+                # bit-identical to the all-reduce of their flat copy
+                pieces = list(x.clone().tensor_split([n // 3, n // 3 + 1]))
+                out = torch.empty(n, dtype=dtype)
+                g.all_reduce_into(out, pieces, op)
                 g.all_reduce(x, op)
                 if not _close(x, _reference(size, n, dtype, op)):
                     bad.append(f"all_reduce {op} {dtype} n={n}")
+                if not torch.equal(out, x):
+                    bad.append(f"all_reduce_into {op} {dtype} n={n}")
             x = _input(rank, n, dtype, "sum")
             got = g.all_gather(x)
             if not torch.equal(got, torch.stack([_input(r, n, dtype, "sum") for r in range(size)])):

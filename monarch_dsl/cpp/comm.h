@@ -25,6 +25,21 @@ class Comm {
   // Started collectives; `op`: "sum", "avg", "max", "min" or "prod". The tensors must live
   // until the wait has returned.
   virtual Wait start_all_reduce(at::Tensor& t, const std::string& op) = 0;
+  // out = the all-reduce of the concatenation of `pieces` (contiguous, out's dtype, as many
+  // elements in all as out): a gradient bucket. By default copied into out, then reduced
+  // there; shared memory reads the pieces where they are.
+  virtual Wait start_all_reduce_into(at::Tensor& out, const std::vector<at::Tensor>& pieces,
+                                     const std::string& op) {
+    if (pieces.size() == 1) {
+      out.view({-1}).copy_(pieces[0].reshape({-1}));
+    } else {
+      std::vector<at::Tensor> flat;
+      for (const auto& p : pieces) flat.push_back(p.reshape({-1}));
+      at::Tensor whole = out.view({-1});
+      at::cat_out(whole, flat);
+    }
+    return start_all_reduce(out, op);
+  }
   virtual Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
   virtual Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
                                     const std::string& op) = 0;

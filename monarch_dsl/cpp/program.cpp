@@ -283,14 +283,16 @@ class Program {
   // given by set_comm, in order. Collectives off the main stream are started and waited for
   // at their result's first use (a bucket's all-reduce overlaps the rest of the backward).
   // After a failure the rank computes nothing more but still takes part in every
-  // communication, with zeros, so no peer waits forever. Returns -1 or the failed step.
-  int64_t run_plan(Env& env, const c10::Device& device) {
+  // communication, with zeros, so no peer waits forever; `inputs_failed`: from the start (an
+  // input failed on this rank). Returns -1 or the failed step (the number of steps: after
+  // them, or the inputs).
+  int64_t run_plan(Env& env, const c10::Device& device, bool inputs_failed) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> one_run_at_a_time(lock_);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
     reused_ = in_place_ = 0;
-    int64_t failed = -1;
+    int64_t failed = inputs_failed ? static_cast<int64_t>(steps_.size()) : -1;
     std::unordered_map<int64_t, std::shared_ptr<Pending>> pending;
     auto settle = [&](int64_t slot) {
       auto it = pending.find(slot);
@@ -482,15 +484,29 @@ class Program {
     if (op == "all_reduce") {
       std::vector<at::Tensor> tensors;
       for (size_t i = 0; i < c.args.size(); ++i) tensors.push_back(value(i));
-      at::Tensor flat;
-      if (tensors.size() == 1) {
-        flat = tensors[0].contiguous().clone();
-      } else {
-        std::vector<at::Tensor> pieces;
-        for (auto& t : tensors) pieces.push_back(t.reshape(-1));
-        flat = at::cat(pieces);
+      // One result buffer (the bucket's flat tensor; one tensor keeps its shape), filled by
+      // the all-reduce from the tensors where they are (shared memory reads them directly).
+      bool one_dtype = true;
+      int64_t numel = 0;
+      std::vector<at::Tensor> pieces;
+      for (auto& t : tensors) {
+        one_dtype = one_dtype && t.scalar_type() == tensors[0].scalar_type();
+        numel += t.numel();
+        pieces.push_back(t.contiguous());
       }
-      md::Wait wait = c.comm->start_all_reduce(flat, reduce);
+      at::Tensor flat;
+      md::Wait wait;
+      if (tensors.size() == 1) {
+        flat = at::empty(tensors[0].sizes(), tensors[0].options());
+        wait = c.comm->start_all_reduce_into(flat, pieces, reduce);
+      } else if (one_dtype && !tensors.empty()) {
+        flat = at::empty({numel}, tensors[0].options());
+        wait = c.comm->start_all_reduce_into(flat, pieces, reduce);
+      } else {  // (cat's type promotion)
+        for (auto& p : pieces) p = p.reshape(-1);
+        flat = at::cat(pieces);
+        wait = c.comm->start_all_reduce(flat, reduce);
+      }
       finish = [&values, outs = c.outs, tensors, flat, wait, avg, n]() mutable {
         if (wait) wait();
         if (avg) flat.div_(n);
@@ -579,8 +595,13 @@ void bind_program(py::module& m) {
       .def("set_comm", &Program::set_comm)
       .def("set_uses", &Program::set_uses)
       .def("has_comms", &Program::has_comms)
-      .def("run_plan", [](Program& p, Env& env, py::handle device) {
-        return p.run_plan(env, torch::jit::toIValue(device, c10::DeviceObjType::get()).toDevice());
-      })
+      .def(
+          "run_plan",
+          [](Program& p, Env& env, py::handle device, bool inputs_failed) {
+            return p.run_plan(
+                env, torch::jit::toIValue(device, c10::DeviceObjType::get()).toDevice(),
+                inputs_failed);
+          },
+          py::arg("env"), py::arg("device"), py::arg("inputs_failed") = false)
       .def("__len__", &Program::size);
 }

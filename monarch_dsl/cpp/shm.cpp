@@ -243,6 +243,36 @@ void check_cpu(const at::Tensor& t, const char* what) {
     throw std::invalid_argument(std::string("shm collectives: ") + what + " must be contiguous");
 }
 
+// The bytes of several buffers read as one (a bucket's gradients as its flat buffer).
+class Concat {
+ public:
+  void add(const char* data, size_t bytes) {
+    data_.push_back(data);
+    ends_.push_back(bytes_ += bytes);
+  }
+  size_t bytes() const { return bytes_; }
+  // Copies bytes [begin, begin + n) of the concatenation to `to` (nothing where a buffer's
+  // bytes are already there).
+  void copy_to(char* to, size_t begin, size_t n) const {
+    size_t i = std::upper_bound(ends_.begin(), ends_.end(), begin) - ends_.begin();
+    while (n > 0 && i < data_.size()) {
+      const size_t start = i == 0 ? 0 : ends_[i - 1];
+      const size_t m = std::min(n, ends_[i] - begin);
+      const char* from = data_[i] + (begin - start);
+      if (from != to) std::memcpy(to, from, m);
+      to += m;
+      begin += m;
+      n -= m;
+      ++i;
+    }
+  }
+
+ private:
+  std::vector<const char*> data_;
+  std::vector<size_t> ends_;  // where each buffer ends in the concatenation
+  size_t bytes_ = 0;
+};
+
 // Releases the GIL for a call when the calling thread holds it (Python callers do; the C++
 // executor's stream threads call without it).
 struct NoGil {
@@ -283,11 +313,29 @@ class ShmGroup {
   // ---------------------------------------------------------------- collectives
   void all_reduce(at::Tensor t, const std::string& op_name) {
     check_cpu(t, "all_reduce's tensor");
+    all_reduce_into(t, {t}, op_name);
+  }
+
+  // out = the reduction over ranks of the concatenation of `pieces` (flattened), each rank's
+  // pieces alike. A gradient bucket's all-reduce: its gradients are read where they are,
+  // with no flat copy first (the pieces may be `out` itself: an in-place all-reduce).
+  void all_reduce_into(at::Tensor out, const std::vector<at::Tensor>& pieces,
+                       const std::string& op_name) {
+    check_cpu(out, "all_reduce's output");
     const Op op = parse_op(op_name);
-    const ReduceFn fn = reducer(t.scalar_type(), op);
-    const size_t es = t.element_size();
-    char* data = static_cast<char*>(t.data_ptr());
-    const size_t count = t.numel();
+    const ReduceFn fn = reducer(out.scalar_type(), op);
+    const size_t es = out.element_size();
+    Concat input;
+    for (const auto& p : pieces) {
+      check_cpu(p, "all_reduce's inputs");
+      if (p.scalar_type() != out.scalar_type())
+        throw std::invalid_argument("shm all_reduce: inputs and output differ in dtype");
+      input.add(static_cast<const char*>(p.data_ptr()), p.numel() * es);
+    }
+    const size_t count = out.numel();
+    if (input.bytes() != count * es)
+      throw std::invalid_argument("shm all_reduce: the inputs' size differs from the output's");
+    char* data = static_cast<char*>(out.data_ptr());
     NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
@@ -299,9 +347,11 @@ class ShmGroup {
       char* chunk = data + off * es;
       const int h = next_half();
       for (int j = 0; j < size_; ++j) {
-        if (j == rank_) continue;
         auto [b, e] = piece(n, size_, j);
-        std::memcpy(slot(rank_, h) + b * es, chunk + b * es, (e - b) * es);
+        // the others' slices into this rank's slot; its own into the output (no copy when
+        // the input is the output)
+        char* to = j == rank_ ? chunk + b * es : slot(rank_, h) + b * es;
+        input.copy_to(to, (off + b) * es, (e - b) * es);
       }
       barrier(what);
       auto [b, e] = piece(n, size_, rank_);
@@ -772,6 +822,15 @@ class ShmComm : public md::Comm {
     return {};
   }
 
+  md::Wait start_all_reduce_into(at::Tensor& out, const std::vector<at::Tensor>& pieces,
+                                 const std::string& op) override {
+    bool ok = fits(out) && (op != "avg" || out.is_floating_point());
+    for (const auto& p : pieces) ok = ok && fits(p) && p.scalar_type() == out.scalar_type();
+    if (!ok) return md::Comm::start_all_reduce_into(out, pieces, op);
+    shm_->all_reduce_into(out, pieces, op);
+    return {};
+  }
+
   md::Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
     bool ok = fits(input);
     for (const auto& o : outs) ok = ok && fits(o);
@@ -867,6 +926,8 @@ Collectives work in place on contiguous CPU tensors and release the GIL.)doc")
            py::arg("rank"), py::arg("size"), py::arg("capacity_bytes") = 8 << 20,
            py::arg("timeout") = 300.0, py::arg("ring_bytes") = 1 << 20)
       .def("all_reduce", &ShmGroup::all_reduce, py::arg("tensor"), py::arg("op") = "sum")
+      .def("all_reduce_into", &ShmGroup::all_reduce_into, py::arg("output"), py::arg("inputs"),
+           py::arg("op") = "sum")
       .def("all_gather", &ShmGroup::all_gather, py::arg("tensor"))
       .def("all_gather_into", &ShmGroup::all_gather_into, py::arg("outputs"), py::arg("input"))
       .def("reduce_scatter", &ShmGroup::reduce_scatter, py::arg("output"), py::arg("inputs"),

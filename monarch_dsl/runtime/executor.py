@@ -150,6 +150,9 @@ class ReferenceExecutor:
         self.plan_runner = None
 
     def _stream_loop(self, q: queue.SimpleQueue) -> None:
+        # OpenMP's and MKL's thread counts are per thread (a new one starts at one per core):
+        # take the process's, as the C++ executor's stream threads do (at::init_num_threads).
+        torch.set_num_threads(torch.get_num_threads())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: ops without a device use this GPU
         handlers = self.handlers

@@ -4,10 +4,11 @@ Compute steps call aten ops; communication uses the executor's gloo groups, one 
 (stream, mesh slice). Steps on the ``comms`` stream are issued asynchronously and waited for
 at their result's first use, so a bucket's all-reduce overlaps the rest of the backward pass.
 
-Failures never hang the mesh: a flag all-reduce over the whole mesh before the run (an input
-failed somewhere?) and after it (a step failed somewhere?) makes every rank agree; a rank
-whose step failed skips the remaining compute but still takes part in every communication
-(with zeros), and then all ranks mark the outputs failed.
+Failures never hang the mesh: a rank whose input failed, or whose step failed, computes
+nothing more but still takes part in every communication (with zeros); a flag all-reduce over
+the whole mesh after the run (an input or a step failed somewhere?) makes every rank agree,
+and then all ranks mark the outputs failed. (One flag per run, not also one before it: a
+failed input is rare, and the flag costs every step a round of the group.)
 """
 
 from __future__ import annotations
@@ -152,24 +153,20 @@ class PlanRunner:
         for slot, ref in zip(program.inputs, ins.inputs):
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
-                failure = failure or v
+                failure, v = failure or v, None  # (nothing is computed: see run_plan)
             env[slot] = v  # None: a pipeline stage's value held by other ranks
         world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
-        failure = self._agree(world, failure, ins, "an input failed on another rank")
-        if failure is not None:
-            ex._fail([r for r in ins.outputs if r >= 0], failure, root=False)
-            return
         own = False
         if compiled is not None:  # the whole run in C++, without the GIL
-            failed = compiled.run_plan(env, ex.device)
-            if failed >= 0:
+            failed = compiled.run_plan(env, ex.device, failure is not None)
+            if failed >= 0 and failure is None:
                 bad = program.steps[failed] if failed < len(program.steps) else None
                 line = (bad.loc if bad is not None else "") or ins.line
                 op = bad.op if bad is not None else "plan"
                 failure, own = Failure(ex.rank, line, op, compiled.last_error(), ""), True
         else:
-            failure, own = self._run_python(program, uses, env, mesh, coords, ins)
-        failure = self._agree(world, failure, ins, "a step failed on another rank")
+            failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
+        failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
         if failure is not None:
             ex._fail([r for r in ins.outputs if r >= 0], failure, root=own)
             return
@@ -177,11 +174,11 @@ class PlanRunner:
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
                 ex.refs[ref] = env[slot]
 
-    def _run_python(self, program, uses, env, mesh, coords, ins):
+    def _run_python(self, program, uses, env, mesh, coords, ins, failure=None):
         """The reference executor's run of the steps: (the first failure or None, whether
-        this rank's own step failed)."""
+        this rank's own step failed). ``failure``: an input's (nothing is computed)."""
         ex = self.ex
-        failure, own = None, False
+        own = False
         pending: dict[int, Any] = {}
         for k, step in enumerate(program.steps):
             if not runs_on(step, coords):

@@ -1,0 +1,391 @@
+"""Data-parallel training benchmark: torch DDP vs md.DistributedDataParallel vs a compiled step.
+
+    python benchmarks/ddp.py            # about 2 minutes on a 2-core machine
+    python benchmarks/ddp.py --quick    # fewer blocks, about 1 minute
+
+The same training loop body (``opt.zero_grad(); F.mse_loss(model(x), y).backward();
+opt.step()``, SGD lr 0.01, the same batch every step) on 2 ranks with 32 samples per rank (a
+global batch of 64), for two models:
+
+- ``big``: 8 x (Linear(1024, 1024) + ReLU), 8.4 M parameters (32 MiB of gradients);
+- ``tiny``: 4 x (Linear(64, 64) + ReLU), 17 k parameters.
+
+Systems, each timed in blocks of consecutive steps, the blocks of all systems interleaved
+(A B C D A B C D ...), so that drift of the machine (the cores are shared) hits all alike:
+
+1. ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` (gloo) in 2 processes started
+   as torchrun starts them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+   ``OMP_NUM_THREADS=1``; ``torch.set_num_threads(1)``), each rank timing its own block of
+   steps; a block's time is the slower rank's.
+2. ``md eager``: ``md.DistributedDataParallel(md.to_mesh(model, pm))`` on a ``dp=2`` mesh
+   driven from this process, the batch from ``md.distribute(batch, {"dp": md.Shard(0)})``;
+   every step ends with ``md.inspect(loss)``, so each step's work is done before the next.
+3. ``compiled``: ``@md.mesh_fn(data_parallel="dp")`` around the same loop body, called with
+   the global batch (each rank gets its 32 rows); the block ends with ``md.inspect`` of the
+   last loss (steps run in order on the workers, so all of them are done).
+4. ``floor``: what one rank cannot avoid per step (issue 11, item 4): its compute -- the same
+   step in one process on one intra-op thread at the per-rank batch (32), timed here, in this
+   process -- plus the part of the gradient all-reduce that cannot be hidden behind compute.
+   We count the all-reduce of the last gradient bucket of the compiled plan (it holds the
+   first layer's gradients, complete only when the backward pass is): a raw shared-memory
+   all-reduce (``ShmGroup.all_reduce``, what the workers use between processes of one host)
+   of that many float32s between the two worker processes, timed in them. The other buckets
+   could in principle overlap the backward pass; on this 2-core machine they cannot (each
+   rank's core does its own compute and its share of the shared-memory reduction), so the
+   whole all-reduce is printed too, as ``compute + all buckets``.
+
+Reported per model and system: ms/step (median of the blocks), samples/s (global batch /
+step), ``vs torch`` (torch DDP's time / this one's: how many times faster than torch DDP) and
+``vs floor`` (this one's time / the floor's). Goals (issue 11), on a 2-core machine:
+compiled >= 2.5x torch DDP (big) and >= 5x (tiny), within 1.25x of the floor (big); md eager
+>= 1.3x torch DDP (big). The garbage collector is off inside timed blocks (as ``timeit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("MONARCH_DSL_QUIET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import monarch_dsl as md  # noqa: E402
+
+WORLD, BATCH, LR = 2, 32, 0.01  # ranks, samples per rank
+MODELS = {"big": (1024, 8), "tiny": (64, 4)}  # name: (width, layers)
+BLOCK_SECONDS = 0.6  # a block's length (steps chosen from the warm-up's step time)
+
+
+def make_model(name: str) -> nn.Module:
+    width, layers = MODELS[name]
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def global_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width, _ = MODELS[name]
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(WORLD * BATCH, width, generator=g), torch.randn(
+        WORLD * BATCH, width, generator=g
+    )
+
+
+def train_step(model, opt, x, y):
+    """The loop body every system runs."""
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def timed(run, steps: int) -> float:
+    """Seconds per step of ``run(steps)``, with the garbage collector off."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        run(steps)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        gc.enable()
+
+
+# ---- torch DDP: one process per rank, driven over stdin / stdout -----------------------------
+
+
+def torch_rank() -> None:
+    """A torch DDP rank (started by :class:`TorchDDP`): builds both models, then runs
+    ``<model> <steps>`` lines from stdin, answering each with its seconds per step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    systems = {}
+    for name in MODELS:
+        model = DDP(make_model(name))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        x, y = (t.chunk(WORLD)[rank] for t in global_batch(name))
+        systems[name] = (model, opt, x, y)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, steps = line.split()
+        model, opt, x, y = systems[name]
+        losses = []
+
+        def run(n, model=model, opt=opt, x=x, y=y, losses=losses):
+            for _ in range(n):
+                losses.append(train_step(model, opt, x, y))
+
+        dist.barrier()  # both ranks start the block together
+        secs = timed(run, int(steps))
+        ok = all(torch.isfinite(v).item() for v in losses)
+        print(json.dumps({"secs": secs, "finite": ok}), flush=True)
+    dist.destroy_process_group()
+
+
+class TorchDDP:
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.procs = []
+        for rank in range(WORLD):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
+                LOCAL_WORLD_SIZE=str(WORLD),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",  # as torchrun sets it for several processes per host
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--torch-rank"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        for p in self.procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready", "rank failed"
+
+    def step_secs(self, name: str, steps: int) -> float:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{name} {steps}\n")
+            p.stdin.flush()
+        results = [json.loads(p.stdout.readline()) for p in self.procs]  # type: ignore[union-attr]
+        assert all(r["finite"] for r in results), results
+        return max(r["secs"] for r in results)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()  # type: ignore[union-attr]
+        for p in self.procs:
+            p.wait(timeout=60)
+
+
+# ---- monarch_dsl ---------------------------------------------------------------------------
+
+
+def md_eager(pm, name: str):
+    with pm.activate():
+        ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        xb, yb = md.distribute(global_batch(name), {"dp": md.Shard(0)})
+
+    def run(steps: int) -> None:
+        with pm.activate():
+            for _ in range(steps):
+                loss = train_step(ddp, opt, xb, yb)
+                value = md.inspect(loss)  # the step is done on every rank
+            assert torch.isfinite(value).item(), value
+
+    return run
+
+
+def md_compiled(pm, name: str):
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = global_batch(name)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):
+        return train_step(model, opt, x, y)
+
+    def run(steps: int) -> None:
+        with pm.activate():
+            for _ in range(steps):
+                loss = step(x, y)
+            value = md.inspect(loss)
+        assert torch.isfinite(value).item(), value
+
+    return run
+
+
+def bucket_bytes(name: str) -> list[int]:
+    """The gradient buckets of the compiled step (compiled apart: no processes), in the order
+    they are all-reduced, in bytes."""
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):
+        return train_step(model, opt, x, y)
+
+    plan = step.compile(*global_batch(name), mesh=md.Mesh.from_string(f"dp={WORLD}"))
+    sizes = []
+    for c in plan.collectives:
+        m = re.search(r"gradient bucket \d+/\d+ \(\d+ tensors, ([\d.]+) MiB\)", c.reason)
+        if m:
+            sizes.append(round(float(m.group(1)) * (1 << 20)))
+    assert sizes, "the compiled plan has no gradient bucket"
+    return sizes
+
+
+def local_step(name: str):
+    """The floor's compute: the step in this process, one intra-op thread, batch 32."""
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = (t[:BATCH] for t in global_batch(name))
+
+    def run(steps: int) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(steps):
+                train_step(model, opt, x, y)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+class RawAllReduce(md.Actor):
+    """A shared-memory all-reduce between the workers, timed in them (the floor's
+    communication)."""
+
+    @md.endpoint
+    def secs(self, numel: int, reps: int) -> float:
+        from monarch_dsl.runtime import worker
+
+        ex = worker.current._executor
+        group = ex._pg(list(range(WORLD)), "bench-floor")  # made by both ranks at once
+        t = torch.ones(numel)
+        group.shm.all_reduce(t, "sum")  # warm: pages touched
+        times = []
+        for _ in range(reps):
+            group.shm.barrier()
+            t0 = time.perf_counter()
+            group.shm.all_reduce(t, "sum")
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def measure(pm, ddp_torch: TorchDDP, raw, name: str, blocks: int) -> dict:
+    eager = md_eager(pm, name)
+    compiled = md_compiled(pm, name)
+    compute = local_step(name)
+    buckets = bucket_bytes(name)
+
+    def floor_comm() -> tuple[float, float]:
+        last = max(raw.secs.call(buckets[-1] // 4, 5).get().values())
+        whole = max(raw.secs.call(sum(buckets) // 4, 5).get().values())
+        return last, whole
+
+    systems = {
+        "torch DDP": lambda n: ddp_torch.step_secs(name, n),
+        "md eager": lambda n: timed(eager, n),
+        "compiled": lambda n: timed(compiled, n),
+        "compute": lambda n: timed(compute, n),
+    }
+    steps = {}
+    for key, run in systems.items():  # warm-up (the compiled step compiles twice), and sizing
+        run(3)
+        steps[key] = max(3, round(BLOCK_SECONDS / run(2)))
+    times: dict[str, list[float]] = {key: [] for key in systems}
+    last_bucket, all_buckets = [], []
+    for _ in range(blocks):
+        for key, run in systems.items():
+            times[key].append(run(steps[key]))
+        last, whole = floor_comm()
+        last_bucket.append(last)
+        all_buckets.append(whole)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    med["last bucket"] = statistics.median(last_bucket)
+    med["all buckets"] = statistics.median(all_buckets)
+    med["floor"] = med["compute"] + med["last bucket"]
+    return {"med": med, "times": times, "steps": steps, "buckets": buckets}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer blocks")
+    ap.add_argument("--torch-rank", action="store_true", help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.torch_rank:
+        torch_rank()
+        return
+    blocks = 3 if opts.quick else 7
+    t_start = time.perf_counter()
+    pm = md.this_host().spawn_procs({"dp": WORLD})  # first: before this process runs any op
+    ddp_torch = TorchDDP()
+    try:
+        raw = pm.spawn("raw_all_reduce", RawAllReduce)
+        results = {name: measure(pm, ddp_torch, raw, name, blocks) for name in MODELS}
+    finally:
+        ddp_torch.close()
+        pm.stop()
+
+    print(
+        f"DDP training step, {WORLD} ranks x batch {BATCH}, SGD + MSE, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; median of {blocks} interleaved blocks"
+    )
+    header = (
+        f"{'model':5s}  {'system':9s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
+        f"{'vs floor':>8s}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        med = r["med"]
+        rows = [(k, med[k]) for k in ("torch DDP", "md eager", "compiled")]
+        rows += [("floor", med["floor"])]
+        for system, secs in rows:
+            print(
+                f"{name:5s}  {system:9s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
+                f"{med['torch DDP'] / secs:7.2f}x  {secs / med['floor']:7.2f}x"
+            )
+    print()
+    for name, r in results.items():
+        med = r["med"]
+        mib = ", ".join(f"{b / (1 << 20):.2f}" for b in r["buckets"])
+        whole = med["compute"] + med["all buckets"]
+        print(
+            f"{name}: floor = compute {med['compute'] * 1e3:.2f} ms (1 process, 1 thread, batch "
+            f"{BATCH}) + last bucket's shm all-reduce {med['last bucket'] * 1e3:.2f} ms; "
+            f"compute + all buckets ({mib} MiB) {whole * 1e3:.2f} ms"
+        )
+        for system, v in r["times"].items():
+            print(
+                f"    {system:9s} blocks of {r['steps'][system]:4d} steps (ms/step): "
+                + ", ".join(f"{s * 1e3:.2f}" for s in v)
+            )
+    big, tiny = results["big"]["med"], results["tiny"]["med"]
+    checks = [
+        ("compiled >= 2.5x torch DDP (big)", big["torch DDP"] / big["compiled"] >= 2.5),
+        ("compiled >= 5x torch DDP (tiny)", tiny["torch DDP"] / tiny["compiled"] >= 5),
+        ("compiled within 1.25x of the floor (big)", big["compiled"] / big["floor"] <= 1.25),
+        ("md eager >= 1.3x torch DDP (big)", big["torch DDP"] / big["md eager"] >= 1.3),
+    ]
+    print()
+    for what, ok in checks:
+        print(f"{'PASS' if ok else 'MISS'}  {what}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
