@@ -189,10 +189,11 @@ class TorchDDP:
 
 
 def md_eager(pm, name: str):
+    batch = global_batch(name)  # local data (made before activating), each rank sent its half
     with pm.activate():
         ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        xb, yb = md.distribute(global_batch(name), {"dp": md.Shard(0)})
+        xb, yb = md.distribute(batch, {"dp": md.Shard(0)})
 
     def run(steps: int) -> None:
         with pm.activate():
