@@ -30,10 +30,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from monarch_dsl import _build
 from monarch_dsl.compiler import ir
-from monarch_dsl.compiler.lower import Program, Slot, Step, run_step
+from monarch_dsl.compiler.lower import Program, Slot, Step, core_steps, run_step
 from monarch_dsl.runtime.core_executor import CoreExecutor
 from monarch_dsl.runtime.executor import ReferenceExecutor
-from monarch_dsl.runtime.plan_runner import core_steps
 
 
 def chain(n_ops: int):

@@ -22,6 +22,7 @@ from typing import Any
 
 from monarch_dsl.compiler.plan import (
     DTYPE_NAMES,
+    IMPLEMENTATIONS,
     INPUT_KINDS,
     LOCAL_OPS,
     OUTPUT_KINDS,
@@ -734,3 +735,6 @@ def _nth(k: int) -> str:
     n = k + 1
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+IMPLEMENTATIONS["check"] = check_plan

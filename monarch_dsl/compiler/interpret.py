@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler.lower import Program, Slot, resolve, run_step, runs_on, shard_local
+from monarch_dsl.compiler.lower import (
+    Program,
+    Slot,
+    core_steps,
+    resolve,
+    run_step,
+    runs_on,
+    shard_local,
+)
 from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
 
 
@@ -72,8 +80,6 @@ def run_program(
     sizes = program.sizes
     ranks = coords_of(sizes)
     if core is not None:
-        from monarch_dsl.runtime.plan_runner import core_steps
-
         compiled = core.Program(core_steps(program, None, None), Slot)
         envs = {c: core.Env(program.n_slots) for c in ranks}
     else:

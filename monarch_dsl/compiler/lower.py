@@ -202,3 +202,22 @@ def runs_on(step: Step, coords: tuple[int, ...]) -> bool:
 
 def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tensor:
     return value.chunk(n, dim)[index].contiguous()
+
+
+def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list:
+    """The steps of ``program`` as ``_core.Program`` takes them: compute steps of the rank at
+    ``coords`` (None: of every rank), None for the others."""
+    steps: list = []
+    for step in program.steps:
+        comm = step.comm or step.op in ("send", "recv")
+        if comm or (coords is not None and not runs_on(step, coords)):
+            steps.append(None)
+            continue
+        ns, name, overload = step.op.split(".")
+        kwargs = dict(step.kwargs)
+        if device is not None and "device" in kwargs:
+            kwargs["device"] = device
+        steps.append(
+            (f"{ns}::{name}", overload, tuple(step.args), kwargs, list(step.outs), list(step.frees))
+        )
+    return steps

@@ -243,6 +243,12 @@ class Collective(NamedTuple):
     stream: str
 
 
+# The text form of a plan and its checker build on this module (compiler/text.py,
+# compiler/check.py), so they register themselves here -- "format", "parse", "check" -- rather
+# than being imported by it; compiler/__init__.py imports both, so they are always there.
+IMPLEMENTATIONS: dict[str, Any] = {}
+
+
 @dataclass(frozen=True)
 class Stage:
     """The plan after one pass: ``name`` of the pass, ``seconds`` it took, the plan."""
@@ -349,24 +355,18 @@ class Plan:
         return replace(self, **changes)
 
     def __str__(self) -> str:
-        from monarch_dsl.compiler.text import format_plan
-
-        return format_plan(self)
+        return IMPLEMENTATIONS["format"](self)
 
     @classmethod
     def parse(cls, text: str) -> Plan:
         """The plan whose text is ``text`` (``str(plan)``); a ``PlanSyntaxError`` says where
         it does not parse."""
-        from monarch_dsl.compiler.text import parse_plan
-
-        return parse_plan(text)
+        return IMPLEMENTATIONS["parse"](text)
 
     def check(self) -> Plan:
         """Prove the plan cannot hang or mismatch (see ``compiler/check.py``); raises
         ``PlanError`` pointing at the user's line, returns the plan."""
-        from monarch_dsl.compiler.check import check_plan
-
-        check_plan(self)
+        IMPLEMENTATIONS["check"](self)
         return self
 
 

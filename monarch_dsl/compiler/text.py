@@ -31,6 +31,7 @@ from typing import Any
 
 from monarch_dsl.compiler.plan import (
     DTYPE_NAMES,
+    IMPLEMENTATIONS,
     INPUT_KINDS,
     OUTPUT_KINDS,
     STREAMS,
@@ -367,3 +368,6 @@ def _first_token(tree: Any, default: Any) -> Any:
     """The first token in ``tree`` (for an error's position), or ``default`` if it has none
     (keywords such as ``R`` or ``None`` are not kept in the tree)."""
     return next(iter(tree.scan_values(lambda v: True)), default)
+
+
+IMPLEMENTATIONS.update(format=format_plan, parse=parse_plan)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from monarch_dsl.compiler import ir
-from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
+from monarch_dsl.runtime.executor import ReferenceExecutor
+from monarch_dsl.runtime.failure import Failure
 
 
 class CoreExecutor(ReferenceExecutor):

@@ -24,24 +24,9 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl.compiler import ir
 from monarch_dsl.runtime import context
+from monarch_dsl.runtime.failure import Failure, coords_of
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
-
-
-class Failure:
-    """What a failed ref holds: the root cause (where it first failed)."""
-
-    __slots__ = ("rank", "line", "op", "error", "traceback")
-
-    def __init__(self, rank: int, line: str, op: str, error: str, tb: str):
-        self.rank = rank
-        self.line = line
-        self.op = op
-        self.error = error
-        self.traceback = tb
-
-    def as_tuple(self) -> tuple:
-        return (self.rank, self.line, self.op, self.error, self.traceback)
 
 
 _ops: dict[str, Callable] = {}
@@ -222,7 +207,7 @@ class ReferenceExecutor:
             return self.device
         if isinstance(x, ir.MeshCoord):
             mesh = self.meshes[x.mesh]
-            coords = _coords(mesh, mesh.ranks.index(self.rank))
+            coords = coords_of(mesh, mesh.ranks.index(self.rank))
             flat = 0
             for d in x.dims:
                 flat = flat * mesh.sizes[mesh.dims.index(d)] + coords[d]
@@ -428,11 +413,11 @@ class ReferenceExecutor:
     def _group(self, ins: ir.Reduce) -> tuple[Any, int, int]:
         """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
         mesh = self.meshes[ins.mesh]
-        coords = _coords(mesh, mesh.ranks.index(self.rank))
+        coords = coords_of(mesh, mesh.ranks.index(self.rank))
         members = [
             r
             for i, r in enumerate(mesh.ranks)
-            if all(c == coords[d] for d, c in _coords(mesh, i).items() if d not in ins.dims)
+            if all(c == coords[d] for d, c in coords_of(mesh, i).items() if d not in ins.dims)
         ]
         return self._pg(members, ins.stream), members.index(self.rank), len(members)
 
@@ -493,13 +478,6 @@ def new_group(store: Any, index: int, size: int, device: torch.device) -> Any:
         options._timeout = COLLECTIVE_TIMEOUT
         return dist.ProcessGroupNCCL(store, index, size, options)
     return dist.ProcessGroupGloo(store, index, size, COLLECTIVE_TIMEOUT)
-
-
-def _coords(mesh: ir.DefineMesh, index: int) -> dict[str, int]:
-    coords = {}
-    for dim, size in reversed(list(zip(mesh.dims, mesh.sizes))):
-        index, coords[dim] = divmod(index, size)
-    return coords
 
 
 _OPS = {

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from monarch_dsl.compiler import ir
 from monarch_dsl.compiler.interpret import local_value
-from monarch_dsl.compiler.lower import Program, Slot, run_step, runs_on, shard_local
+from monarch_dsl.compiler.lower import Program, Slot, core_steps, run_step, runs_on, shard_local
 from monarch_dsl.compiler.plan import TensorType
+from monarch_dsl.runtime.failure import Failure, coords_of
 
 _REDUCE = {
     "sum": dist.ReduceOp.SUM,
@@ -107,11 +108,10 @@ class PlanRunner:
 
     # ---- groups --------------------------------------------------------------------------
     def _members(self, mesh: ir.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
-        from monarch_dsl.runtime.executor import _coords
 
         members = []
         for i, r in enumerate(mesh.ranks):
-            c = _coords(mesh, i)
+            c = coords_of(mesh, i)
             if all(c[d] == coords[k] for k, d in enumerate(mesh.dims) if k not in dims):
                 members.append(r)
         return members
@@ -131,12 +131,11 @@ class PlanRunner:
 
     # ---- the run -------------------------------------------------------------------------
     def run(self, ins: ir.RunPlan) -> None:
-        from monarch_dsl.runtime.executor import Failure, _coords
 
         ex = self.ex
         program, uses = self.programs[ins.plan]
         mesh = ex.meshes[ins.mesh]
-        c = _coords(mesh, mesh.ranks.index(ex.rank))
+        c = coords_of(mesh, mesh.ranks.index(ex.rank))
         coords = tuple(c[d] for d in mesh.dims)
         sizes = program.sizes
         failure: Failure | None = None
@@ -204,7 +203,6 @@ class PlanRunner:
         return failure, own
 
     def _agree(self, group, failure, ins, why):
-        from monarch_dsl.runtime.executor import Failure
 
         flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=self.ex.device)
         opts = dist.AllreduceOptions()
@@ -331,25 +329,6 @@ def _groups_of(on: str, step) -> str:
     collectives on another thread at the same time, and two threads on one group mix up their
     messages."""
     return on if step.stream == "main" else f"plan/{on}/{step.stream}"
-
-
-def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list:
-    """The steps of ``program`` as ``_core.Program`` takes them: compute steps of the rank at
-    ``coords`` (None: of every rank), None for the others."""
-    steps: list = []
-    for step in program.steps:
-        comm = step.comm or step.op in ("send", "recv")
-        if comm or (coords is not None and not runs_on(step, coords)):
-            steps.append(None)
-            continue
-        ns, name, overload = step.op.split(".")
-        kwargs = dict(step.kwargs)
-        if device is not None and "device" in kwargs:
-            kwargs["device"] = device
-        steps.append(
-            (f"{ns}::{name}", overload, tuple(step.args), kwargs, list(step.outs), list(step.frees))
-        )
-    return steps
 
 
 def _core() -> Any:
