@@ -340,7 +340,7 @@ def _verify_shapes(named: list, mesh: Any, dim: str) -> None:
     with _tensor.activate(mesh):
         shapes = _local_shapes(*[p.detach() for _, p in named]).reduce(mesh.dims, "stack")
         every = _tensor.fetch(shapes).get()  # [ranks, params, 8], ranks in row-major order
-    points = [",".join(f"{d}={c}" for d, c in zip(mesh.dims, p)) for p in _points(mesh)]
+    points = [",".join(f"{d}={c}" for d, c in p.items()) for p in mesh.points()]
     for k, (name, _) in enumerate(named):
         found = [tuple(_shape(every[r, k])) for r in range(every.shape[0])]
         if len(set(found)) > 1:
@@ -349,12 +349,6 @@ def _verify_shapes(named: list, mesh: Any, dim: str) -> None:
                 f"md.DistributedDataParallel: parameter {name!r} has different shapes on "
                 f"different ranks ({seen}); DDP needs the same parameters on every rank"
             )
-
-
-def _points(mesh: Any):
-    import itertools
-
-    return itertools.product(*(range(mesh.size(d)) for d in mesh.dims))
 
 
 def _shape(row: torch.Tensor) -> list[int]:

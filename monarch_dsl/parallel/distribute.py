@@ -105,8 +105,7 @@ def _distribute_one(x: torch.Tensor, by_dim: dict[str, Placement], mesh: Any, li
     if all(isinstance(p, Replicate) for p in by_dim.values()):
         return _tensor.to_mesh(x, mesh)
     values = []
-    coords = [dict(zip(mesh.dims, c)) for c in _row_major(mesh)]
-    for point in coords:
+    for point in mesh.points():
         part = x
         for dim in mesh.dims:  # leftmost mesh dim = outer chunk
             p = by_dim[dim]
@@ -138,7 +137,7 @@ def _slice_on_mesh(t: Any, by_dim: dict, mesh: Any, line: str) -> Any:
     if all(isinstance(p, Replicate) for p in by_dim.values()):
         return t
     shape = tuple(t.shape)
-    per_rank = [_ranges(shape, by_dim, mesh, dict(zip(mesh.dims, c))) for c in _row_major(mesh)]
+    per_rank = [_ranges(shape, by_dim, mesh, point) for point in mesh.points()]
     first = list(shape)
     for d, (_, length) in per_rank[0].items():
         first[d] = length
@@ -151,9 +150,3 @@ def _chunk(x: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
     if i < len(chunks):
         return chunks[i]
     return x.narrow(dim, x.shape[dim], 0)
-
-
-def _row_major(mesh: Any):
-    import itertools
-
-    return itertools.product(*(range(mesh.size(d)) for d in mesh.dims))
