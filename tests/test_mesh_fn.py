@@ -287,3 +287,32 @@ def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
     # Two plans (before and after the optimizer has state), each defined once; five runs.
     assert kinds.count("DefinePlan") == 2 and kinds.count("RunPlan") == 5
     assert all(not isinstance(i, ir.CallOp) or i.op == "aten::_to_copy.default" for i in sent)
+
+
+def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
+    """The workers reuse an all-reduce's result buffer (a gradient bucket's) from one run to
+    the next (as torch DDP keeps its buckets), but only when nothing holds it: here each call
+    returns the all-reduced gradients, and the first call's must still hold the first batch's
+    after the second and third calls wrote theirs. (Without the check, they hold the third's.)"""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+
+    def grads(x, y):
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        return [p.grad for p in model.parameters()]
+
+    step = md.mesh_fn(grads, data_parallel="dp")
+    batches = _batches(3)
+    with dp.activate():
+        results = [step(x, y) for x, y in batches]
+        got = [[md.inspect(g) for g in r] for r in results]
+    for (x, y), gs in zip(batches, got, strict=True):
+        ref.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for g, p in zip(gs, ref.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, atol=ATOL, rtol=0)
+    plan = step.compile(*batches[0], mesh=md.Mesh.from_string("dp=2"))
+    assert [c.reason.split(" of ")[0] for c in plan.collectives] == ["{dp: P(sum)} -> {dp: R}"] * 4
