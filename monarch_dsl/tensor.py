@@ -85,6 +85,9 @@ def _user_line(depth: int = 2) -> str:
 # =============================================================================== engine
 
 
+_AFTER_DELETES = (ir.Fetch, ir.RunPlan)
+
+
 class Engine:
     """The tensor engine of one process allocation (a controller Job)."""
 
@@ -116,7 +119,11 @@ class Engine:
         # No lock for an op: list.append is atomic, and flush takes the items it found from
         # the front of the same list, so one appended meanwhile stays for the next batch.
         batch = self.batch
-        if self.dead and type(ins) is ir.Fetch:  # a fetch or barrier comes after them
+        # A fetch or barrier comes after the deletes of tensors that died before it; so does a
+        # plan run (its caller holds every tensor it uses), so that the state a step replaced
+        # (the last step's gradients) is freed before the step runs, not at the next flush:
+        # its memory, an all-reduce's buffer, is reused.
+        if self.dead and type(ins) in _AFTER_DELETES:
             with self.lock:
                 self._append_deletes()
                 batch.append((mesh, ins))

@@ -316,3 +316,44 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
             torch.testing.assert_close(g, p.grad, atol=ATOL, rtol=0)
     plan = step.compile(*batches[0], mesh=md.Mesh.from_string("dp=2"))
     assert [c.reason.split(" of ")[0] for c in plan.collectives] == ["{dp: P(sum)} -> {dp: R}"] * 4
+
+
+def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monkeypatch):
+    """A step's gradients (state it leaves on the workers) are the next call's inputs and
+    are replaced by its results; the workers drop them before the call after that runs, not
+    at the next flush (in a tight loop many steps go in one batch): their memory, one of the
+    two all-reduce buffers a step alternates between, is free to be used again."""
+    from monarch_dsl.compiler import ir
+    from monarch_dsl.tensor import Engine
+
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    step = md.mesh_fn(
+        mse_step(model, torch.optim.SGD(model.parameters(), lr=0.1)), data_parallel="dp"
+    )
+    engine = Engine.of(dp)
+    sent = []
+    real = engine.job.post
+    monkeypatch.setattr(
+        engine.job,
+        "post",
+        lambda ranks, msg: (sent.extend(i for _, i in getattr(msg, "items", ())), real(ranks, msg))[
+            1
+        ],
+    )
+    x, y = _batches(1)[0]
+    with dp.activate():
+        step(x, y)  # compiles; the rest run the same plan
+        results = []
+        for _ in range(4):
+            loss = step(x, y)
+            results.append(loss._md_ref)
+        md.inspect(loss)
+    runs = [k for k, i in enumerate(sent) if isinstance(i, ir.RunPlan)]
+    assert len(runs) == 5
+    for a, b, c in zip(runs[1:], runs[2:], runs[3:]):
+        state = set(sent[a].outputs) - set(results) - {-1}
+        assert state and state <= set(sent[b].inputs), (sent[a], sent[b])
+        deleted = {r for i in sent[a:c] if isinstance(i, ir.Delete) for r in i.refs}
+        assert state <= deleted, (state - deleted, sent[a:c])

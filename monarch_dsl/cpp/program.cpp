@@ -13,6 +13,7 @@
 #include <torch/csrc/Dtype.h>
 
 #include <algorithm>
+#include <array>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -66,12 +67,15 @@ struct CommStep {
   std::vector<std::vector<int64_t>> shapes;  // of the arguments: zeros when failed
   at::ScalarType dtype = at::kFloat;
   bool async = false;  // not on "main": started now, waited for at a result's first use
-  // all_reduce: the previous run's result buffer (a gradient bucket's flat tensor), written
-  // again when nothing else holds it. A fresh multi-MiB buffer per run is a fresh mapping from
-  // the allocator, and every page of it faulted in by the all-reduce: with 8 x Linear(1024)
+  // all_reduce: result buffers (a gradient bucket's flat tensor) of earlier runs, written
+  // again when nothing else holds them. A fresh multi-MiB buffer per run is a fresh mapping
+  // from the allocator, every page of it faulted in by the all-reduce: with 8 x Linear(1024)
   // on 2 ranks that was ~2,600 page faults and ~8 ms of kernel time per step. torch DDP keeps
-  // its buckets for the same reason.
-  at::Tensor buffer;
+  // its buckets for the same reason. (The controller deletes the state a run replaces before
+  // the next run, so a step's old gradients are gone when it all-reduces its new ones.) Two,
+  // for gradient accumulation: the step's input gradients, views of one, are read while the
+  // other is written.
+  std::array<at::Tensor, 2> buffers;
 };
 
 // A started collective shared by its result slots (a bucket): finished once, by the first
@@ -452,16 +456,20 @@ class Program {
   }
 
   // PlanRunner._comm in C++.
-  // `c.buffer` when no tensor but it uses its memory (not even a view) and it has this
-  // shape and type; a new one (kept for the next run) otherwise.
+  // One of `c.buffers` that no tensor but it uses (not even a view) with this shape and
+  // type; else a new one, kept in place of one that does not fit or, failing that, of the
+  // first (which stays alive while its holders need it).
   static at::Tensor result_buffer(CommStep& c, at::IntArrayRef sizes,
                                   const at::TensorOptions& options) {
-    const at::Tensor& b = c.buffer;
-    if (b.defined() && b.use_count() == 1 && b.storage().use_count() == 1 &&
-        b.sizes() == sizes && b.dtype() == options.dtype() && b.device() == options.device())
-      return b;
-    c.buffer = at::empty(sizes, options);
-    return c.buffer;
+    auto fits = [&](const at::Tensor& b) {
+      return b.defined() && b.sizes() == sizes && b.dtype() == options.dtype() &&
+             b.device() == options.device();
+    };
+    for (auto& b : c.buffers)
+      if (fits(b) && b.use_count() == 1 && b.storage().use_count() == 1) return b;
+    auto& slot = fits(c.buffers[0]) ? c.buffers[1] : c.buffers[0];
+    slot = at::empty(sizes, options);
+    return slot;
   }
 
   static void run_comm(CommStep& c, std::vector<c10::IValue>& values,
