@@ -28,9 +28,9 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from monarch_dsl import _build
-from monarch_dsl.compiler import ir
-from monarch_dsl.compiler.lower import Program, Slot, Step, core_steps, run_step
+from monarch_dsl import _build, isa
+from monarch_dsl.compiler.lower import core_steps, run_step
+from monarch_dsl.isa import Compute, Program, Slot
 from monarch_dsl.runtime.core_executor import CoreExecutor
 from monarch_dsl.runtime.executor import ReferenceExecutor
 
@@ -82,16 +82,12 @@ def to_program(gm: torch.fx.GraphModule) -> tuple[Program, int]:
 
             op = str(node.target)
             steps.append(
-                Step(
-                    op,
-                    conv(tuple(node.args)),
-                    {k: conv(v) for k, v in node.kwargs.items()},
-                    (slots[node],),
-                    (),
-                    "main",
-                    "",
-                    {},
-                    tuple(
+                Compute(
+                    name=op,
+                    args=conv(tuple(node.args)),
+                    kwargs={k: conv(v) for k, v in node.kwargs.items()},
+                    outs=(slots[node],),
+                    frees=tuple(
                         slots[a]
                         for a in dict.fromkeys(node.all_input_nodes)
                         if last_use.get(a) is node and a not in outputs and a.op != "placeholder"
@@ -107,18 +103,18 @@ def to_batch(program: Program) -> tuple:
 
     def conv(v):
         if isinstance(v, Slot):
-            return ir.Ref(v.index + 1)
+            return isa.Ref(v.index + 1)
         if isinstance(v, (list, tuple)):
             return type(v)(conv(x) for x in v)
         return v
 
-    items = [(-1, ir.DefineMesh(0, ("gpu",), (1,), (0,)))]
+    items = [(-1, isa.DefineMesh(0, ("gpu",), (1,), (0,)))]
     for s in program.steps:
         op = s.op.replace(".", "::", 1)  # aten.mm.default -> aten::mm.default
         outs = tuple(o + 1 for o in s.outs)
-        items.append((0, ir.CallOp(op, conv(s.args), conv(s.kwargs), outs, "main", "")))
-    items.append((0, ir.Delete(tuple(o + 1 for s in program.steps for o in s.outs), "main")))
-    items.append((0, ir.Fetch(1, -1, "main", "")))  # a barrier: replies once all ran
+        items.append((0, isa.CallOp(op, conv(s.args), conv(s.kwargs), outs, "main", "")))
+    items.append((0, isa.Delete(tuple(o + 1 for s in program.steps for o in s.outs), "main")))
+    items.append((0, isa.Fetch(1, -1, "main", "")))  # a barrier: replies once all ran
     return tuple(items)
 
 

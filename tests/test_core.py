@@ -12,17 +12,19 @@ from compiler_helpers import mse_step
 
 import monarch_dsl as md
 from monarch_dsl import _build
-from monarch_dsl.compiler.lower import Slot, Step, run_step
+from monarch_dsl.compiler.lower import run_step
+from monarch_dsl.isa import Compute, Slot
 
 core = _build.load(build=False)  # setup built it; a missing build fails here, clearly
 
 
 def _step(op, args, outs, kwargs=None, frees=()):
-    return Step(op, args, kwargs or {}, outs, (), "main", "x.py:1", {}, frees)
+    return Compute(name=op, args=args, kwargs=kwargs or {}, outs=outs, loc="x.py:1", frees=frees)
 
 
 def _run_both(steps, inputs, n):
-    from monarch_dsl.compiler.lower import Program, core_steps
+    from monarch_dsl.compiler.lower import core_steps
+    from monarch_dsl.isa import Program
 
     program = Program("p", (), (), tuple(steps), n, tuple(range(len(inputs))), (), (), ())
     env = [None] * n
@@ -62,7 +64,8 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
     """Memory planning: a step with an out= overload writes the previous run's result again
     -- only when neither that tensor nor its storage is held (a kept output, a view, a Python
     reference)."""
-    from monarch_dsl.compiler.lower import Program, core_steps
+    from monarch_dsl.compiler.lower import core_steps
+    from monarch_dsl.isa import Program
 
     steps = [
         _step("aten.mm.default", (Slot(0), Slot(1)), (2,)),
@@ -97,7 +100,8 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
 
 
 def _program(steps, n, inputs, outputs):
-    from monarch_dsl.compiler.lower import Program, core_steps
+    from monarch_dsl.compiler.lower import core_steps
+    from monarch_dsl.isa import Program
 
     program = Program("p", (), (), tuple(steps), n, inputs, outputs, (), ())
     return core.Program(core_steps(program, None, None), Slot)
@@ -187,7 +191,8 @@ def test_program_error_names_the_step_and_later_steps_do_not_run():
         _step("aten.mm.default", (Slot(0), Slot(1)), (3,)),  # 4x6 @ 4x6: fails
         _step("aten.neg.default", (Slot(3),), (4,)),
     ]
-    from monarch_dsl.compiler.lower import Program, core_steps
+    from monarch_dsl.compiler.lower import core_steps
+    from monarch_dsl.isa import Program
 
     program = Program("p", (), (), tuple(steps), 5, (0, 1), (), (), ())
     compiled = core.Program(core_steps(program, None, None), Slot)

@@ -10,25 +10,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_dsl import _build
-from monarch_dsl.compiler import ir
+from monarch_dsl import _build, isa
 from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
 
 core = pytest.importorskip("monarch_dsl._build").load(build=False)
 
 from monarch_dsl.runtime.core_executor import CoreExecutor  # noqa: E402
 
-R = ir.Ref
-D = ir.WORKER_DEVICE
+R = isa.Ref
+D = isa.WORKER_DEVICE
 
 
 def op(name, args, outs, kwargs=None, stream="main", line="prog.py:1"):
-    return (0, ir.CallOp(name, tuple(args), kwargs or {}, tuple(outs), stream, line))
+    return (0, isa.CallOp(name, tuple(args), kwargs or {}, tuple(outs), stream, line))
 
 
 PROGRAM = [
-    (-1, ir.DefineMesh(0, ("gpu",), (1,), (0,))),
-    (0, ir.Seed(7, "prog.py:0")),
+    (-1, isa.DefineMesh(0, ("gpu",), (1,), (0,))),
+    (0, isa.Seed(7, "prog.py:0")),
     op("aten::rand", [[4, 4]], [1], {"device": D}),
     op("aten::randn", [[4, 4]], [2], {"device": D}),
     op("aten::mm", [R(1), R(2)], [3]),
@@ -40,18 +39,18 @@ PROGRAM = [
     op("aten::mm", [R(1), R(6)], [11], line="prog.py:11"),  # 4x4 @ 8x4: fails
     op("aten::add.Tensor", [R(11), R(1)], [12]),  # fails with it
     op("aten::sum", [R(1)], [13]),  # independent: fine
-    (0, ir.Delete((2,), "main")),
+    (0, isa.Delete((2,), "main")),
     op("aten::arange", [2], [14], {"dtype": torch.int64, "device": D}),
     op("aten::clone", [R(1)], [15]),
     op("aten::index_put_", [R(15), [R(14)], R(13)], [15]),  # a Tensor?[] argument
-    op("aten::scalar_tensor", [ir.MeshCoord(0, ("gpu",))], [16], {"device": D}),  # Python path
+    op("aten::scalar_tensor", [isa.MeshCoord(0, ("gpu",))], [16], {"device": D}),  # Python path
     op("aten::add.Tensor", [R(16), 1], [37]),  # queued after it, in C++: runs after it
-    (3, ir.CallOp("aten::ones", ([2],), {}, (38,), "main", "")),  # a mesh without this rank
+    (3, isa.CallOp("aten::ones", ([2],), {}, (38,), "main", "")),  # a mesh without this rank
     op("aten::mul.Tensor", [R(12), 2], [None]),  # an output nobody holds
     # stream "comms" borrows %5, computes with it, and gives it back
-    (0, ir.BorrowBegin(5, 17, "main", "comms", 1, "prog.py:20")),
+    (0, isa.BorrowBegin(5, 17, "main", "comms", 1, "prog.py:20")),
     op("aten::mul.Tensor", [R(17), 3], [18], stream="comms"),
-    (0, ir.BorrowEnd(17, "main", "comms", 2, "prog.py:22")),
+    (0, isa.BorrowEnd(17, "main", "comms", 2, "prog.py:22")),
     op("aten::add.Tensor", [R(5), R(18)], [19]),
     # a result that is an undefined tensor (no input gradient) takes no output ref
     op("aten::ones", [[4]], [30], {"device": D}),
@@ -63,15 +62,15 @@ PROGRAM = [
         [35, 36],
     ),
     # collectives over the one-rank mesh (a gloo group of one), on two streams
-    (0, ir.Reduce(1, 20, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:24")),
-    (0, ir.Reduce(13, 13, 0, ("gpu",), "avg", False, (), "float32", "main", "prog.py:25")),
-    (0, ir.Reduce(6, 21, 0, ("gpu",), "stack", False, (8, 4), "float32", "main", "prog.py:26")),
-    (0, ir.Reduce(6, 22, 0, ("gpu",), "max", True, (8, 4), "float32", "comms", "prog.py:27")),
-    (0, ir.Reduce(11, 23, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:28")),
+    (0, isa.Reduce(1, 20, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:24")),
+    (0, isa.Reduce(13, 13, 0, ("gpu",), "avg", False, (), "float32", "main", "prog.py:25")),
+    (0, isa.Reduce(6, 21, 0, ("gpu",), "stack", False, (8, 4), "float32", "main", "prog.py:26")),
+    (0, isa.Reduce(6, 22, 0, ("gpu",), "max", True, (8, 4), "float32", "comms", "prog.py:27")),
+    (0, isa.Reduce(11, 23, 0, ("gpu",), "sum", False, (4, 4), "float32", "main", "prog.py:28")),
     # copies to this same rank (a transfer's pair with itself), of a value and of a failure
-    (0, ir.Transfer(1, 24, ((0, 0),), (4, 4), "float32", "main", "prog.py:29")),
-    (0, ir.Transfer(11, 25, ((0, 0),), (4, 4), "float32", "main", "prog.py:30")),
-    (0, ir.Fetch(99, -1, "main", "")),  # a barrier: replies when every stream got here
+    (0, isa.Transfer(1, 24, ((0, 0),), (4, 4), "float32", "main", "prog.py:29")),
+    (0, isa.Transfer(11, 25, ((0, 0),), (4, 4), "float32", "main", "prog.py:30")),
+    (0, isa.Fetch(99, -1, "main", "")),  # a barrier: replies when every stream got here
 ]
 
 
@@ -152,7 +151,7 @@ def test_the_table_is_a_mapping_python_handlers_can_use():
 def test_streams_run_concurrently_and_borrows_wait():
     """Stream "b" waits for event 1, which only stream "a" signals after its ops: b's op sees
     a's result. A barrier covers both streams."""
-    ex = core.Executor(0, ir.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    ex = core.Executor(0, isa.Ref, D, torch.device("cpu"), Failure, lambda f: None)
     done = threading.Event()
     ex.call_op("a", "aten::ones", ((3,),), {"device": D}, [1], "x.py:1")
     ex.call_op("a", "aten::mul.Tensor", (R(1), 5), {}, [2], "x.py:2")
@@ -168,7 +167,7 @@ def test_streams_run_concurrently_and_borrows_wait():
 
 
 def test_an_op_the_dispatcher_cannot_take_is_refused_when_queued():
-    ex = core.Executor(0, ir.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    ex = core.Executor(0, isa.Ref, D, torch.device("cpu"), Failure, lambda f: None)
     with pytest.raises(RuntimeError):
         ex.call_op("main", "aten::no_such_op", (), {}, [1], "")
     with pytest.raises(RuntimeError, match="unexpected keyword"):

@@ -265,7 +265,7 @@ def test_a_plans_comms_do_not_share_groups_with_a_users_comms_stream(pm):
 
 
 def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
-    from monarch_dsl.compiler import ir
+    from monarch_dsl import isa
     from monarch_dsl.tensor import Engine
 
     torch.manual_seed(0)
@@ -286,7 +286,7 @@ def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
     kinds = [type(i).__name__ for i in sent]
     # Two plans (before and after the optimizer has state), each defined once; five runs.
     assert kinds.count("DefinePlan") == 2 and kinds.count("RunPlan") == 5
-    assert all(not isinstance(i, ir.CallOp) or i.op == "aten::_to_copy.default" for i in sent)
+    assert all(not isinstance(i, isa.CallOp) or i.op == "aten::_to_copy.default" for i in sent)
 
 
 def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
@@ -323,7 +323,7 @@ def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monk
     are replaced by its results; the workers drop them before the call after that runs, not
     at the next flush (in a tight loop many steps go in one batch): their memory, one of the
     two all-reduce buffers a step alternates between, is free to be used again."""
-    from monarch_dsl.compiler import ir
+    from monarch_dsl import isa
     from monarch_dsl.tensor import Engine
 
     dp = pm.slice(tp=0)
@@ -350,10 +350,10 @@ def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monk
             loss = step(x, y)
             results.append(loss._md_ref)
         md.inspect(loss)
-    runs = [k for k, i in enumerate(sent) if isinstance(i, ir.RunPlan)]
+    runs = [k for k, i in enumerate(sent) if isinstance(i, isa.RunPlan)]
     assert len(runs) == 5
     for a, b, c in zip(runs[1:], runs[2:], runs[3:]):
         state = set(sent[a].outputs) - set(results) - {-1}
         assert state and state <= set(sent[b].inputs), (sent[a], sent[b])
-        deleted = {r for i in sent[a:c] if isinstance(i, ir.Delete) for r in i.refs}
+        deleted = {r for i in sent[a:c] if isinstance(i, isa.Delete) for r in i.refs}
         assert state <= deleted, (state - deleted, sent[a:c])

@@ -397,7 +397,7 @@ def test_pytree_reduce_forms(pm):
 def test_device_arguments_mean_the_workers_device(pm, monkeypatch):
     """A device the controller names ("cpu" here) is each worker's own device there (its
     cuda:<local index> on GPUs): the instruction carries WORKER_DEVICE, on the fast path too."""
-    from monarch_dsl.compiler import ir
+    from monarch_dsl import isa
 
     with pm.activate():
         x = torch.ones(2)
@@ -407,9 +407,9 @@ def test_device_arguments_mean_the_workers_device(pm, monkeypatch):
         monkeypatch.setattr(engine, "append", lambda m, i: (sent.append(i), real_append(m, i)))
         for _ in range(2):  # the second time through the cached fast path
             y = x.new_ones(2, device="cpu")
-            ops = [i for i in sent if isinstance(i, ir.CallOp)]
+            ops = [i for i in sent if isinstance(i, isa.CallOp)]
             assert ops[-1].op == "aten::new_ones.default"
-            assert ops[-1].kwargs["device"] is ir.WORKER_DEVICE
+            assert ops[-1].kwargs["device"] is isa.WORKER_DEVICE
             assert md.inspect(y + x, host=1, gpu=1).tolist() == [2.0, 2.0]
 
 

@@ -13,16 +13,10 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler.lower import (
-    Program,
-    Slot,
-    core_steps,
-    resolve,
-    run_step,
-    runs_on,
-    shard_local,
-)
+from monarch_dsl import isa
+from monarch_dsl.compiler.lower import core_steps, resolve, run_step, shard_local
 from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
+from monarch_dsl.isa import Program, Slot, collectives
 
 
 def coords_of(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -61,16 +55,13 @@ def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes) -> Any:
 
 
 def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack(values)
-    if op == "sum":
-        return stacked.sum(0)
+    """The whole value of a ``Partial(op)`` from its parts."""
     if op == "avg":
-        return stacked.mean(0)
-    if op == "max":
-        return stacked.amax(0)
-    return stacked.amin(0)
+        return torch.stack(values).mean(0)
+    return collectives.combine([collectives.Exchange("all_reduce", v, op) for v in values])[0]
 
 
+@torch.no_grad()  # (as on workers: a bucket of gradients must not join an autograd graph)
 def run_program(
     program: Program, inputs: dict[tuple[int, ...], list], core: Any = None
 ) -> dict[tuple[int, ...], list]:
@@ -89,54 +80,40 @@ def run_program(
             envs[c][slot] = v
     mail: dict[tuple, deque] = defaultdict(deque)
     for k, step in enumerate(program.steps):
-        active = [c for c in ranks if runs_on(step, c)]
-        op = step.op
-        if op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
-            dims = step.comm["dims"]
-            for group in _groups(active, dims):
-                n = len(group)
-                if op == "all_reduce":  # one or several tensors (a bucket)
-                    for a, slot in zip(step.args, step.outs):
-                        r = _reduce([resolve(a, envs[c]) for c in group], step.comm["op"])
-                        for c in group:
-                            envs[c][slot] = r.clone()
-                    continue
-                vals = [resolve(step.args[0], envs[c]) for c in group]
-                if op == "reduce_scatter":
-                    r = _reduce(vals, step.comm["op"])
-                    outs = [x.contiguous() for x in r.chunk(n, step.comm["dim"])]
-                elif op == "all_gather":
-                    r = torch.cat(vals, step.comm["dim"])
-                    outs = [r.clone() for _ in group]
-                else:
-                    pieces = [v.chunk(n, step.comm["split_dim"]) for v in vals]
-                    outs = [
-                        torch.cat([pieces[i][j] for i in range(n)], step.comm["cat_dim"])
-                        for j in range(n)
-                    ]
-                for c, o in zip(group, outs):
-                    envs[c][step.outs[0]] = o
-        elif op == "send":
-            d = step.comm["dims"][0]
+        active = [c for c in ranks if step.runs_on(c)]
+        if isinstance(step, isa.COLLECTIVES):
+            for group in _groups(active, step.dims):
+                made = [
+                    collectives.of_step(step, [resolve(a, envs[c]) for a in step.args], len(group))
+                    for c in group
+                ]
+                for c, result in zip(group, collectives.run_together(made), strict=True):
+                    outs = result if isinstance(step, isa.AllReduce) else [result]
+                    for slot, v in zip(step.outs, outs, strict=True):
+                        envs[c][slot] = v
+        elif isinstance(step, isa.Send):
+            d = step.dims[0]
             for c in active:
-                to = c[:d] + (step.comm["peer"],) + c[d + 1 :]
+                to = c[:d] + (step.peer,) + c[d + 1 :]
                 mail[(c, to)].append(resolve(step.args[0], envs[c]).clone())
-        elif op == "recv":
-            d = step.comm["dims"][0]
+        elif isinstance(step, isa.Recv):
+            d = step.dims[0]
             for c in active:
-                frm = c[:d] + (step.comm["peer"],) + c[d + 1 :]
+                frm = c[:d] + (step.peer,) + c[d + 1 :]
                 envs[c][step.outs[0]] = mail[(frm, c)].popleft()
-        elif op == "shard_local":
-            d = step.comm["dims"][0]
+        elif isinstance(step, isa.ShardLocal):
+            d = step.dims[0]
             for c in active:
                 v = resolve(step.args[0], envs[c])
-                envs[c][step.outs[0]] = shard_local(v, step.comm["dim"], c[d], sizes[d])
-        elif op == "partial_local":
-            d = step.comm["dims"][0]
+                envs[c][step.outs[0]] = shard_local(v, step.dim, c[d], sizes[d])
+        elif isinstance(step, isa.PartialLocal):
+            d = step.dims[0]
             for c in active:
                 v = resolve(step.args[0], envs[c])
-                keep = step.comm["op"] != "sum" or c[d] == 0
+                keep = step.reduce != "sum" or c[d] == 0
                 envs[c][step.outs[0]] = v if keep else torch.zeros_like(v)
+        elif not isinstance(step, isa.Compute):
+            raise TypeError(f"the interpreter has no handler for {type(step).__name__}")
         elif core is not None:
             for c in active:
                 failed = compiled.run(envs[c], k, k + 1)

@@ -5,46 +5,19 @@ local shapes (a ``view`` of a sharded value views the shard), and, per step, the
 last use it is (so memory goes as soon as it can). It is plain data (picklable): the controller
 sends it to the workers once, then only "run program k with these refs".
 
-``run_step`` executes one compute step; communication steps are run by the caller's ``Comm``
-(the worker's torch.distributed groups, or the in-process simulation in ``interpret.py``).
+The steps are the instruction set's (``isa.STEPS``). ``run_step`` executes one compute step;
+communication steps are run by the back end (``isa/collectives.py`` says what each computes).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from monarch_dsl import isa
 from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Shard, Var
-
-
-class Slot(NamedTuple):
-    index: int
-
-
-class Step(NamedTuple):
-    op: str  # aten overload name, a COMM_OPS / LOCAL_OPS kind
-    args: tuple
-    kwargs: dict
-    outs: tuple[int, ...]
-    on: tuple[tuple[int, int], ...]  # (mesh dim index, index) filters
-    stream: str
-    loc: str
-    comm: dict  # communication: dims (indices), op, dim, split_dim, cat_dim, peer, shape, dtype
-    frees: tuple[int, ...]
-
-
-class Program(NamedTuple):
-    name: str
-    dims: tuple[str, ...]
-    sizes: tuple[int, ...]
-    steps: tuple[Step, ...]
-    n_slots: int
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    output_shapes: tuple[tuple[int, ...] | None, ...]  # local shapes, per output
-    output_dtypes: tuple[str, ...]
-
+from monarch_dsl.isa import Compute, Program, Slot, Step
 
 # Ops whose argument ``index`` is a size: rewritten to the output's local shape.
 _SIZE_ARG = {
@@ -84,7 +57,7 @@ def lower(plan: Plan) -> Program:
     for name, k in last_use.items():
         if name not in keep:
             frees_at.setdefault(k, []).append(name)
-    steps = []
+    steps: list[Step] = []
     for k, ins in enumerate(plan.body):
         for o in ins.outs:
             if o in slots:
@@ -104,49 +77,44 @@ def lower(plan: Plan) -> Program:
 
         args = list(conv(ins.args))
         kwargs = {k2: conv(v) for k2, v in ins.kwargs}
-        comm: dict = {}
-        if ins.op in COMM_OPS or ins.op in LOCAL_OPS:
-            comm = {k2: v for k2, v in ins.kwargs}
-            comm["dims"] = tuple(dim_index[d] for d in comm.get("dims", ()))
-            ts = ins.types if ins.types else tuple(types[u] for u in ins.uses())
-            comm["shapes"] = tuple(t.local_shape(sizes) for t in ts)
-            comm["dtype"] = ts[0].dtype
-            kwargs = {}
-        else:
-            name = ins.op.split(".")[1]
-            if name == "slice" and len(args) >= 4 and ins.reason.startswith("micro-batch"):
-                # A slice along a sharded dim (a micro-batch of a data-parallel shard): the
-                # same fraction of this rank's part.
-                src = types[ins.uses()[0]]
-                d = args[1] % len(src.shape)
-                f = 1
-                for p, n in zip(src.placements, sizes):
-                    if isinstance(p, Shard) and p.dim == d:
-                        f *= n
-                if f > 1:
-                    args[2], args[3] = args[2] // f, args[3] // f
-            if name in _SIZE_ARG and ins.types and ins.types[0].shape is not None:
-                idx = _SIZE_ARG[name]
-                local = list(ins.types[0].local_shape(sizes))
-                if idx < len(args):
-                    args[idx] = local
-                elif "size" in kwargs:
-                    kwargs["size"] = local
-        on = tuple((dim_index[d], i) for d, i in ins.on)
-        frees = tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead)
-        steps.append(
-            Step(
-                ins.op,
-                tuple(args),
-                kwargs,
-                tuple(slots[o] for o in ins.outs),
-                on,
-                ins.stream,
-                ins.loc,
-                comm,
-                frees,
-            )
+        common = dict(
+            args=tuple(args),
+            outs=tuple(slots[o] for o in ins.outs),
+            on=tuple((dim_index[d], i) for d, i in ins.on),
+            stream=ins.stream,
+            loc=ins.loc,
+            frees=tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead),
         )
+        if ins.op in COMM_OPS or ins.op in LOCAL_OPS:
+            ts = ins.types if ins.types else tuple(types[u] for u in ins.uses())
+            common.update(
+                dims=tuple(dim_index[d] for d in kwargs.get("dims", ())),
+                shapes=tuple(t.local_shape(sizes) for t in ts),
+                dtype=ts[0].dtype,
+            )
+            steps.append(_comm_step(ins.op, kwargs, common))
+            continue
+        name = ins.op.split(".")[1]
+        if name == "slice" and len(args) >= 4 and ins.reason.startswith("micro-batch"):
+            # A slice along a sharded dim (a micro-batch of a data-parallel shard): the same
+            # fraction of this rank's part.
+            src = types[ins.uses()[0]]
+            d = args[1] % len(src.shape)
+            f = 1
+            for p, n in zip(src.placements, sizes):
+                if isinstance(p, Shard) and p.dim == d:
+                    f *= n
+            if f > 1:
+                args[2], args[3] = args[2] // f, args[3] // f
+        if name in _SIZE_ARG and ins.types and ins.types[0].shape is not None:
+            idx = _SIZE_ARG[name]
+            local = list(ins.types[0].local_shape(sizes))
+            if idx < len(args):
+                args[idx] = local
+            elif "size" in kwargs:
+                kwargs["size"] = local
+        common["args"] = tuple(args)
+        steps.append(Compute(name=ins.op, kwargs=kwargs, **common))
     outputs = tuple(slots[o.var] for o in plan.outputs)
     out_types = [types[o.var] for o in plan.outputs]
     return Program(
@@ -160,6 +128,28 @@ def lower(plan: Plan) -> Program:
         tuple(t.local_shape(sizes) if t.shape is not None else None for t in out_types),
         tuple(t.dtype for t in out_types),
     )
+
+
+def _comm_step(op: str, kw: dict, common: dict) -> Step:
+    """The typed step of a communication or local redistribution ``op`` with the plan's
+    options ``kw`` (plan.Instr's kwargs)."""
+    if op == "all_reduce":
+        return isa.AllReduce(reduce=kw.get("op", "sum"), **common)
+    if op == "all_gather":
+        return isa.AllGather(dim=kw.get("dim", 0), **common)
+    if op == "reduce_scatter":
+        return isa.ReduceScatter(reduce=kw.get("op", "sum"), dim=kw.get("dim", 0), **common)
+    if op == "all_to_all":
+        return isa.AllToAll(split_dim=kw["split_dim"], cat_dim=kw["cat_dim"], **common)
+    if op == "send":
+        return isa.Send(peer=kw["peer"], **common)
+    if op == "recv":
+        return isa.Recv(peer=kw["peer"], **common)
+    if op == "shard_local":
+        return isa.ShardLocal(dim=kw["dim"], **common)
+    if op == "partial_local":
+        return isa.PartialLocal(reduce=kw.get("op", "sum"), **common)
+    raise PlanError(f"unknown communication {op!r}", common["loc"])
 
 
 _OPS: dict[str, Any] = {}
@@ -182,22 +172,18 @@ def resolve(value: Any, env: list) -> Any:
     return value
 
 
-def run_step(step: Step, env: list, device: Any = None) -> None:
+def run_step(step: Compute, env: list, device: Any = None) -> None:
     """Run a compute step on this rank's slots ``env`` (results written into ``env``)."""
     args = resolve(step.args, env)
     kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
     if device is not None and "device" in kwargs:
         kwargs["device"] = device
-    result = op_of(step.op)(*args, **kwargs)
+    result = op_of(step.name)(*args, **kwargs)
     if len(step.outs) == 1:
         env[step.outs[0]] = result
     else:
         for slot, value in zip(step.outs, result):
             env[slot] = value
-
-
-def runs_on(step: Step, coords: tuple[int, ...]) -> bool:
-    return all(coords[d] == i for d, i in step.on)
 
 
 def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tensor:
@@ -209,11 +195,10 @@ def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) ->
     ``coords`` (None: of every rank), None for the others."""
     steps: list = []
     for step in program.steps:
-        comm = step.comm or step.op in ("send", "recv")
-        if comm or (coords is not None and not runs_on(step, coords)):
+        if not isinstance(step, Compute) or (coords is not None and not step.runs_on(coords)):
             steps.append(None)
             continue
-        ns, name, overload = step.op.split(".")
+        ns, name, overload = step.name.split(".")
         kwargs = dict(step.kwargs)
         if device is not None and "device" in kwargs:
             kwargs["device"] = device

@@ -20,6 +20,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from monarch_dsl.isa import leaves
+
 # ---- placements ------------------------------------------------------------------------------
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
@@ -196,17 +198,7 @@ class Instr:
 
     def uses(self) -> list[str]:
         """Names of the values this instruction reads, in order."""
-        out: list[str] = []
-        _vars((self.args, tuple(v for _, v in self.kwargs)), out)
-        return out
-
-
-def _vars(value: Any, out: list[str]) -> None:
-    if isinstance(value, Var):
-        out.append(value.name)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _vars(v, out)
+        return [v.name for v in leaves((self.args, tuple(v for _, v in self.kwargs)), Var)]
 
 
 INPUT_KINDS = ("arg", "param", "buffer", "state")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler import ir
+from monarch_dsl import isa
 from monarch_dsl.runtime.executor import ReferenceExecutor
 from monarch_dsl.runtime.failure import Failure
 
@@ -26,29 +26,29 @@ from monarch_dsl.runtime.failure import Failure
 class CoreExecutor(ReferenceExecutor):
     def __init__(self, core: Any, rank: int, device: Any, **callbacks: Any):
         super().__init__(rank, device, **callbacks)
-        self.core = core.Executor(rank, ir.Ref, ir.WORKER_DEVICE, device, Failure, self.report)
+        self.core = core.Executor(rank, isa.Ref, isa.WORKER_DEVICE, device, Failure, self.report)
         self.refs = self.core  # type: ignore[assignment]  # a mapping of ref -> value
         self._group_names: set[str] = set()  # groups whose getter C++ has
 
     def run(self, items: tuple) -> None:
         """Eager ops go to C++ in runs (prepared and queued there, one wake-up per stream per
         run); everything else comes back to :meth:`_other`, in its place."""
-        self.core.run_batch(items, self.member, ir.CallOp, self._other)
+        self.core.run_batch(items, self.member, isa.CallOp, self._other)
 
     def _other(self, mesh: int, ins: Any) -> None:
         """One instruction of this rank that is not an op C++ prepares."""
         core = self.core
         kind = type(ins)
-        if kind is ir.CallOp:  # arguments only Python takes (a mesh coordinate)
+        if kind is isa.CallOp:  # arguments only Python takes (a mesh coordinate)
             core.python(ins.stream, partial(self.call_op, ins))
-        elif kind is ir.Reduce:
+        elif kind is isa.Reduce:
             group = self._group_key(ins)
             core.reduce(
                 ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
                 list(ins.shape), getattr(torch, ins.dtype), ins.line,
                 f"reduce over {ins.dims}", f"reduce {ins.dims}",
             )  # fmt: skip
-        elif kind is ir.Transfer:
+        elif kind is isa.Transfer:
             rank = self.rank
             groups = [
                 self._pair_group(a, b, ins.stream) if rank in (a, b) and a != b else ""
@@ -58,26 +58,26 @@ class CoreExecutor(ReferenceExecutor):
                 ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
                 list(ins.shape), getattr(torch, ins.dtype), ins.line,
             )  # fmt: skip
-        elif kind is ir.Delete:
+        elif kind is isa.Delete:
             core.delete(ins.stream, list(ins.refs))
-        elif kind is ir.DefineMesh:
+        elif kind is isa.DefineMesh:
             self.define_mesh(ins)
-        elif kind is ir.DefinePlan:
+        elif kind is isa.DefinePlan:
             self._plans().define(ins)
-        elif kind is ir.Seed:
+        elif kind is isa.Seed:
             core.python("main", partial(self.seed, ins))
-        elif kind is ir.Fetch and ins.ref < 0:
+        elif kind is isa.Fetch and ins.ref < 0:
             core.barrier(partial(self.reply, ins.call_id, None))
-        elif kind is ir.BorrowBegin:
+        elif kind is isa.BorrowBegin:
             core.signal(ins.origin, ins.event)
             core.borrow_begin(ins.stream, ins.event, ins.src, ins.dst)
-        elif kind is ir.BorrowEnd:
+        elif kind is isa.BorrowEnd:
             core.borrow_end(ins.stream, ins.event, ins.dst)
             core.wait(ins.origin, ins.event)
         else:
             core.python(ins.stream, partial(self.handlers[kind], ins))
 
-    def _group_key(self, ins: ir.Reduce) -> str:
+    def _group_key(self, ins: isa.Reduce) -> str:
         """The C++ side's name for the group of ``ins`` (mesh slice and stream)."""
         return self._named_group(
             f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}", partial(self._group, ins)

@@ -1,4 +1,4 @@
-"""The reference executor: runs plan instructions (``compiler/ir.py``) on one worker, in Python.
+"""The reference executor: runs plan instructions (``compiler/isa.py``) on one worker, in Python.
 
 It keeps the ref table, and an error value per failed ref: an instruction whose inputs failed
 is skipped and its outputs fail with the same root cause, so only what depends on a failure
@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from monarch_dsl.compiler import ir
-from monarch_dsl.runtime import context
+from monarch_dsl import isa
+from monarch_dsl.isa import collectives
+from monarch_dsl.runtime import context, exchange
 from monarch_dsl.runtime.failure import Failure, coords_of
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -55,7 +56,7 @@ class ReferenceExecutor:
         self.rank = rank
         self.device = device
         self.refs: dict[int, Any] = {}
-        self.meshes: dict[int, ir.DefineMesh] = {}
+        self.meshes: dict[int, isa.DefineMesh] = {}
         self.member: dict[int, bool] = {}
         self.reply = reply  # (call_id, value) -> sends a Reply
         self.reply_failure = reply_failure
@@ -64,17 +65,17 @@ class ReferenceExecutor:
         self.groups: dict[tuple[int, ...], Any] = {}
         self.functions: dict[bytes, Callable] = {}
         self.handlers = {
-            ir.CallOp: self.call_op,
-            ir.CallFunction: self.call_function,
-            ir.Reduce: self.reduce,
-            ir.Transfer: self.transfer,
-            ir.Fetch: self.fetch,
-            ir.Delete: self.delete,
-            ir.Seed: self.seed,
-            ir.DefineMesh: self.define_mesh,
-            ir.BorrowBegin: self.borrow_begin,
-            ir.BorrowEnd: self.borrow_end,
-            ir.RunPlan: self.run_plan,
+            isa.CallOp: self.call_op,
+            isa.CallFunction: self.call_function,
+            isa.Reduce: self.reduce,
+            isa.Transfer: self.transfer,
+            isa.Fetch: self.fetch,
+            isa.Delete: self.delete,
+            isa.Seed: self.seed,
+            isa.DefineMesh: self.define_mesh,
+            isa.BorrowBegin: self.borrow_begin,
+            isa.BorrowEnd: self.borrow_end,
+            isa.RunPlan: self.run_plan,
         }
         self.plan_runner = None
         self.streams: dict[str, queue.SimpleQueue] = {}
@@ -91,18 +92,18 @@ class ReferenceExecutor:
             if not (mesh < 0 or member.get(mesh, False)):
                 continue
             kind = type(ins)
-            if kind is ir.DefineMesh:
+            if kind is isa.DefineMesh:
                 self.define_mesh(ins)
-            elif kind is ir.DefinePlan:
+            elif kind is isa.DefinePlan:
                 self._plans().define(ins)
-            elif kind is ir.Seed:
+            elif kind is isa.Seed:
                 self._queue("main").put(ins)
-            elif kind is ir.Fetch and ins.ref < 0:
+            elif kind is isa.Fetch and ins.ref < 0:
                 self._barrier(ins.call_id)
-            elif kind is ir.BorrowBegin:
+            elif kind is isa.BorrowBegin:
                 self._queue(ins.origin).put(("signal", ins.event))
                 self._queue(ins.stream).put(ins)
-            elif kind is ir.BorrowEnd:
+            elif kind is isa.BorrowEnd:
                 self._queue(ins.stream).put(ins)
                 self._queue(ins.origin).put(("wait", ins.event))
             else:
@@ -190,22 +191,22 @@ class ReferenceExecutor:
         for q in queues:
             q.put(("barrier", arrive))
 
-    def borrow_begin(self, ins: ir.BorrowBegin) -> None:
+    def borrow_begin(self, ins: isa.BorrowBegin) -> None:
         self._event(ins.event).wait()  # the origin stream got here: the value is ready
         self.events.pop(ins.event, None)
         self.refs[ins.dst] = self.refs.get(ins.src)
 
-    def borrow_end(self, ins: ir.BorrowEnd) -> None:
+    def borrow_end(self, ins: isa.BorrowEnd) -> None:
         self.refs.pop(ins.dst, None)
         self._event(ins.event).set()
 
     # ------------------------------------------------------------------ values
     def _value(self, x: Any) -> Any:
-        if isinstance(x, ir.Ref):
+        if isinstance(x, isa.Ref):
             return self.refs[x.id]
-        if x is ir.WORKER_DEVICE:
+        if x is isa.WORKER_DEVICE:
             return self.device
-        if isinstance(x, ir.MeshCoord):
+        if isinstance(x, isa.MeshCoord):
             mesh = self.meshes[x.mesh]
             coords = coords_of(mesh, mesh.ranks.index(self.rank))
             flat = 0
@@ -221,7 +222,7 @@ class ReferenceExecutor:
         return x
 
     def _failed_input(self, args: Any, kwargs: Any) -> Failure | None:
-        for rid in ir.refs_in(args) + ir.refs_in(kwargs):
+        for rid in isa.refs_in(args) + isa.refs_in(kwargs):
             v = self.refs.get(rid)
             if isinstance(v, Failure):
                 return v
@@ -241,11 +242,11 @@ class ReferenceExecutor:
         return Failure(self.rank, line, op, f"{type(e).__name__}: {e}", tb)
 
     # ------------------------------------------------------------------ instructions
-    def define_mesh(self, ins: ir.DefineMesh) -> None:
+    def define_mesh(self, ins: isa.DefineMesh) -> None:
         self.meshes[ins.mesh] = ins
         self.member[ins.mesh] = self.rank in ins.ranks
 
-    def call_op(self, ins: ir.CallOp) -> None:
+    def call_op(self, ins: isa.CallOp) -> None:
         failed = self._failed_input(ins.args, ins.kwargs)
         if failed is not None:
             self._fail(ins.outs, failed, root=False)
@@ -260,7 +261,7 @@ class ReferenceExecutor:
             if rid is not None:
                 self.refs[rid] = leaf
 
-    def call_function(self, ins: ir.CallFunction) -> None:
+    def call_function(self, ins: isa.CallFunction) -> None:
         failed = self._failed_input(ins.args, ins.kwargs)
         result = None
         if failed is None:
@@ -296,7 +297,7 @@ class ReferenceExecutor:
                 ]
                 self.reply(ins.shapes_to, (leaves, spec))
 
-    def fetch(self, ins: ir.Fetch) -> None:
+    def fetch(self, ins: isa.Fetch) -> None:
         if ins.ref < 0:  # a barrier: everything before it has run
             self.reply(ins.call_id, None)
             return
@@ -312,7 +313,7 @@ class ReferenceExecutor:
             return
         self.reply(ins.call_id, value.detach().to("cpu", copy=True))
 
-    def delete(self, ins: ir.Delete) -> None:
+    def delete(self, ins: isa.Delete) -> None:
         for rid in ins.refs:
             self.refs.pop(rid, None)
 
@@ -323,10 +324,10 @@ class ReferenceExecutor:
             self.plan_runner = PlanRunner(self)
         return self.plan_runner
 
-    def run_plan(self, ins: ir.RunPlan) -> None:
+    def run_plan(self, ins: isa.RunPlan) -> None:
         self._plans().run(ins)
 
-    def seed(self, ins: ir.Seed) -> None:
+    def seed(self, ins: isa.Seed) -> None:
         torch.manual_seed(ins.seed)
 
     # ------------------------------------------------------------------ collectives
@@ -351,7 +352,7 @@ class ReferenceExecutor:
             self.groups[key] = group
         return group
 
-    def transfer(self, ins: ir.Transfer) -> None:
+    def transfer(self, ins: isa.Transfer) -> None:
         """Send to / receive from each peer; a failed source sends a flag and zeros, so the
         receiver fails too (with the sender's root cause) instead of hanging or using zeros."""
         src = self.refs.get(ins.src)
@@ -410,7 +411,7 @@ class ReferenceExecutor:
     def _local_copy(self, src: Any) -> Any:
         return src if isinstance(src, Failure) else src.detach().clone()
 
-    def _group(self, ins: ir.Reduce) -> tuple[Any, int, int]:
+    def _group(self, ins: isa.Reduce) -> tuple[Any, int, int]:
         """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
         mesh = self.meshes[ins.mesh]
         coords = coords_of(mesh, mesh.ranks.index(self.rank))
@@ -421,7 +422,7 @@ class ReferenceExecutor:
         ]
         return self._pg(members, ins.stream), members.index(self.rank), len(members)
 
-    def reduce(self, ins: ir.Reduce) -> None:
+    def reduce(self, ins: isa.Reduce) -> None:
         src = self.refs.get(ins.src)
         failed = src if isinstance(src, Failure) else None
         if failed is None and isinstance(src, torch.Tensor) and src.device != self.device:
@@ -432,11 +433,7 @@ class ReferenceExecutor:
             group, index, size = self._group(ins)
             # Whether any rank of the group lost its input: then every rank's result is failed
             # (it would mix in a placeholder), and all still take part, so none waits forever.
-            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int32, device=self.device)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
-            group.allreduce([flag], opts).wait()
-            if failed is None and int(flag.item()):
+            if exchange.any_failed(group, failed is not None, self.device) and failed is None:
                 failed = Failure(
                     self.rank,
                     ins.line,
@@ -462,7 +459,7 @@ class ReferenceExecutor:
         else:
             self.refs[ins.out] = out
 
-    def _placeholder_meta(self, ins: ir.Reduce) -> tuple[tuple[int, ...], torch.dtype]:
+    def _placeholder_meta(self, ins: isa.Reduce) -> tuple[tuple[int, ...], torch.dtype]:
         return ins.shape, getattr(torch, ins.dtype)
 
 
@@ -480,47 +477,16 @@ def new_group(store: Any, index: int, size: int, device: torch.device) -> Any:
     return dist.ProcessGroupGloo(store, index, size, COLLECTIVE_TIMEOUT)
 
 
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "prod": dist.ReduceOp.PRODUCT,
-}
-
-
 def _collective(
     group, index: int, size: int, src: torch.Tensor, reduction: str, scatter: bool, in_place: bool
 ):
-    """The collective's result; an in-place all-reduce of a contiguous tensor works on ``src``
-    itself (no copies: at 64 MiB two copies halved the bandwidth)."""
-    if in_place and not scatter and reduction != "stack" and src.is_contiguous():
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _OPS[reduction]
-        group.allreduce([src], opts).wait()
-        if reduction == "avg":
-            src.div_(size)
-        return src
-    src = src.contiguous()
+    """The eager ``Reduce``'s result; an in-place all-reduce of a contiguous tensor works on
+    ``src`` itself (no copies: at 64 MiB two copies halved the bandwidth)."""
     if reduction == "stack":
-        if scatter:  # all-to-all: piece i of my dim 0 goes to rank i
-            out = torch.empty_like(src)
-            group.alltoall_base(out, src, [], []).wait()
-            return out
-        outs = [torch.empty_like(src) for _ in range(size)]
-        group.allgather([outs], [src]).wait()
-        return torch.stack(outs)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _OPS[reduction]
+        # scatter: all-to-all, piece i of my dim 0 goes to rank i
+        c = collectives.all_to_all(src, 0, 0, size) if scatter else collectives.stack(src)
+        return exchange.run(group, index, size, c)
     if scatter:
-        chunks = list(src.chunk(size))
-        out = torch.empty_like(chunks[index])
-        ropts = dist.ReduceScatterOptions()
-        ropts.reduceOp = _OPS[reduction]
-        group.reduce_scatter([out], [chunks], ropts).wait()
-    else:
-        out = src.clone()
-        group.allreduce([out], opts).wait()
-    if reduction == "avg":
-        out.div_(size)
-    return out
+        return exchange.run(group, index, size, collectives.reduce_scatter(src, reduction, 0, size))
+    c = collectives.all_reduce([src], reduction, size, in_place=in_place)
+    return exchange.run(group, index, size, c)[0]

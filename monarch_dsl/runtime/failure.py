@@ -24,7 +24,7 @@ class Failure:
 
 
 def coords_of(mesh: Any, index: int) -> dict[str, int]:
-    """The coordinates of the ``index``-th rank (row-major) of ``mesh`` (an ``ir.DefineMesh``)."""
+    """The coordinates of the ``index``-th rank (row-major) of ``mesh`` (an ``isa.DefineMesh``)."""
     coords = {}
     for dim, size in reversed(list(zip(mesh.dims, mesh.sizes))):
         index, coords[dim] = divmod(index, size)

@@ -85,7 +85,7 @@ class SetupCollectives(NamedTuple):
 
 
 class RunBatch(NamedTuple):
-    """Plan instructions (``compiler/ir.py``) for the tensor engine, as (mesh id, instruction)
+    """Instructions (``monarch_dsl/isa``) for the tensor engine, as (mesh id, instruction)
     pairs; a worker runs those of the meshes it belongs to (mesh id -1: every worker)."""
 
     items: tuple

@@ -16,38 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from monarch_dsl.compiler import ir
+from monarch_dsl import isa
 from monarch_dsl.compiler.interpret import local_value
-from monarch_dsl.compiler.lower import Program, Slot, core_steps, run_step, runs_on, shard_local
+from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
 from monarch_dsl.compiler.plan import TensorType
+from monarch_dsl.isa import Program, Slot, collectives
+from monarch_dsl.runtime import exchange
 from monarch_dsl.runtime.failure import Failure, coords_of
-
-_REDUCE = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
-
-
-def _slots(value: Any, out: list[int]) -> None:
-    if isinstance(value, Slot):
-        out.append(value.index)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _slots(v, out)
 
 
 def step_uses(program: Program) -> list[tuple[int, ...]]:
-    uses = []
-    for step in program.steps:
-        out: list[int] = []
-        _slots(step.args, out)
-        _slots(tuple(step.kwargs.values()), out)
-        uses.append(tuple(out))
-    return uses
+    return [step.uses() for step in program.steps]
 
 
 class PlanRunner:
@@ -59,7 +39,7 @@ class PlanRunner:
         self.core = _core()  # the C++ runtime, or None: compute steps run in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
 
-    def define(self, ins: ir.DefinePlan) -> None:
+    def define(self, ins: isa.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
 
     def _compiled(self, plan: int, program: Program, mesh, coords: tuple[int, ...], on: str) -> Any:
@@ -71,25 +51,24 @@ class PlanRunner:
         if compiled is None:
             compiled = self.core.Program(core_steps(program, coords, self.ex.device), Slot)
             for k, step in enumerate(program.steps):
-                if (step.comm or step.op in ("send", "recv")) and runs_on(step, coords):
+                if isinstance(step, isa.Comm) and step.runs_on(coords):
                     self._set_comm(compiled, k, step, mesh, coords, on)
             compiled.set_uses([list(u) for u in self.programs[plan][1]])
             self.compiled[key] = compiled
         return compiled
 
-    def _set_comm(self, compiled, k: int, step, mesh, coords, on: str) -> None:
-        comm = step.comm or {}
+    def _set_comm(self, compiled, k: int, step: isa.Comm, mesh, coords, on: str) -> None:
         group, index, size, peer = None, 0, 1, -1
-        if step.op in ("shard_local", "partial_local"):
-            d = comm["dims"][0]
+        if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
+            d = step.dims[0]
             index, size = coords[d], mesh.sizes[d]
-        elif step.op in ("send", "recv"):
+        elif isinstance(step, (isa.Send, isa.Recv)):
             group, peer = self._pair(step, mesh, coords, on)
         else:
-            group, index, size = self._group(mesh, coords, comm["dims"], _groups_of(on, step))
+            group, index, size = self._group(mesh, coords, step.dims, _groups_of(on, step))
         compiled.set_comm(
             k,
-            step.op,
+            step.kind,
             [a.index if isinstance(a, Slot) else -1 for a in step.args],
             list(step.outs),
             list(step.frees),
@@ -97,17 +76,17 @@ class PlanRunner:
             index,
             size,
             peer,
-            comm.get("op") or "sum",
-            comm.get("dim", 0),
-            comm.get("split_dim", 0),
-            comm.get("cat_dim", 0),
-            [list(shape) for shape in comm.get("shapes", ())],
-            getattr(torch, comm.get("dtype") or "float32"),
+            getattr(step, "reduce", "sum"),
+            getattr(step, "dim", 0),
+            getattr(step, "split_dim", 0),
+            getattr(step, "cat_dim", 0),
+            [list(shape) for shape in step.shapes],
+            getattr(torch, step.dtype),
             step.stream != "main",
         )
 
     # ---- groups --------------------------------------------------------------------------
-    def _members(self, mesh: ir.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
+    def _members(self, mesh: isa.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
 
         members = []
         for i, r in enumerate(mesh.ranks):
@@ -119,9 +98,9 @@ class PlanRunner:
     def _pair(self, step, mesh, coords, on: str) -> tuple[Any, int]:
         """The group of this rank and the peer of send/recv ``step``, and the peer's index in
         it."""
-        d = step.comm["dims"][0]
+        d = step.dims[0]
         mine = self._rank_at(mesh, coords)
-        other = self._rank_at(mesh, coords[:d] + (step.comm["peer"],) + coords[d + 1 :])
+        other = self._rank_at(mesh, coords[:d] + (step.peer,) + coords[d + 1 :])
         members = sorted((mine, other))
         return self.ex._pg(members, _groups_of(on, step)), members.index(other)
 
@@ -130,7 +109,7 @@ class PlanRunner:
         return self.ex._pg(members, stream), members.index(self.ex.rank), len(members)
 
     # ---- the run -------------------------------------------------------------------------
-    def run(self, ins: ir.RunPlan) -> None:
+    def run(self, ins: isa.RunPlan) -> None:
 
         ex = self.ex
         program, uses = self.programs[ins.plan]
@@ -180,13 +159,13 @@ class PlanRunner:
         own = False
         pending: dict[int, Any] = {}
         for k, step in enumerate(program.steps):
-            if not runs_on(step, coords):
+            if not step.runs_on(coords):
                 continue
             for s in uses[k]:
                 if s in pending:
                     pending.pop(s)()
             try:
-                if step.comm or step.op in ("send", "recv"):
+                if isinstance(step, isa.Comm):
                     self._comm(step, env, mesh, coords, pending, failure is not None, ins.stream)
                 elif failure is None:
                     run_step(step, env, ex.device)
@@ -203,106 +182,47 @@ class PlanRunner:
         return failure, own
 
     def _agree(self, group, failure, ins, why):
-
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=self.ex.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        group.allreduce([flag], opts).wait()
-        if failure is None and int(flag.item()):
+        if exchange.any_failed(group, failure is not None, self.ex.device) and failure is None:
             return Failure(self.ex.rank, ins.line, "plan", why, "")
         return failure
 
-    def _comm(self, step, env, mesh, coords, pending, failed: bool, on: str) -> None:
-        op = step.op
-        comm = step.comm
-        shapes = comm.get("shapes", ())
-        dtype = getattr(torch, comm.get("dtype") or "float32")
+    def _comm(self, step: isa.Comm, env, mesh, coords, pending, failed: bool, on: str) -> None:
+        dtype = getattr(torch, step.dtype)
 
         def value(i: int) -> torch.Tensor:
             v = env[step.args[i].index] if isinstance(step.args[i], Slot) else None
             if failed or not isinstance(v, torch.Tensor):
-                shape = shapes[i] if i < len(shapes) else ()
+                shape = step.shapes[i] if i < len(step.shapes) else ()
                 return torch.zeros(shape, dtype=dtype, device=self.ex.device)
             return v
 
-        if op == "shard_local":
-            d = comm["dims"][0]
-            env[step.outs[0]] = shard_local(value(0), comm["dim"], coords[d], mesh.sizes[d])
+        if isinstance(step, isa.ShardLocal):
+            d = step.dims[0]
+            env[step.outs[0]] = shard_local(value(0), step.dim, coords[d], mesh.sizes[d])
             return
-        if op == "partial_local":
-            d = comm["dims"][0]
+        if isinstance(step, isa.PartialLocal):
+            d = step.dims[0]
             v = value(0)
-            env[step.outs[0]] = v if comm["op"] != "sum" or coords[d] == 0 else torch.zeros_like(v)
+            env[step.outs[0]] = v if step.reduce != "sum" or coords[d] == 0 else torch.zeros_like(v)
             return
-        if op in ("send", "recv"):
+        if isinstance(step, (isa.Send, isa.Recv)):
             group, peer = self._pair(step, mesh, coords, on)
-            if op == "send":
+            if isinstance(step, isa.Send):
                 group.send([value(0).contiguous()], peer, 0).wait()
             else:
-                buf = torch.empty(shapes[0], dtype=dtype, device=self.ex.device)
+                buf = torch.empty(step.shapes[0], dtype=dtype, device=self.ex.device)
                 group.recv([buf], peer, 0).wait()
                 env[step.outs[0]] = buf
             return
-        group, index, n = self._group(mesh, coords, comm["dims"], _groups_of(on, step))
-        if op == "all_reduce":
-            tensors = [value(i) for i in range(len(step.args))]
-            if len(tensors) == 1:
-                flat = tensors[0].contiguous().clone()
-            else:
-                flat = torch.cat([t.reshape(-1) for t in tensors])
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = _REDUCE[comm["op"]]
-            work = group.allreduce([flat], opts)
+        group, index, n = self._group(mesh, coords, step.dims, _groups_of(on, step))
+        c = collectives.of_step(step, [value(i) for i in range(len(step.args))], n)
+        result = exchange.start(group, index, n, c)
 
-            def finish(flat=flat, tensors=tensors, work=work):
-                work.wait()
-                if comm["op"] == "avg":
-                    flat.div_(n)
-                if len(tensors) == 1:
-                    env[step.outs[0]] = flat
-                    return
-                offset = 0
-                for slot, t in zip(step.outs, tensors):
-                    env[slot] = flat[offset : offset + t.numel()].view(t.shape)
-                    offset += t.numel()
+        def finish() -> None:
+            out = result()
+            for slot, v in zip(step.outs, out if isinstance(step, isa.AllReduce) else [out]):
+                env[slot] = v
 
-            self._issue(step, finish, pending)
-            return
-        x = value(0)
-        if op == "all_gather":
-            outs = [torch.empty_like(x.contiguous()) for _ in range(n)]
-            work = group.allgather([outs], [x.contiguous()])
-
-            def finish(outs=outs, work=work):
-                work.wait()
-                env[step.outs[0]] = torch.cat(outs, comm["dim"])
-
-        elif op == "reduce_scatter":
-            chunks = [t.contiguous() for t in x.chunk(n, comm["dim"])]
-            out = torch.empty_like(chunks[index])
-            ropts = dist.ReduceScatterOptions()
-            ropts.reduceOp = _REDUCE[comm["op"]]
-            work = group.reduce_scatter([out], [chunks], ropts)
-
-            def finish(out=out, work=work):
-                work.wait()
-                if comm["op"] == "avg":
-                    out.div_(n)
-                env[step.outs[0]] = out
-
-        elif op == "all_to_all":
-            split, cat = comm["split_dim"], comm["cat_dim"]
-            src = x.movedim(split, 0).contiguous()
-            out = torch.empty_like(src)
-            work = group.alltoall_base(out, src, [], [])
-
-            def finish(out=out, work=work):
-                work.wait()
-                pieces = [p.movedim(0, split) for p in out.chunk(n, 0)]
-                env[step.outs[0]] = torch.cat(pieces, cat).contiguous()
-
-        else:
-            raise RuntimeError(f"unknown communication {op!r}")
         self._issue(step, finish, pending)
 
     @staticmethod
@@ -310,8 +230,9 @@ class PlanRunner:
         if step.stream == "main":
             finish()
         else:
+            once = _Once(finish)  # one for all of a bucket's results
             for slot in step.outs:
-                pending[slot] = _Once(finish)
+                pending[slot] = once
 
     @staticmethod
     def _rank_at(mesh, coords) -> int:

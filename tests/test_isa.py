@@ -1,0 +1,135 @@
+"""The instruction set (monarch_dsl.isa) against its back ends: every instruction kind and
+every plan step kind is handled by each of them, and they compute the same values.
+
+Back ends: the Python reference executor and plan runner, the C++ executor and program, and
+the in-process interpreter. A new kind without a handler somewhere fails here."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from monarch_dsl import isa
+from monarch_dsl.compiler.interpret import run_program
+from monarch_dsl.isa import Slot
+from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
+
+core = pytest.importorskip("monarch_dsl._build").load(build=False)
+
+from monarch_dsl.runtime.core_executor import CoreExecutor  # noqa: E402
+
+
+def test_the_kinds_are_a_closed_set():
+    assert len(set(isa.INSTRUCTIONS)) == len(isa.INSTRUCTIONS)
+    assert set(isa.STEPS) == {isa.Compute, *isa.Comm.__subclasses__()}
+    assert len({s.kind for s in isa.STEPS}) == len(isa.STEPS)
+    assert set(isa.COLLECTIVES) <= set(isa.STEPS)
+
+
+def test_every_instruction_kind_has_a_handler_in_both_executors():
+    """The reference executor dispatches by a table; the C++ one takes some kinds itself and
+    gives it the others (DefinePlan is taken at arrival by both: the plan is defined before
+    anything later in the batch can run it)."""
+    py = ReferenceExecutor(0, torch.device("cpu"), reply=None, reply_failure=None, report=None)
+    handled = set(py.handlers) | {isa.DefinePlan}
+    assert handled == set(isa.INSTRUCTIONS), set(isa.INSTRUCTIONS) ^ handled
+
+
+# ---- one program with a step of every kind ---------------------------------------------------
+
+
+def _program(with_p2p: bool) -> isa.Program:
+    """On a one-rank mesh (dim x of size 1), so the executors run it in this process."""
+    c = dict(dims=(0,), shapes=((4, 4),), dtype="float32", loc="t.py:1")
+    steps = [
+        isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,), loc="t.py:1"),
+        isa.AllReduce(
+            args=(Slot(2), Slot(1)), outs=(3, 4), reduce="avg", **{**c, "shapes": ((4, 4),) * 2}
+        ),
+        isa.AllGather(args=(Slot(3),), outs=(5,), dim=1, **c),
+        isa.ReduceScatter(
+            args=(Slot(5),), outs=(6,), reduce="sum", dim=1, **{**c, "shapes": ((4, 4),)}
+        ),
+        isa.AllToAll(args=(Slot(6),), outs=(7,), split_dim=0, cat_dim=1, **c),
+        isa.ShardLocal(args=(Slot(7),), outs=(8,), dim=0, **c),
+        isa.PartialLocal(args=(Slot(8),), outs=(9,), reduce="sum", **c),
+    ]
+    outputs = (4, 9)
+    if with_p2p:  # to itself (the executors need two ranks for these: test_mesh_fn's pipeline)
+        steps += [
+            isa.Send(args=(Slot(9),), peer=0, **c),
+            isa.Recv(outs=(10,), peer=0, **c),
+        ]
+        outputs = (4, 10)
+    kinds = {type(s) for s in steps}
+    assert kinds == set(isa.STEPS) - ({isa.Send, isa.Recv} if not with_p2p else set())
+    return isa.Program("every_kind", ("x",), (1,), tuple(steps), 11, (0, 1), outputs,
+                       ((4, 4), (4, 4)), ("float32", "float32"))  # fmt: skip
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)]
+
+
+def _want():
+    a, b = _inputs()
+    return [b.clone(), a @ b]  # every collective of one rank gives back its input
+
+
+@pytest.mark.parametrize("p2p", [False, True])
+@pytest.mark.parametrize("compute", ["python", "cpp"])
+def test_the_interpreter_runs_every_step_kind(compute, p2p):
+    got = run_program(_program(p2p), {(0,): _inputs()}, core if compute == "cpp" else None)[(0,)]
+    for g, w in zip(got, _want(), strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.fixture
+def executors():
+    made = []
+    yield made
+    for ex in made:
+        ex.close()
+    gc.collect()
+
+
+@pytest.mark.parametrize("plans", ["python", "cpp"])
+@pytest.mark.parametrize("executor", ["reference", "cpp"])
+def test_the_executors_run_every_step_kind(executor, plans, executors, monkeypatch):
+    """The plan runner runs a plan's steps in Python (MD_EXECUTOR=python) or in the C++
+    program, under either executor."""
+    monkeypatch.setenv("MD_EXECUTOR", plans)
+    done = threading.Event()
+    callbacks = dict(
+        reply=lambda call_id, value: done.set(),
+        reply_failure=lambda call_id, f: done.set(),
+        report=lambda f: None,
+    )
+    if executor == "cpp":
+        ex = CoreExecutor(core, 0, torch.device("cpu"), **callbacks)
+    else:
+        ex = ReferenceExecutor(0, torch.device("cpu"), **callbacks)
+    executors.append(ex)
+    ex.store = dist.HashStore()
+    a, b = _inputs()
+    ex.run(
+        (
+            (-1, isa.DefineMesh(0, ("x",), (1,), (0,))),
+            (0, isa.CallOp("aten::clone", (a,), {}, (1,), "main", "t.py:1")),
+            (0, isa.CallOp("aten::clone", (b,), {}, (2,), "main", "t.py:1")),
+            (0, isa.DefinePlan(7, _program(False))),
+            (0, isa.RunPlan(7, 0, (1, 2), (3, 4), (), (), "main", "t.py:2")),
+            (0, isa.Fetch(1, -1, "main", "t.py:3")),
+        )
+    )
+    assert done.wait(30), "the barrier never replied"
+    got = [ex.refs.get(3), ex.refs.get(4)]
+    assert not any(isinstance(g, Failure) for g in got), got
+    for g, w in zip(got, _want(), strict=True):
+        torch.testing.assert_close(g, w)
+    assert (ex.plan_runner.core is None) == (plans == "python")
