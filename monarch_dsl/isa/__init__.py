@@ -66,8 +66,8 @@ class CallOp(NamedTuple):
     gives them (None for outputs that are not kept)."""
 
     op: str
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     outs: tuple[int | None, ...]
     stream: str
     line: str
@@ -80,8 +80,8 @@ class CallFunction(NamedTuple):
     propagator)."""
 
     fn: bytes
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     outs: tuple[int | None, ...]
     shapes_to: int
     shapes_rank: int
@@ -197,7 +197,7 @@ class RunPlan(NamedTuple):
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     split: tuple[tuple[int, int, int], ...]
-    placements: tuple  # per input: its placements (for split)
+    placements: tuple[Any, ...]  # per input: its placements (for split)
     stream: str
     line: str
 
@@ -224,14 +224,14 @@ def refs_in(value: Any) -> list[int]:
     return [r.id for r in leaves(value, Ref)]
 
 
-def leaves(value: Any, kind: type) -> list:
+def leaves(value: Any, kind: type) -> list[Any]:
     """The ``kind`` objects in a pytree of arguments (tuples, lists, dict values), in order."""
-    out: list = []
+    out: list[Any] = []
     _collect(value, kind, out)
     return out
 
 
-def _collect(value: Any, kind: type, out: list) -> None:
+def _collect(value: Any, kind: type, out: list[Any]) -> None:
     if isinstance(value, kind):
         out.append(value)
     elif isinstance(value, (list, tuple)):
@@ -248,7 +248,7 @@ def _collect(value: Any, kind: type, out: list) -> None:
 class Slot(NamedTuple):
     """A value of a plan run: an index into the run's environment."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # (the field shadows tuple.index, on purpose)
 
 
 On = tuple[tuple[int, int], ...]  # (mesh dim index, index along it): the ranks that run a step
@@ -261,7 +261,7 @@ class Step:
     ``loc`` (the user's file:line) and ``frees`` (slots whose last use it is)."""
 
     kind: ClassVar[str]
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
     outs: tuple[int, ...] = ()
     on: On = ()
     stream: str = "main"
@@ -288,7 +288,7 @@ class Compute(Step):
 
     kind: ClassVar[str] = "compute"
     name: str
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def op(self) -> str:
