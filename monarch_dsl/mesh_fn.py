@@ -34,6 +34,7 @@ from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
+from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
 
 _plan_ids = iter(range(1, 1 << 62))
@@ -355,9 +356,9 @@ def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
 
 
 def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
-    from monarch_dsl.tensor import Engine, Tensor, _lift, _user_line
+    from monarch_dsl.tensor import Engine, Tensor, _lift
 
-    line = _user_line()
+    line = user_line()
     spec = _mesh_spec(pm)
     engine = Engine.of(pm)
     engine.ensure_collectives()

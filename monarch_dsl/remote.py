@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from monarch_dsl.compiler import ir
+from monarch_dsl.frames import user_line
 from monarch_dsl.runtime import serialize
 from monarch_dsl.tensor import (
     Engine,
@@ -17,7 +18,6 @@ from monarch_dsl.tensor import (
     _active_mesh,
     _check_usable,
     _current_stream,
-    _user_line,
 )
 
 MAX_LEARNT_OUTPUTS = 64  # tensor outputs a function without a propagator may return
@@ -69,7 +69,7 @@ class RemoteFunction:
         if mesh is None:
             raise RuntimeError(f"{self.__name__}: a remote function needs an active mesh")
         engine = Engine.of(mesh)
-        line = _user_line()
+        line = user_line()
         worker_flat = [ir.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
         wargs, wkwargs = pytree.tree_unflatten(worker_flat, spec)
         key = tuple((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from monarch_dsl.compiler import ir
 from monarch_dsl.errors import RemoteError
+from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime import controller
 from monarch_dsl.runtime.future import Future
@@ -44,43 +43,6 @@ __all__ = [
 ]
 
 BATCH_MAX = 1000  # instructions; more are sent at once
-
-_MD_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-# id(code object) -> (code, its file's base name or "" for our and torch's code, {bytecode
-# offset: "file:line"}); the code object is kept so that its id is not reused.
-_code_files: dict[int, tuple] = {}
-
-
-def _user_line(depth: int = 2) -> str:
-    """``file:line`` of the innermost frame outside monarch_dsl and torch, looked for from
-    ``depth`` frames up (2: from the caller's caller)."""
-    try:
-        f = sys._getframe(depth)
-    except ValueError:  # no Python frame up there
-        return ""
-    files = _code_files
-    while f is not None:
-        code = f.f_code
-        entry = files.get(id(code))
-        if entry is None:
-            path = code.co_filename
-            inside = path.startswith((_MD_DIR, _TORCH_DIR, "<"))
-            entry = files[id(code)] = (code, "" if inside else os.path.basename(path), {})
-        if entry[1]:
-            lines = entry[2]
-            at = f.f_lasti
-            line = lines.get(at)
-            if line is None:
-                line = f"{entry[1]}:{f.f_lineno}"
-                if len(lines) < 4096:
-                    lines[at] = line
-            return line
-        f = f.f_back
-    return ""
-
 
 # =============================================================================== engine
 
@@ -281,16 +243,16 @@ class Tensor(torch.Tensor):
 
     def reduce(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
         """A collective over the mesh dims ``dims`` (a name or tuple; ``()`` = all)."""
-        return _reduce(self, dims, reduction, scatter, in_place=False, line=_user_line())
+        return _reduce(self, dims, reduction, scatter, in_place=False, line=user_line())
 
     def reduce_(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
-        return _reduce(self, dims, reduction, scatter, in_place=True, line=_user_line())
+        return _reduce(self, dims, reduction, scatter, in_place=True, line=user_line())
 
     def to_mesh(self, mesh: Any) -> Tensor:
         """A copy of this tensor on ``mesh`` (e.g. the next pipeline stage): the rank at each
         coordinate receives from the rank at the same coordinate here; dims and sizes must
         match. The copy is independent of the source."""
-        return _transfer(self, mesh, _user_line())
+        return _transfer(self, mesh, user_line())
 
     def tolist(self):
         raise TypeError(
@@ -408,11 +370,6 @@ def active_mesh() -> Any:
     return _active_mesh()
 
 
-def user_line() -> str:
-    """The ``file:line`` of the user's code calling into monarch_dsl (outside this package)."""
-    return _user_line(3)
-
-
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 # Ops that turn a tensor into a Python value (t.item(), bool(t), ...): not on a mesh tensor.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
@@ -505,7 +462,7 @@ def _emit(
         outs = (ref,)
     engine.append(
         first._md_mesh_id,
-        _tuple_new(ir.CallOp, (op, wargs, kwargs, outs, stream, _user_line(depth))),
+        _tuple_new(ir.CallOp, (op, wargs, kwargs, outs, stream, user_line(depth))),
     )
     return result
 
@@ -623,7 +580,7 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
         results.append(Tensor(leaf, mesh, engine, ref, _current_stream()))
     mid = engine.mesh_id(mesh)
     engine.append(
-        mid, ir.CallOp(op, worker_args, worker_kwargs, tuple(outs), _current_stream(), _user_line())
+        mid, ir.CallOp(op, worker_args, worker_kwargs, tuple(outs), _current_stream(), user_line())
     )
     if first is not None:
         _track_known(func, args, kwargs, flat, spec, known, out_leaves, results)
@@ -820,7 +777,7 @@ def _lift(value: torch.Tensor, mesh: Any) -> Tensor:
             {"device": ir.WORKER_DEVICE},
             (ref,),
             _current_stream(),
-            _user_line(),
+            user_line(),
         ),
     )
     return out
@@ -915,7 +872,7 @@ class Stream:
         borrowed, ``t``'s stream may read but not write it (``mutable=False``; this stream may
         only read it too), or not touch it at all (``mutable=True``). ``borrow.drop()`` ends
         it."""
-        line = _user_line()
+        line = user_line()
         if not isinstance(t, Tensor):
             raise TypeError(f"borrow needs an md.Tensor, got {type(t).__name__}")
         _check_usable(t, "borrow", 0, write=mutable)
@@ -954,7 +911,7 @@ class Borrow:
         self.dropped_at: str | None = None
 
     def drop(self) -> None:
-        line = _user_line()
+        line = user_line()
         if self.dropped_at is not None:
             raise TypeError(f"this borrow was already dropped at {self.dropped_at}")
         self.dropped_at = line
@@ -1106,7 +1063,7 @@ def activate(mesh: Any) -> Iterator[Any]:
 
     def manual_seed(seed: int):
         engine = Engine.of(mesh)
-        engine.append(engine.mesh_id(mesh), ir.Seed(int(seed), _user_line()))
+        engine.append(engine.mesh_id(mesh), ir.Seed(int(seed), user_line()))
         return real_seed(seed)
 
     torch.manual_seed = manual_seed
@@ -1144,7 +1101,7 @@ def mesh_rank(mesh: Any, dims: Any) -> Tensor:
             {"dtype": torch.int64, "device": ir.WORKER_DEVICE},
             (ref,),
             stream,
-            _user_line(),
+            user_line(),
         ),
     )
     return out
@@ -1206,7 +1163,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
 
 def reduce(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Any:
     """``t.reduce(...)`` for every mesh tensor of a pytree (other leaves are kept)."""
-    line = _user_line()
+    line = user_line()
     return pytree.tree_map(
         lambda t: _reduce(t, dims, reduction, scatter, False, line) if isinstance(t, Tensor) else t,
         tree,
@@ -1215,7 +1172,7 @@ def reduce(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = Fa
 
 def reduce_(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Any:
     """``t.reduce_(...)`` for every mesh tensor of a pytree; returns the tree."""
-    line = _user_line()
+    line = user_line()
     for t in pytree.tree_leaves(tree):
         if isinstance(t, Tensor):
             _reduce(t, dims, reduction, scatter, True, line)
@@ -1301,7 +1258,7 @@ def _reduce(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool,
 def fetch(obj: Any, **coords: int) -> Future:
     """A future of a local CPU copy of one rank's value of ``obj`` (a mesh tensor or a pytree
     of them): no coords -- the first rank; else every dim of the mesh named."""
-    line = _user_line()
+    line = user_line()
     if isinstance(obj, Tensor):
         return _fetch_one(obj, coords, line)
     leaves, spec = pytree.tree_flatten(obj)
@@ -1371,7 +1328,7 @@ def sync(mesh: Any, timeout: float | None = None) -> None:
     if engine is None or engine.job.stopped:
         return
     call_id, fut = engine.job.expect(engine.ranks, None, whole_job=True)
-    engine.append(-1, ir.Fetch(call_id, -1, "main", _user_line()))
+    engine.append(-1, ir.Fetch(call_id, -1, "main", user_line()))
     engine.flush()
     fut.get(timeout)
 
