@@ -46,11 +46,12 @@ class ProcMesh(Mesh):
         Raises ``md.RemoteError`` for a failed tensor command whose error nobody fetched."""
         job = self._job
         unseen = []
-        if job.engine is not None and not job.stopped:
-            try:  # let the workers finish what was sent, and report its failures
-                _tensor.sync(self, timeout=STOP_SYNC_TIMEOUT)
-            except Exception:  # noqa: BLE001 - a dead or stuck worker: stop anyway
-                pass
+        if job.before_stop and not job.stopped:
+            for finish in list(job.before_stop):
+                try:  # let the workers finish what was sent, and report its failures
+                    finish(STOP_SYNC_TIMEOUT)
+                except Exception:  # noqa: BLE001 - a dead or stuck worker: stop anyway
+                    pass
             unseen = job.unobserved_failures()
         job.stop()
         if unseen:

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 BATCH_MAX = 1000  # instructions; more are sent at once
+EXTENSION = "tensor"  # the engine's name in its job's extensions
 
 # =============================================================================== engine
 
@@ -71,10 +72,19 @@ class Engine:
 
     @classmethod
     def of(cls, mesh: Any) -> Engine:
+        """The engine of ``mesh``'s allocation; made on first use, when it registers with
+        the job: ``ProcMesh.stop`` then waits (``sync``) for what it sent."""
         job = mesh._job
-        if job.engine is None:
-            job.engine = cls(job)
-        return job.engine
+        engine = job.extensions.get(EXTENSION)
+        if engine is None:
+            engine = job.extensions[EXTENSION] = cls(job)
+            job.before_stop.append(engine.sync)
+        return engine
+
+    @staticmethod
+    def of_job(job: controller.Job) -> Engine | None:
+        """The engine of ``job``, or None if no mesh of it was ever used for tensors."""
+        return job.extensions.get(EXTENSION)
 
     # ---- batching --------------------------------------------------------------------------
     def append(self, mesh: int, ins: Any) -> None:
@@ -153,6 +163,16 @@ class Engine:
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             self.flush()
             self.job.post(self.ranks, SetupCollectives(host, self.store.port))
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until every worker has run what was sent so far (their failure reports have
+        then arrived); ``TimeoutError`` after ``timeout`` seconds."""
+        if self.job.stopped:
+            return
+        call_id, fut = self.job.expect(self.ranks, None, whole_job=True)
+        self.append(-1, ir.Fetch(call_id, -1, "main", user_line()))
+        self.flush()
+        fut.get(timeout)
 
     def new_ref(self) -> int:
         return next(self.refs)
@@ -440,7 +460,7 @@ def _emit(
     ``hit``; ``first`` is the first tensor argument, ``wargs`` the arguments for the workers.
     The user's line is looked for from ``depth`` frames up (the frames below are ours)."""
     op, out = hit
-    engine = mesh._job.engine
+    engine = first._md_engine  # mesh's engine
     if type(out) is int:  # the op returns its input #out (in place)
         result = args[out]
         outs = (result._md_ref,)
@@ -1073,8 +1093,9 @@ def activate(mesh: Any) -> Iterator[Any]:
     finally:
         torch.manual_seed = real_seed
         stack.pop()
-        if mesh._job.engine is not None:
-            mesh._job.engine.flush()
+        engine = Engine.of_job(mesh._job)
+        if engine is not None:
+            engine.flush()
 
 
 def mesh_rank(mesh: Any, dims: Any) -> Tensor:
@@ -1324,13 +1345,9 @@ def inspect(obj: Any, **coords: int) -> Any:
 def sync(mesh: Any, timeout: float | None = None) -> None:
     """Wait until every worker of ``mesh``'s allocation has run what was sent so far (their
     failure reports have then arrived); ``TimeoutError`` after ``timeout`` seconds."""
-    engine = mesh._job.engine
-    if engine is None or engine.job.stopped:
-        return
-    call_id, fut = engine.job.expect(engine.ranks, None, whole_job=True)
-    engine.append(-1, ir.Fetch(call_id, -1, "main", user_line()))
-    engine.flush()
-    fut.get(timeout)
+    engine = Engine.of_job(mesh._job)
+    if engine is not None:
+        engine.sync(timeout)
 
 
 def show(obj: Any, **coords: int) -> None:
