@@ -36,6 +36,7 @@ from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
+from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 
 _plan_ids = iter(range(1, 1 << 62))
 _plan_ids_lock = threading.Lock()
@@ -142,7 +143,7 @@ class MeshFunction:
     def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
         """The plan for these example arguments on ``mesh`` (a ``Mesh`` value: no processes
         needed), the decorator's mesh, or the active one."""
-        mesh = mesh or self.mesh or _active()
+        mesh = mesh or self.mesh or active_mesh()
         if mesh is None:
             raise ValueError(
                 f"{self.__name__}.compile: no mesh: pass mesh=md.Mesh.from_string('dp=2'), "
@@ -195,7 +196,6 @@ class MeshFunction:
         """Whole-shape stand-ins for mesh tensors among the arguments: a mesh tensor is each
         rank's part, so its whole shape is its shape times the shards of its placement."""
         from monarch_dsl.compiler.compile import arg_leaf_names, normalize_placements
-        from monarch_dsl.tensor import Tensor
 
         leaves = arg_leaf_names(self.fn, args, kwargs)
         if not any(isinstance(v, Tensor) for _, v in leaves):
@@ -216,9 +216,7 @@ class MeshFunction:
 
     # ---- running -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from monarch_dsl.tensor import _active_mesh
-
-        pm = _active_mesh()
+        pm = active_mesh()
         if pm is None:
             raise RuntimeError(
                 f"{self.__name__}: call it under `with pm.activate():` to run it on a mesh, "
@@ -241,8 +239,6 @@ class MeshFunction:
         workers' copies. The next call on a mesh distributes them again."""
         if self.state_mesh is None:
             return
-        from monarch_dsl.tensor import fetch
-
         pm = self.state_mesh
         values = {
             name: _gather(h, t, pm, fetch, self.home.get(name, ()))
@@ -271,18 +267,10 @@ class MeshFunction:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole values of the state the step keeps on the workers, by name."""
-        from monarch_dsl.tensor import fetch
-
         return {
             n: _gather(h, t, self.state_mesh, fetch, self.home.get(n, ()))
             for n, (h, t, _) in self.state.items()
         }
-
-
-def _active():
-    from monarch_dsl.tensor import _active_mesh
-
-    return _active_mesh()
 
 
 def _mesh_spec(mesh: Any) -> tuple[tuple[str, int], ...]:
@@ -356,8 +344,6 @@ def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
 
 
 def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
-    from monarch_dsl.tensor import Engine, Tensor, _lift
-
     line = user_line()
     spec = _mesh_spec(pm)
     engine = Engine.of(pm)
@@ -407,7 +393,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             inputs.append(value._md_ref)
             keep.append(value)
             continue
-        whole = _lift(value, pm)
+        whole = lift(value, pm)
         ref = engine.new_ref()
         desc = ("T", local_shape, tuple(_contiguous_strides(local_shape)), value.dtype, 0)
         local = Tensor(None, pm, engine, ref, "main", desc=desc)

@@ -12,13 +12,7 @@ from torch.utils import _pytree as pytree
 from monarch_dsl.compiler import ir
 from monarch_dsl.frames import user_line
 from monarch_dsl.runtime import serialize
-from monarch_dsl.tensor import (
-    Engine,
-    Tensor,
-    _active_mesh,
-    _check_usable,
-    _current_stream,
-)
+from monarch_dsl.tensor import Engine, Tensor, active_mesh, check_usable, current_stream
 
 MAX_LEARNT_OUTPUTS = 64  # tensor outputs a function without a propagator may return
 
@@ -50,11 +44,11 @@ class RemoteFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        mesh = _active_mesh()
-        stream = _current_stream()
+        mesh = active_mesh()
+        stream = current_stream()
         for i, x in enumerate(flat):
             if isinstance(x, Tensor):
-                _check_usable(x, self.__name__, i, write=False)
+                check_usable(x, self.__name__, i, write=False)
                 if mesh is None:
                     mesh = x.mesh
                 elif x.mesh != mesh:
