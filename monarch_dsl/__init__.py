@@ -11,6 +11,7 @@ from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
 from monarch_dsl.errors import (
     ActorError,
     MonarchError,
+    PlanError,
     RemoteError,
     SpawnError,
     SpmdError,
@@ -33,7 +34,7 @@ from monarch_dsl.tensor import (
 )
 from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.grads import grad_generator
-from monarch_dsl.compiler.plan import Partial, Placement, Plan, PlanError, Replicate, Shard
+from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard
 from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.parallel.ddp import DistributedDataParallel

@@ -71,6 +71,16 @@ class RemoteError(MonarchError):
         self.remote_traceback = remote_traceback
 
 
+class PlanError(MonarchError):
+    """A plan that cannot run as written (a check failed, an unsupported op, ...); the message
+    names the user's ``file:line`` when the plan knows it (``loc``). Also
+    ``monarch_dsl.compiler.plan.PlanError``."""
+
+    def __init__(self, message: str, loc: str = "") -> None:
+        super().__init__(f"{message} (at {loc})" if loc else message)
+        self.loc = loc
+
+
 class SpmdError(MonarchError):
     """A rank of ``pm.run_spmd`` failed (exited non-zero or was killed), or the run timed out;
     the other ranks were stopped. The mesh itself is unharmed.

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from monarch_dsl.compiler import ir
+from monarch_dsl import isa
 from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
+from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
+from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 
 _plan_ids = iter(range(1, 1 << 62))
 _plan_ids_lock = threading.Lock()
@@ -141,7 +143,7 @@ class MeshFunction:
     def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
         """The plan for these example arguments on ``mesh`` (a ``Mesh`` value: no processes
         needed), the decorator's mesh, or the active one."""
-        mesh = mesh or self.mesh or _active()
+        mesh = mesh or self.mesh or active_mesh()
         if mesh is None:
             raise ValueError(
                 f"{self.__name__}.compile: no mesh: pass mesh=md.Mesh.from_string('dp=2'), "
@@ -194,7 +196,6 @@ class MeshFunction:
         """Whole-shape stand-ins for mesh tensors among the arguments: a mesh tensor is each
         rank's part, so its whole shape is its shape times the shards of its placement."""
         from monarch_dsl.compiler.compile import arg_leaf_names, normalize_placements
-        from monarch_dsl.tensor import Tensor
 
         leaves = arg_leaf_names(self.fn, args, kwargs)
         if not any(isinstance(v, Tensor) for _, v in leaves):
@@ -215,9 +216,7 @@ class MeshFunction:
 
     # ---- running -------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from monarch_dsl.tensor import _active_mesh
-
-        pm = _active_mesh()
+        pm = active_mesh()
         if pm is None:
             raise RuntimeError(
                 f"{self.__name__}: call it under `with pm.activate():` to run it on a mesh, "
@@ -240,8 +239,6 @@ class MeshFunction:
         workers' copies. The next call on a mesh distributes them again."""
         if self.state_mesh is None:
             return
-        from monarch_dsl.tensor import fetch
-
         pm = self.state_mesh
         values = {
             name: _gather(h, t, pm, fetch, self.home.get(name, ()))
@@ -270,18 +267,10 @@ class MeshFunction:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole values of the state the step keeps on the workers, by name."""
-        from monarch_dsl.tensor import fetch
-
         return {
             n: _gather(h, t, self.state_mesh, fetch, self.home.get(n, ()))
             for n, (h, t, _) in self.state.items()
         }
-
-
-def _active():
-    from monarch_dsl.tensor import _active_mesh
-
-    return _active_mesh()
 
 
 def _mesh_spec(mesh: Any) -> tuple[tuple[str, int], ...]:
@@ -355,9 +344,7 @@ def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
 
 
 def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
-    from monarch_dsl.tensor import Engine, Tensor, _lift, _user_line
-
-    line = _user_line()
+    line = user_line()
     spec = _mesh_spec(pm)
     engine = Engine.of(pm)
     engine.ensure_collectives()
@@ -370,7 +357,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         with _plan_ids_lock:
             pid = next(_plan_ids)
         compiled.ids[id(engine)] = pid
-        engine.append(mesh_id, ir.DefinePlan(pid, compiled.program))
+        engine.append(mesh_id, isa.DefinePlan(pid, compiled.program))
     inputs, split, keep = [], [], []
     flat_args = [v for v in pytree.tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
     if len(flat_args) != compiled.n_args:
@@ -406,7 +393,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             inputs.append(value._md_ref)
             keep.append(value)
             continue
-        whole = _lift(value, pm)
+        whole = lift(value, pm)
         ref = engine.new_ref()
         desc = ("T", local_shape, tuple(_contiguous_strides(local_shape)), value.dtype, 0)
         local = Tensor(None, pm, engine, ref, "main", desc=desc)
@@ -439,7 +426,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     mf.state_mesh = pm
     engine.append(
         mesh_id,
-        ir.RunPlan(
+        isa.RunPlan(
             pid,
             mesh_id,
             tuple(inputs),

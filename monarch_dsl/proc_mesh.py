@@ -13,10 +13,10 @@ import numpy as np
 
 from monarch_dsl import _build
 from monarch_dsl import actor as _actor
-from monarch_dsl import tensor as _tensor
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
 from monarch_dsl.runtime import controller, serialize, transport
+from monarch_dsl.tensor import activation as _activation
 
 DEFAULT_TIMEOUT = 120.0
 STOP_SYNC_TIMEOUT = 60.0  # stop() waits this long for the workers to finish their commands
@@ -46,11 +46,12 @@ class ProcMesh(Mesh):
         Raises ``md.RemoteError`` for a failed tensor command whose error nobody fetched."""
         job = self._job
         unseen = []
-        if job.engine is not None and not job.stopped:
-            try:  # let the workers finish what was sent, and report its failures
-                _tensor.sync(self, timeout=STOP_SYNC_TIMEOUT)
-            except Exception:  # noqa: BLE001 - a dead or stuck worker: stop anyway
-                pass
+        if job.before_stop and not job.stopped:
+            for finish in list(job.before_stop):
+                try:  # let the workers finish what was sent, and report its failures
+                    finish(STOP_SYNC_TIMEOUT)
+                except Exception:  # noqa: BLE001 - a dead or stuck worker: stop anyway
+                    pass
             unseen = job.unobserved_failures()
         job.stop()
         if unseen:
@@ -74,12 +75,12 @@ class ProcMesh(Mesh):
 
     def activate(self):
         """``with pm.activate():`` torch calls create and run on every rank of this mesh."""
-        return _tensor.activate(self)
+        return _activation.activate(self)
 
     def rank(self, dims: Any = ()) -> Any:
         """Under activation: a mesh tensor holding each rank's coordinate along ``dims``
         (several dims combine row-major)."""
-        return _tensor.mesh_rank(self, dims)
+        return _activation.mesh_rank(self, dims)
 
     @property
     def stopped(self) -> bool:

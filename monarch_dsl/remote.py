@@ -9,16 +9,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from monarch_dsl.compiler import ir
+from monarch_dsl import isa
+from monarch_dsl.frames import user_line
 from monarch_dsl.runtime import serialize
-from monarch_dsl.tensor import (
-    Engine,
-    Tensor,
-    _active_mesh,
-    _check_usable,
-    _current_stream,
-    _user_line,
-)
+from monarch_dsl.tensor import Engine, Tensor, active_mesh, check_usable, current_stream
 
 MAX_LEARNT_OUTPUTS = 64  # tensor outputs a function without a propagator may return
 
@@ -50,11 +44,11 @@ class RemoteFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        mesh = _active_mesh()
-        stream = _current_stream()
+        mesh = active_mesh()
+        stream = current_stream()
         for i, x in enumerate(flat):
             if isinstance(x, Tensor):
-                _check_usable(x, self.__name__, i, write=False)
+                check_usable(x, self.__name__, i, write=False)
                 if mesh is None:
                     mesh = x.mesh
                 elif x.mesh != mesh:
@@ -69,8 +63,8 @@ class RemoteFunction:
         if mesh is None:
             raise RuntimeError(f"{self.__name__}: a remote function needs an active mesh")
         engine = Engine.of(mesh)
-        line = _user_line()
-        worker_flat = [ir.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
+        line = user_line()
+        worker_flat = [isa.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
         wargs, wkwargs = pytree.tree_unflatten(worker_flat, spec)
         key = tuple((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat)
         shapes_to = shapes_rank = -1
@@ -98,7 +92,7 @@ class RemoteFunction:
             outs = tuple(engine.new_ref() for _ in range(MAX_LEARNT_OUTPUTS))
         engine.append(
             engine.mesh_id(mesh),
-            ir.CallFunction(
+            isa.CallFunction(
                 self._payload(),
                 wargs,
                 wkwargs,

@@ -107,6 +107,18 @@ def test_no_module_imports_the_package_root():
     assert not bad, bad
 
 
+def test_the_process_layer_does_not_hold_the_tensor_engine():
+    """proc_mesh.py starts and stops processes; the engine registers its hooks on the job.
+    (It uses tensor.activation for pm.activate() and pm.rank() only.)"""
+    engine = {m for m in MODULES if m.startswith("monarch_dsl.tensor")} - {
+        "monarch_dsl.tensor.activation"
+    }
+    assert not GRAPH["monarch_dsl.proc_mesh"] & engine
+    assert not any(
+        t.startswith("monarch_dsl.tensor") for t in GRAPH["monarch_dsl.runtime.controller"]
+    )
+
+
 def test_no_import_cycles():
     index: dict[str, int] = {}
     low: dict[str, int] = {}

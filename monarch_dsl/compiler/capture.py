@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import re
 import sys
 import traceback
@@ -33,6 +32,7 @@ import torch.utils._pytree as pytree
 
 from monarch_dsl.compiler.plan import PlanError
 from monarch_dsl.compiler.propagate import FOREACH
+from monarch_dsl.frames import innermost_user
 
 aten = torch.ops.aten
 
@@ -217,15 +217,7 @@ def _written_nodes(node: torch.fx.Node) -> set:
 
 def _user_location_here() -> str:
     """``file:line`` of the innermost user frame of the current stack."""
-    return _innermost_user(traceback.extract_stack())
-
-
-def _innermost_user(frames: traceback.StackSummary) -> str:
-    last = ""
-    for frame in frames:
-        if _is_user_file(frame.filename):
-            last = f"{short_path(frame.filename)}:{frame.lineno}"
-    return last
+    return innermost_user(traceback.extract_stack())
 
 
 @dataclass
@@ -548,41 +540,18 @@ class _UserFrames:
         return traceback.StackSummary.from_list(frames[::-1])
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def _is_user_file(path: str) -> bool:
-    path = os.path.abspath(path)
-    return not (
-        path.startswith(_PACKAGE_DIR + os.sep)
-        or path.startswith(_TORCH_DIR + os.sep)
-        or "/unittest/" in path
-        or path.startswith("<")
-    )
-
-
-def short_path(path: str) -> str:
-    """A path as plans print it: relative to the working directory when under it."""
-    path = os.path.abspath(path)
-    cwd = os.getcwd()
-    return os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else path
 
 
 def user_location(stack_trace: str | None) -> str:
     """``file:line`` of the innermost user frame in an fx node's recorded stack trace."""
     if not stack_trace:
         return ""
-    last = ""
-    for path, line in _FRAME.findall(stack_trace):
-        if _is_user_file(path):
-            last = f"{short_path(path)}:{line}"
-    return last
+    return innermost_user(_FRAME.findall(stack_trace))
 
 
 def user_location_of_exception(e: BaseException) -> str:
-    return _innermost_user(traceback.extract_tb(e.__traceback__))
+    return innermost_user(traceback.extract_tb(e.__traceback__))
 
 
 def _is_data_dependent(e: BaseException) -> bool:

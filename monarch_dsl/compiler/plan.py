@@ -20,6 +20,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from monarch_dsl.errors import PlanError as PlanError  # re-exported: the compiler raises it
 from monarch_dsl.isa import leaves
 
 # ---- placements ------------------------------------------------------------------------------
@@ -360,15 +361,6 @@ class Plan:
         ``PlanError`` pointing at the user's line, returns the plan."""
         IMPLEMENTATIONS["check"](self)
         return self
-
-
-class PlanError(Exception):
-    """A plan that cannot run as written (a check failed, an unsupported op, ...); the message
-    names the user's ``file:line`` when the plan knows it."""
-
-    def __init__(self, message: str, loc: str = "") -> None:
-        super().__init__(f"{message} (at {loc})" if loc else message)
-        self.loc = loc
 
 
 class PlanSyntaxError(ValueError):

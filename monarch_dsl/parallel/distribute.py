@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.compiler.plan import Partial, Placement, Replicate, Shard
+from monarch_dsl.frames import user_line
 
 
 def distribute(obj: Any, placements: Any, mesh: Any = None) -> Any:
@@ -27,7 +28,7 @@ def distribute(obj: Any, placements: Any, mesh: Any = None) -> Any:
     md.Replicate()}`` (dims not named are replicated), a sequence of one placement per mesh
     dim (DTensor's form), or one placement for a 1-D mesh. Returns mesh tensors holding each
     rank's part; bad placements raise before anything is sent."""
-    line = _tensor.user_line()
+    line = user_line()
     mesh = _mesh(mesh)
     by_dim = _placements(placements, mesh)
     leaves, spec = pytree.tree_flatten(obj)

@@ -384,7 +384,11 @@ class Job:
         self.pending_whole_job: set[int] = set()  # call ids that any worker's death fails
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
-        self.engine: Any = None  # the tensor engine, once a mesh of this job is activated
+        # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
+        # and add to before_stop what ProcMesh.stop runs, with a timeout in seconds, before
+        # it stops the workers (the engine waits for what it sent).
+        self.extensions: dict[str, Any] = {}
+        self.before_stop: list[Callable[[float], None]] = []
         self.stopping = False
         self.stopped = False
         self._lock = threading.Lock()

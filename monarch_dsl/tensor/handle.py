@@ -1,0 +1,345 @@
+"""``md.Tensor``: the controller's handle on a tensor that lives on every rank of a mesh.
+
+The handle keeps only a description (shape, stride, dtype, storage offset), its mesh, its
+engine, its ref (the workers' name for the value) and its stream; torch ops on it go through
+``dispatch.py``. Its own operations that are not torch ops -- ``reduce``, ``reduce_``,
+``to_mesh`` -- are here too.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from monarch_dsl import isa
+from monarch_dsl.frames import user_line
+from monarch_dsl.tensor.active import check_usable
+from monarch_dsl.tensor.engine import Engine
+
+META_CACHE_MAX = 100_000  # entries each of the controller's shape caches keeps at most
+
+
+class Tensor(torch.Tensor):
+    """A handle on a tensor that lives on every rank of a mesh: ``.mesh``, ``.shape``,
+    ``.dtype``, ``.device``, ``.stream``. Torch ops on it run on the workers."""
+
+    _md_desc: tuple  # ("T", shape, stride, dtype, storage offset): for caches
+    _md_mesh: Any
+    _md_mesh_id: int
+    _md_ref: int
+    _md_stream: str
+    # ("borrowed" | "lent", Borrow), ("dropped", file:line) or ("known", local value; see
+    # known_value); None: a plain tensor
+    _md_state: tuple | None = None
+    _md_engine: Engine = None  # type: ignore[assignment]  # None: __new__ failed (see __del__)
+
+    @staticmethod
+    def __new__(
+        cls,
+        meta: torch.Tensor | None,
+        mesh: Any,
+        engine: Engine,
+        ref: int,
+        stream: str,
+        desc: tuple | None = None,
+    ):
+        """From a meta tensor, or (the fast path) from its description alone."""
+        if desc is None:
+            desc = ("T", *describe(meta))
+        if cls is Tensor:
+            t = maker(desc, engine.device)[1]()
+        else:
+            _, shape, stride, dtype, offset = desc
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=engine.device
+            )
+        t.__dict__ = {
+            "_md_desc": desc,
+            "_md_mesh": mesh,
+            "_md_mesh_id": engine.mesh_id(mesh),
+            "_md_engine": engine,
+            "_md_ref": ref,
+            "_md_stream": stream,
+        }
+        return t
+
+    @property
+    def _md_meta(self) -> torch.Tensor:
+        """A meta tensor of this tensor's shape, stride and dtype (for shape propagation)."""
+        return new_meta(self._md_desc[1:])
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    # __torch_dispatch__ is set by dispatch.py, which builds on this class.
+
+    @property
+    def mesh(self) -> Any:
+        return self._md_mesh
+
+    @property
+    def stream(self) -> str:
+        return self._md_stream
+
+    def reduce(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
+        """A collective over the mesh dims ``dims`` (a name or tuple; ``()`` = all)."""
+        return reduce_tensor(self, dims, reduction, scatter, in_place=False, line=user_line())
+
+    def reduce_(self, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Tensor:
+        return reduce_tensor(self, dims, reduction, scatter, in_place=True, line=user_line())
+
+    def to_mesh(self, mesh: Any) -> Tensor:
+        """A copy of this tensor on ``mesh`` (e.g. the next pipeline stage): the rank at each
+        coordinate receives from the rank at the same coordinate here; dims and sizes must
+        match. The copy is independent of the source."""
+        return _transfer(self, mesh, user_line())
+
+    def tolist(self):
+        raise TypeError(
+            "tolist() needs the tensor's value, which lives on the workers: fetch it first, "
+            "e.g. md.inspect(t).tolist()"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
+        return (
+            f"md.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._md_mesh!r}, "
+            f"stream={self._md_stream!r})"
+        )
+
+    # torch's binary operators turn a TypeError into NotImplemented (and Python then says only
+    # "unsupported operand"); these keep our message (local tensor, other mesh, ...).
+    def __add__(self, other):
+        return torch.add(self, other)
+
+    def __sub__(self, other):
+        return torch.sub(self, other)
+
+    def __mul__(self, other):
+        return torch.mul(self, other)
+
+    def __truediv__(self, other):
+        return torch.div(self, other)
+
+    def __floordiv__(self, other):
+        return torch.floor_divide(self, other)
+
+    def __mod__(self, other):
+        return torch.remainder(self, other)
+
+    def __pow__(self, other):
+        return torch.pow(self, other)
+
+    def __matmul__(self, other):
+        return torch.matmul(self, other)
+
+    def __and__(self, other):
+        return torch.bitwise_and(self, other)
+
+    def __or__(self, other):
+        return torch.bitwise_or(self, other)
+
+    def __xor__(self, other):
+        return torch.bitwise_xor(self, other)
+
+    def __lt__(self, other):
+        return torch.lt(self, other)
+
+    def __le__(self, other):
+        return torch.le(self, other)
+
+    def __gt__(self, other):
+        return torch.gt(self, other)
+
+    def __ge__(self, other):
+        return torch.ge(self, other)
+
+    def __eq__(self, other):
+        return torch.eq(self, other)
+
+    def __ne__(self, other):
+        return torch.ne(self, other)
+
+    def __iadd__(self, other):
+        return self.add_(other)
+
+    def __isub__(self, other):
+        return self.sub_(other)
+
+    def __imul__(self, other):
+        return self.mul_(other)
+
+    def __itruediv__(self, other):
+        return self.div_(other)
+
+    __hash__ = torch.Tensor.__hash__
+
+    def __del__(self) -> None:
+        engine = self._md_engine
+        if engine is not None:
+            engine.dead.append((self._md_ref, self._md_stream))  # engine.delete, inlined
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "an md.Tensor is a handle on values that live on the workers; it cannot be pickled "
+            "(use md.fetch / md.inspect to get a local copy)"
+        )
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """(shape, stride, dtype, storage offset) of ``t``: a handle's ``_md_desc`` after "T"."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
+
+
+# (description, device) -> (device, a maker of md.Tensor wrappers of that description): the
+# arguments of _make_wrapper_subclass, bound once (leaving out default strides and offset).
+_makers: dict[tuple, tuple] = {}
+
+
+def maker(desc: tuple, device: torch.device) -> tuple:
+    """(device, a function making a bare ``md.Tensor`` wrapper of ``desc`` on ``device``)."""
+    found = _makers.get((desc, device))
+    if found is None:
+        _, shape, stride, dtype, offset = desc
+        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
+        if offset or stride != torch.empty(shape, device="meta").stride():
+            kwargs["strides"] = stride
+            kwargs["storage_offset"] = offset
+        found = (
+            device,
+            functools.partial(torch.Tensor._make_wrapper_subclass, Tensor, shape, **kwargs),
+        )
+        if len(_makers) < META_CACHE_MAX:
+            _makers[(desc, device)] = found
+    return found
+
+
+def new_meta(desc: tuple) -> torch.Tensor:
+    """A meta tensor of ``desc`` (shape, stride, dtype, storage offset)."""
+    shape, stride, dtype, offset = desc
+    t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return t if not offset else t.as_strided(shape, stride, offset)
+
+
+# ---- values the controller knows ----------------------------------------------------------
+# A small tensor made here from a constant (``torch.tensor(0.0)`` under activation: an
+# optimizer's step count) has the same value on every rank, and so has every deterministic op
+# whose tensor inputs are all such tensors. The controller keeps that value beside the handle
+# (``_md_state = ("known", local tensor)``), computes it along, and answers ``.item()`` from it
+# without asking the workers (torch's Adam/AdamW call ``step_t.item()`` every step). It stops
+# being known -- never stale -- when anything the controller does not compute writes it (an op
+# with an unknown input, a reduce), when a view of it is taken (a write through the view would
+# not be seen), or when it is borrowed.
+KNOWN_MAX_NUMEL = 16
+
+
+def known_value(x: Any) -> Any:
+    """The value the controller knows ``x`` has on every rank, or None."""
+    state = x._md_state if isinstance(x, Tensor) else None
+    return state[1] if state is not None and state[0] == "known" else None
+
+
+def forget_known(t: Tensor) -> None:
+    """``t``'s value is no longer known (something the controller does not compute wrote it)."""
+    if known_value(t) is not None:
+        t._md_state = None
+
+
+def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
+    """``t.to_mesh(dest)``: rank at coordinates c of ``t.mesh`` sends to the rank at c of
+    ``dest``."""
+    check_usable(t, "to_mesh", 0, write=False)
+    src = t._md_mesh
+    if dest._job is not src._job:
+        raise TypeError("to_mesh between process meshes of different allocations is not supported")
+    if dict(src.sizes) != dict(dest.sizes):
+        raise ValueError(
+            f"to_mesh needs the same dims and sizes on both meshes: {src.sizes} vs {dest.sizes}"
+        )
+    engine = t._md_engine
+    engine.ensure_collectives()
+    order = [src.dims.index(d) for d in dest.dims]
+    src_ranks = src._ranks.transpose(order).reshape(-1).tolist()  # in dest's row-major order
+    pairs = tuple(zip(src_ranks, dest.ranks))
+    ref = engine.new_ref()
+    meta = t._md_meta
+    out = Tensor(torch.empty_like(meta), dest, engine, ref, t._md_stream)
+    dtype = str(meta.dtype).removeprefix("torch.")
+    engine.append(
+        -1,
+        isa.Transfer(t._md_ref, ref, pairs, tuple(meta.shape), dtype, t._md_stream, line),
+    )
+    return out
+
+
+def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place: bool, line: str):
+    """``t.reduce(...)`` (``t.reduce_(...)`` when ``in_place``), issued at ``line``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"reduce needs an md.Tensor, got {type(t).__name__}")
+    check_usable(t, "reduce_" if in_place else "reduce", 0, write=in_place)
+    if in_place:
+        forget_known(t)  # the ranks' values are combined: no longer what the controller computed
+    mesh = t._md_mesh
+    if isinstance(dims, str):
+        dims = (dims,)
+    dims = tuple(dims) or tuple(mesh.dims)
+    for d in dims:
+        if d not in mesh.dims:
+            raise KeyError(f"reduce over {d!r}: the tensor's mesh has dims {mesh.dims}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"reduce over {dims}: a dim is named twice")
+    if reduction not in isa.REDUCTIONS:
+        raise ValueError(f"reduction must be one of {isa.REDUCTIONS}, got {reduction!r}")
+    n = mesh.size(dims)
+    meta = t._md_meta
+    if reduction == "avg" and not (meta.is_floating_point() or meta.is_complex()):
+        raise TypeError(f"reduction 'avg' needs a floating point tensor, got {meta.dtype}")
+    if reduction == "stack":
+        if scatter:
+            if meta.dim() == 0 or meta.shape[0] % n:
+                raise ValueError(
+                    f"stack+scatter (all-to-all) over {dims} needs dim 0 divisible by {n}, "
+                    f"got shape {tuple(meta.shape)}"
+                )
+            out_meta = torch.empty_like(meta)
+        else:
+            out_meta = torch.empty((n, *meta.shape), dtype=meta.dtype, device="meta")
+    elif scatter:
+        if meta.dim() == 0 or meta.shape[0] % n:
+            raise ValueError(
+                f"{reduction}+scatter (reduce-scatter) over {dims} needs dim 0 divisible by "
+                f"{n}, got shape {tuple(meta.shape)}"
+            )
+        out_meta = torch.empty(
+            (meta.shape[0] // n, *meta.shape[1:]), dtype=meta.dtype, device="meta"
+        )
+    else:
+        out_meta = torch.empty_like(meta)
+    if in_place and tuple(out_meta.shape) != tuple(meta.shape):
+        raise ValueError(
+            f"reduce_ with {reduction}{'+scatter' if scatter else ''} changes the shape "
+            f"{tuple(meta.shape)} -> {tuple(out_meta.shape)}; use the out-of-place reduce()"
+        )
+    engine = t._md_engine
+    engine.ensure_collectives()
+    if in_place:
+        out, ref = t, t._md_ref
+    else:
+        ref = engine.new_ref()
+        out = Tensor(out_meta, mesh, engine, ref, t._md_stream)
+    dtype = str(meta.dtype).removeprefix("torch.")
+    engine.append(
+        t._md_mesh_id,
+        isa.Reduce(
+            t._md_ref,
+            ref,
+            t._md_mesh_id,
+            dims,
+            reduction,
+            scatter,
+            tuple(meta.shape),
+            dtype,
+            t._md_stream,
+            line,
+        ),
+    )
+    return out

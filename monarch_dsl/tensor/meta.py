@@ -1,0 +1,90 @@
+"""What an op gives, without running it: output shapes from meta tensors (cached), and which
+arguments an op writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from monarch_dsl.tensor.handle import META_CACHE_MAX, Tensor, describe, new_meta
+
+_written: dict[Any, tuple] = {}
+
+
+def written_args(func) -> tuple:
+    """Positions and names of the arguments ``func`` writes (in-place and out= ops)."""
+    found = _written.get(func)
+    if found is None:
+        found = _written[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
+
+
+# Output metadata by (op, input metadata, other arguments): running an op on meta tensors goes
+# through torch's Python reference implementations (hundreds of microseconds); a loop (a
+# training step) repeats the same ops on the same shapes, so remember what they gave.
+_meta_cache: dict[tuple, tuple] = {}
+
+
+def _key_part(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.storage_offset())
+    if isinstance(x, list):
+        return ("list", *map(_key_part, x))
+    return x
+
+
+def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: bool):
+    """The output leaves as meta tensors, non-tensors, or ``Alias(i)`` for "the input
+    flat[i]" (in-place ops); and the output pytree spec."""
+    try:
+        key = (func, spec, *map(_key_part, meta_flat))
+        hash(key)
+    except TypeError:
+        key = None
+    hit = _meta_cache.get(key) if key is not None else None
+    if hit is not None:
+        leaves, out_spec = hit
+        return [new_meta(x) if type(x) is tuple else x for x in leaves], out_spec
+    meta_args, meta_kwargs = pytree.tree_unflatten(meta_flat, spec)
+    if factory:
+        meta_kwargs["device"] = torch.device("meta")
+    try:
+        meta_out = func(*meta_args, **meta_kwargs)
+    except NotImplementedError as e:
+        raise TypeError(
+            f"{op} cannot run on mesh tensors eagerly: its output shape is not known without "
+            f"the data ({e})"
+        ) from None
+    out_leaves, out_spec = pytree.tree_flatten(meta_out)
+    position = {id(m): i for i, m in enumerate(meta_flat) if isinstance(flat[i], Tensor)}
+    leaves: list = []
+    cached: list = []
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.Tensor):
+            i = position.get(id(leaf))
+            if i is not None:
+                leaves.append(Alias(i))
+                cached.append(Alias(i))
+                continue
+            cached.append(describe(leaf))
+        else:
+            cached.append(leaf)
+        leaves.append(leaf)
+    if key is not None and len(_meta_cache) < META_CACHE_MAX:
+        _meta_cache[key] = (tuple(cached), out_spec)
+    return leaves, out_spec
+
+
+class Alias:
+    """An output that is input ``index`` (of the flattened arguments) itself."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
