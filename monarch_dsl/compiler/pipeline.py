@@ -41,8 +41,9 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
     Var,
+    record_pass,
 )
-from monarch_dsl.compiler.propagate import ALIASING, FOREACH, MB, _base, _rename, stamp, written
+from monarch_dsl.compiler.propagate import ALIASING, FOREACH, MB, _base, _rename, written
 
 R = Replicate()
 
@@ -191,7 +192,7 @@ def microbatch(plan: Plan) -> Plan:
         micro_batches=M,
         notes=notes,
     )
-    return stamp(out, "microbatch", t0)
+    return record_pass(out, "microbatch", t0)
 
 
 def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
@@ -540,7 +541,7 @@ def split_stages(plan: Plan, dim: str) -> Plan:
         **(plan.notes or {}),
         "output_stage": {o.name: stage_of_value.get(o.var) for o in plan.outputs},
     }
-    return stamp(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
+    return record_pass(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
 
 
 def _infer_stages(plan: Plan, tagged: dict[str, int]) -> list[int]:

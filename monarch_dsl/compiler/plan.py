@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -250,7 +251,7 @@ IMPLEMENTATIONS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
-class Stage:
+class PassRecord:
     """The plan after one pass: ``name`` of the pass, ``seconds`` it took, the plan."""
 
     name: str
@@ -270,7 +271,7 @@ class Plan:
     micro_batches: int = 1
     # Not printed, not compared: how the pass pipeline got here, and how to rebuild the
     # function's result from the flat outputs.
-    stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
+    passes: tuple[PassRecord, ...] = field(default=(), compare=False, repr=False)
     out_spec: Any = field(default=None, compare=False, repr=False)
     # Facts passes hand on to later passes (not part of the plan): "phase" and "stage" of
     # each instruction, by its first out's name.
@@ -368,6 +369,13 @@ class Plan:
         ``PlanError`` pointing at the user's line, returns the plan."""
         IMPLEMENTATIONS["check"](self)
         return self
+
+
+def record_pass(plan: Plan, name: str, t0: float) -> Plan:
+    """``plan`` with the pass ``name``, which started at ``time.perf_counter()`` ``t0`` and
+    made it, added to ``plan.passes``."""
+    record = PassRecord(name, time.perf_counter() - t0, plan)
+    return plan.replace(passes=plan.passes + (record,))
 
 
 class PlanError(Exception):

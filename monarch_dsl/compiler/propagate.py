@@ -38,6 +38,7 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
     Var,
+    record_pass,
 )
 
 R = Replicate()
@@ -585,14 +586,7 @@ def propagate(
                 )
         outputs.append(o._replace(var=var))
     out = plan.replace(inputs=tuple(inputs), body=tuple(st.body), outputs=tuple(outputs))
-    return stamp(out, "propagate", t0)
-
-
-def stamp(plan: Plan, name: str, t0: float) -> Plan:
-    from monarch_dsl.compiler.plan import Stage
-
-    stage = Stage(name, time.perf_counter() - t0, plan)
-    return plan.replace(stages=plan.stages + (stage,))
+    return record_pass(out, "propagate", t0)
 
 
 def _check_input(name: str, t: TensorType, plan: Plan) -> None:

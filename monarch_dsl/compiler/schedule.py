@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from monarch_dsl.compiler.plan import Instr, Plan, Var
-from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, stamp, written
+from monarch_dsl.compiler.plan import Instr, Plan, Var, record_pass
+from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, written
 
 
 def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
@@ -127,14 +127,14 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         )
         insert_after.setdefault(max(r for r, _ in bucket), []).append(instr)
     if not moved:
-        return stamp(plan, "schedule", t0)
+        return record_pass(plan, "schedule", t0)
     out: list[Instr] = list(insert_after.get(-1, []))
     for k, ins in enumerate(body):
         out.extend(insert_before.get(k, []))
         if k not in moved:
             out.append(ins)
         out.extend(insert_after.get(k, []))
-    return stamp(plan.replace(body=tuple(out)), "schedule", t0)
+    return record_pass(plan.replace(body=tuple(out)), "schedule", t0)
 
 
 def _prefetch(
