@@ -28,7 +28,11 @@ import time
 import warnings
 from typing import Any, NamedTuple
 
+from monarch_dsl.compiler.cost import nbytes, redistribute_cost
+from monarch_dsl.compiler.ops import ALIASING, base_name, written
 from monarch_dsl.compiler.plan import (
+    MB,
+    FreshNames,
     Instr,
     Partial,
     Placement,
@@ -38,11 +42,11 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
     Var,
+    format_placements,
     record_pass,
 )
 
 R = Replicate()
-MB = "mb"  # the micro-batch dim (see the module docstring)
 
 
 class Strategy(NamedTuple):
@@ -74,76 +78,6 @@ LINEAR_SCALE = {"mul", "div"}  # exactly one Partial tensor input (div: the nume
 LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
 FACTORY = {"scalar_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor"}
 REDUCE = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
-
-
-def _base(op: str) -> tuple[str, bool]:
-    """``("add", inplace)`` for ``"aten.add_.Tensor"``, ``("_foreach_add", True)`` for the
-    multi-tensor ``"aten._foreach_add_.List"``; prims ops by their name."""
-    name = op.split(".")[1]
-    if name.endswith("_") and (not name.startswith("_") or name.startswith(FOREACH)):
-        return name[:-1], True
-    return name, False
-
-
-FOREACH = "_foreach_"
-
-
-def written(ins: Instr) -> list[str]:
-    """The values ``ins`` writes in place: an in-place op's first tensor argument; a
-    multi-tensor in-place op's (``_foreach_add_([p0, p1], ...)``) every tensor of its first
-    list argument. (Tracing makes a foreach op one op per tensor: ``capture``.)"""
-    if "." not in ins.op:
-        return []
-    name, inplace = _base(ins.op)
-    if not inplace:
-        return []
-    if name.startswith(FOREACH):
-        first = ins.args[0] if ins.args else ()
-        if isinstance(first, (list, tuple)):
-            return [v.name for v in first if isinstance(v, Var)]
-        return []
-    return ins.uses()[:1]
-
-
-# ---- costs -----------------------------------------------------------------------------------
-
-_ITEMSIZE = {
-    "float64": 8,
-    "int64": 8,
-    "complex64": 8,
-    "float32": 4,
-    "int32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int16": 2,
-}
-
-
-def _bytes(t: TensorType) -> float:
-    n = 1
-    for s in t.shape or ():
-        n *= s
-    return n * _ITEMSIZE.get(t.dtype, 1)
-
-
-def cost(src: Placement, dst: Placement, t: TensorType, n: int) -> float:
-    """Bytes each rank sends to go from ``src`` to ``dst`` on a dim of size ``n`` (whole
-    tensor size G): all_gather and reduce_scatter ~G(n-1)/n, all_reduce twice that. A
-    reduce-scatter is priced as an all-reduce so that a Partial result is made whole unless
-    sharding it saves more later (the Megatron pattern keeps its single all-reduce)."""
-    if src == dst or n == 1:
-        return 0.0
-    g = _bytes(t) * (n - 1) / n + 1.0  # + 1: any communication beats none at equal bytes
-    if isinstance(src, Replicate):
-        # A local chunk is free. Making a value Partial is free too, but it only defers a
-        # reduction: priced just above one, so a whole value is preferred.
-        return 0.0 if isinstance(dst, Shard) else 2 * g + 1
-    if isinstance(src, Shard):
-        if isinstance(dst, Shard):
-            return g / n  # all_to_all
-        return g  # all_gather (then a local op for Partial)
-    # Partial
-    return 2 * g
 
 
 # ---- rules -----------------------------------------------------------------------------------
@@ -455,17 +389,12 @@ VIEWS = set(
     "unsqueeze squeeze split split_with_sizes chunk slice narrow select _softmax "
     "_log_softmax".split()
 )
-# Ops whose result shares storage with their first input.
-ALIASING = set(
-    "view _unsafe_view reshape t transpose permute expand unsqueeze squeeze split "
-    "split_with_sizes chunk slice narrow select detach alias as_strided unbind".split()
-)
 
 
 def strategies(ins: Instr, c: Ctx) -> list[Strategy] | None:
     """Candidate strategies of ``ins`` on one mesh dim, or None if the op has no rule."""
     ns = ins.op.split(".")[0]
-    name, inplace = _base(ins.op)
+    name, inplace = base_name(ins.op)
     if ns == "prims":
         if name == "sum":
             return rule_reduce(ins, c, "prims_sum")
@@ -622,26 +551,21 @@ class _State:
         self.root: dict[str, str] = {}
         self.canon: dict[str, str] = {}
         self.loc_of: dict[str, str] = {}
-        self.counter = 0
         self.flat_dims: set[int] = set()  # mesh dims along which everything is Replicate
-        self.taken = set(types) | {o for i in plan.body for o in i.outs}
+        self.names = FreshNames(set(types) | {o for i in plan.body for o in i.outs})
         self.gather: dict[str, int] = {}  # fully sharded parameters: gathered for use
         self.phase: dict[str, str] = {}  # by an instruction's first out (capture's notes)
 
     def fresh(self, base: str) -> str:
-        while True:
-            self.counter += 1
-            name = f"{base}_{self.counter}"
-            if name not in self.taken:
-                self.taken.add(name)
-                return name
+        """A new value's name: ``base_<n>``, numbered through the plan."""
+        return self.names.fresh(base, numbered=True)
 
     def step(self, ins: Instr) -> None:
         if self.gather:
             ins = self._gathered(ins)
         sizes = self.plan.sizes
         uses = ins.uses()
-        name, inplace = _base(ins.op)
+        name, inplace = base_name(ins.op)
         in_types = [self.types[u] for u in uses]
         current = [list(t.placements) for t in in_types]
         out_pl: list[list[Placement]] = [[] for _ in ins.outs]
@@ -667,7 +591,7 @@ class _State:
                 c = 0.0
                 for t, want in zip(in_types, s.ins):
                     if want is not None:
-                        c += cost(t.placements[m], want, t, n)
+                        c += redistribute_cost(t.placements[m], want, t, n)
                 if best_cost is None or c < best_cost:
                     best, best_cost = s, c
             if best is None and inplace:
@@ -680,7 +604,7 @@ class _State:
                 raise PlanError(
                     f"{ins.op}: no strategy on {self.plan.dims[m]!r} whose shards divide its "
                     f"tensors evenly (inputs {[list(t.shape or ()) for t in in_types]} laid out "
-                    f"as {', '.join(_fmt(tuple(r), self.plan.dims) for r in required)})",
+                    f"as {', '.join(self._layout(r) for r in required)})",
                     ins.loc,
                 )
             for i, want in enumerate(best.ins):
@@ -690,7 +614,7 @@ class _State:
                 out_pl[j].append(p)
         if fallback:
             gathered = sum(
-                _bytes(t)
+                nbytes(t)
                 for t, cur in zip(in_types, current)
                 if any(not p.is_replicate() for p in cur)
             )
@@ -710,8 +634,7 @@ class _State:
             if i < len(writes):
                 raise PlanError(
                     f"{ins.op} writes in place into %{u}, whose placement "
-                    f"{_fmt(t.placements, self.plan.dims)} would have to change to "
-                    f"{_fmt(tuple(want), self.plan.dims)}",
+                    f"{self._layout(t.placements)} would have to change to {self._layout(want)}",
                     ins.loc,
                 )
             names.append(self.redistribute(u, tuple(want), ins))
@@ -776,6 +699,9 @@ class _State:
             args=_rename_uses(ins.args, it),
             kwargs=tuple((k, _rename_uses(v, it)) for k, v in ins.kwargs),
         )
+
+    def _layout(self, placements: list[Placement] | tuple[Placement, ...]) -> str:
+        return format_placements(tuple(placements), self.plan.dims)
 
     def _fits(
         self,
@@ -872,9 +798,8 @@ class _State:
         if moves is None:
             raise PlanError(
                 f"{user.op} needs %{var} ({list(t.shape or ())}) laid out as "
-                f"{_fmt(tuple(want), self.plan.dims)}, but the mesh dims sharding one of its "
-                f"tensor dims do not divide it evenly "
-                f"(it is {_fmt(tuple(cur), self.plan.dims)}, mesh {dict(self.plan.mesh)})",
+                f"{self._layout(want)}, but the mesh dims sharding one of its tensor dims do "
+                f"not divide it evenly (it is {self._layout(cur)}, mesh {dict(self.plan.mesh)})",
                 user.loc,
             )
         name = var
@@ -889,10 +814,7 @@ class _State:
                 cur[m] = after
                 tt = t._replace(placements=tuple(cur))
                 out = self.fresh(step_op)
-                reason = (
-                    f"{_fmt(before, self.plan.dims)} -> {_fmt(tuple(cur), self.plan.dims)} "
-                    f"of %{var} for {user.op}"
-                )
+                reason = f"{self._layout(before)} -> {self._layout(cur)} of %{var} for {user.op}"
                 stream = "main"
                 self.body.append(
                     Instr(
@@ -1037,9 +959,8 @@ def _moves(
                     continue
                 pushed += 1
                 step = (rank[m], p != want[m], m, p)  # (compared by the first two only)
-                heapq.heappush(
-                    heap, (c + cost(pl[m], p, local, sizes[m]), k + 1, path + (step,), pushed, nxt)
-                )
+                c2 = c + redistribute_cost(pl[m], p, local, sizes[m])
+                heapq.heappush(heap, (c2, k + 1, path + (step,), pushed, nxt))
     return None
 
 
@@ -1062,22 +983,10 @@ def _steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, P
     return [("partial_local", (dims, ("op", dst.op)), dst)]
 
 
-def _fmt(pl: tuple[Placement, ...], dims: tuple[str, ...]) -> str:
-    return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, pl)) + "}"
-
-
 def _rename_uses(value: Any, names: Any) -> Any:
     """``value`` with its Vars, in ``Instr.uses()`` order, named by the next of ``names``."""
     if isinstance(value, Var):
         return Var(next(names))
     if isinstance(value, (list, tuple)):
         return type(value)(_rename_uses(v, names) for v in value)
-    return value
-
-
-def _rename(value: Any, renames: dict[str, str]) -> Any:
-    if isinstance(value, Var):
-        return Var(renames.get(value.name, value.name))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rename(v, renames) for v in value)
     return value
