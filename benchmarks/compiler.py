@@ -9,7 +9,7 @@
    model and optimizer) each repetition, so nothing is cached; one untimed compile first pays
    the process's one-time costs (lazy imports, decomposition tables), and its time is printed
    apart as "cold". Median of ``COMPILE_REPS``; the passes of the median run are broken down
-   from ``plan.stages`` ("lower + rest" is the total minus the stages: lowering to the per-rank
+   from ``plan.passes`` ("lower + rest" is the total minus the passes: lowering to the per-rank
    program and ``mesh_fn``'s own work).
    (a) ``mlp12``: 12 ``Linear(256, 256)`` with ReLU between, batch 32, SGD with momentum.
    (b) ``transformer2``: 2 transformer blocks (layer norm, 4-head attention through a qkv
@@ -274,14 +274,14 @@ def compile_time(case: Case, reps: int) -> dict:
         peers.append(make_fx_once(case))
     runs.sort(key=lambda r: r[0])
     secs, plan = runs[len(runs) // 2]
-    stages = [(s.name, s.seconds) for s in plan.stages]
-    stages.append(("lower + rest", secs - sum(s for _, s in stages)))
+    passes = [(p.name, p.seconds) for p in plan.passes]
+    passes.append(("lower + rest", secs - sum(s for _, s in passes)))
     return {
         "secs": secs,
         "all": [s for s, _ in runs],
         "cold": cold,
         "peer": statistics.median(peers),
-        "stages": stages,
+        "passes": passes,
         "instrs": len(plan.body),
         "eager": eager_step_secs(case, 20),
     }
@@ -400,7 +400,7 @@ def main() -> None:
     )
     print()
     for case, r in compiled:
-        parts = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in r["stages"])
+        parts = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in r["passes"])
         print(f"{case.name}: {r['instrs']} plan instructions; median run's passes (ms): {parts}")
         print(
             f"    runs (s): {', '.join(f'{s:.2f}' for s in r['all'])}; cold (first in process) "

@@ -33,7 +33,16 @@ from monarch_dsl import isa
 from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.lower import Program, lower
-from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
+from monarch_dsl.compiler.ops import ALIASING, base_name
+from monarch_dsl.compiler.plan import (
+    Partial,
+    Placement,
+    Plan,
+    Replicate,
+    Shard,
+    TensorType,
+    format_placements,
+)
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
@@ -96,14 +105,12 @@ class _Compiled:
 
 def _roots(plan: Plan) -> dict[str, str]:
     """Value -> the input whose storage it is (through writes in place and aliasing views)."""
-    from monarch_dsl.compiler.propagate import ALIASING, _base
-
     root = {i.name: i.name for i in plan.inputs}
     for ins in plan.body:
         uses = ins.uses()
         if not uses or "." not in ins.op or uses[0] not in root:
             continue
-        name, inplace = _base(ins.op)
+        name, inplace = base_name(ins.op)
         if inplace or name in ALIASING:
             for o in ins.outs:
                 root[o] = root[uses[0]]
@@ -387,7 +394,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
                 raise TypeError(
                     f"{mf.__name__}: argument {name!r} is a mesh tensor of shape "
                     f"{list(value.shape)}, but each rank's part of a {list(whole_type.shape)} "
-                    f"tensor laid out {_fmt(whole_type.placements, plan.dims)} is "
+                    f"tensor laid out {format_placements(whole_type.placements, plan.dims)} is "
                     f"{list(local_shape)}"
                 )
             inputs.append(value._md_ref)
@@ -450,10 +457,6 @@ def _homes(plan: Plan) -> dict[str, tuple]:
         for o in ins.outs:
             out[o] = ins.on
     return {k: v for k, v in out.items() if v}
-
-
-def _fmt(pl, dims) -> str:
-    return "{" + ", ".join(f"{d}: {p}" for d, p in zip(dims, pl)) + "}"
 
 
 __all__ = ["mesh_fn", "MeshFunction", "Shard", "Replicate", "Partial", "Placement"]

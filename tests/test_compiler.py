@@ -318,16 +318,16 @@ def test_autograd_grad_and_embedding():
     _assert_parity(model, ref, losses, ref_losses)
 
 
-def test_every_pass_is_recorded_in_stages():
+def test_every_pass_is_recorded_in_passes():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = md.mesh_fn(mse_step(model, opt), data_parallel="dp").compile(
         *mse_batches(1)[0], mesh=md.Mesh.from_string("dp=2")
     )
-    assert [s.name for s in plan.stages] == ["capture", "propagate", "schedule", "check"]
-    assert all(s.seconds >= 0 for s in plan.stages)
-    assert plan.stages[-1].plan == plan
+    assert [p.name for p in plan.passes] == ["capture", "propagate", "schedule", "check"]
+    assert all(p.seconds >= 0 for p in plan.passes)
+    assert plan.passes[-1].plan == plan
 
 
 def test_dropout_cat_chunk_amax_log_softmax_stay_sharded():

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from monarch_dsl.compiler.ops import FOREACH
 from monarch_dsl.compiler.plan import PlanError
-from monarch_dsl.compiler.propagate import FOREACH
 from monarch_dsl.frames import innermost_user
 
 aten = torch.ops.aten
@@ -615,12 +615,11 @@ def _type_of(val: Any, ndims: int):
 def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
     """The captured graph as a plan over ``mesh`` with every placement Replicate (the
     ``propagate`` pass decides them); profiler markers are dropped."""
-    from monarch_dsl.compiler.plan import Input, Instr, Output, Plan, PlanError, Var
+    from monarch_dsl.compiler.plan import FreshNames, Input, Instr, Output, Plan, PlanError, Var
 
     gm = captured.graph
     nd = len(mesh)
     names: dict[Any, str] = {}
-    taken = set(captured.input_names)
     inputs, body = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, iname, kind, value in zip(
@@ -629,12 +628,7 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
         names[node] = iname
         inputs.append(Input(iname, kind, _type_of(node.meta.get("val", value), nd)))
 
-    def fresh(base: str) -> str:
-        out, i = base, 1
-        while out in taken:
-            out, i = f"{base}_{i}", i + 1
-        taken.add(out)
-        return out
+    fresh = FreshNames(captured.input_names).fresh
 
     def arg(value: Any) -> Any:
         if isinstance(value, torch.fx.Node):

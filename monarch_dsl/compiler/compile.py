@@ -1,6 +1,6 @@
 """The pass pipeline: capture → plan → propagate (+ insert) → pipeline → schedule → check.
 
-Each pass is its own module (``Plan -> Plan``, stamped into ``plan.stages``); this file only
+Each pass is its own module (``Plan -> Plan``, recorded in ``plan.passes``); this file only
 strings them together and turns the user's placement spec into per-input placements.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from monarch_dsl.compiler.capture import Captured, capture, to_plan, used_objects
-from monarch_dsl.compiler.plan import Placement, Plan, PlanError, Replicate, Shard
-from monarch_dsl.compiler.propagate import propagate, stamp
+from monarch_dsl.compiler.plan import Placement, Plan, PlanError, Replicate, Shard, record_pass
+from monarch_dsl.compiler.propagate import propagate
 
 R = Replicate()
 
@@ -178,7 +178,7 @@ def compile_step(
     dims = tuple(d for d, _ in mesh)
     t0 = time.perf_counter()
     captured = capture(fn, args, kwargs, state=state, values=values)
-    plan = stamp(to_plan(captured, mesh, name or fn.__name__), "capture", t0)
+    plan = record_pass(to_plan(captured, mesh, name or fn.__name__), "capture", t0)
     arg_names = [n for n, k in zip(captured.input_names, captured.input_kinds) if k == "arg"]
     real_dims = tuple(d for d in dims if d != MB)
     given = normalize_placements(
@@ -210,7 +210,7 @@ def compile_step(
     plan = schedule(plan, bucket_cap_mb=bucket_cap_mb)
     t0 = time.perf_counter()
     plan.check()
-    plan = stamp(plan, "check", t0)
+    plan = record_pass(plan, "check", t0)
     return plan, captured
 
 

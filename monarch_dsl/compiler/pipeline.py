@@ -30,9 +30,12 @@ import dataclasses
 import heapq
 import time
 
+from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name, written
 from monarch_dsl.compiler.plan import (
     COMM_OPS,
     LOCAL_OPS,
+    MB,
+    FreshNames,
     Instr,
     Partial,
     Plan,
@@ -41,8 +44,9 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
     Var,
+    record_pass,
+    rename_vars,
 )
-from monarch_dsl.compiler.propagate import ALIASING, FOREACH, MB, _base, _rename, stamp, written
 
 R = Replicate()
 
@@ -137,8 +141,8 @@ def microbatch(plan: Plan) -> Plan:
                 Instr(
                     outs,
                     ins.op,
-                    _rename(ins.args, renames),
-                    tuple((k, _rename(v, renames)) for k, v in ins.kwargs),
+                    rename_vars(ins.args, renames),
+                    tuple((k, rename_vars(v, renames)) for k, v in ins.kwargs),
                     tuple(copy_type(t) if per_mb(t) else drop(t) for t in ins.types),
                     ins.stream,
                     ins.on,
@@ -191,7 +195,7 @@ def microbatch(plan: Plan) -> Plan:
         micro_batches=M,
         notes=notes,
     )
-    return stamp(out, "microbatch", t0)
+    return record_pass(out, "microbatch", t0)
 
 
 def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
@@ -291,7 +295,7 @@ class _EarlyUpdate:
     def phase(self, ins: Instr, phase: str, per_micro_batch: bool) -> str:
         """``ins``'s phase (``EARLY`` for what runs early); given in program order."""
         uses = ins.uses()
-        name, inplace = _base(ins.op) if "." in ins.op else (ins.op, False)
+        name, inplace = base_name(ins.op) if "." in ins.op else (ins.op, False)
         roots = [self.root.get(u, u) for u in uses]
         if (
             phase == "update"
@@ -405,7 +409,7 @@ def _memory_dependencies(body: list[Instr], program: list[Instr]) -> dict[int, l
     for ins in program:
         k = index[id(ins)]
         uses, targets = ins.uses(), written(ins)
-        name = _base(ins.op)[0] if "." in ins.op else ins.op
+        name = base_name(ins.op)[0] if "." in ins.op else ins.op
         if uses and name in ALIASING:
             for o in ins.outs:
                 root[o] = root.get(uses[0], uses[0])
@@ -464,7 +468,7 @@ def split_stages(plan: Plan, dim: str) -> Plan:
             stages = readers.get(w, set()) if w in input_names else set()
             if len(stages) < 2:
                 continue
-            if _base(ins.op)[0].startswith(FOREACH):  # one op writing every stage's tensors
+            if base_name(ins.op)[0].startswith(FOREACH):  # one op writing every stage's tensors
                 tensors = ", ".join("%" + v for v in written(ins))
                 raise PlanError(
                     f"{ins.op} updates tensors of several pipeline stages ({tensors}) in one "
@@ -481,7 +485,7 @@ def split_stages(plan: Plan, dim: str) -> Plan:
     body: list[Instr] = []
     received: dict[tuple[str, int], str] = {}
     types = plan.types()
-    taken = set(types)
+    names = FreshNames(types)
     for k, ins in enumerate(plan.body):
         s = stage_of[k]
         renames = {}
@@ -491,7 +495,7 @@ def split_stages(plan: Plan, dim: str) -> Plan:
             key = (u, s)
             if key not in received:
                 src = stage_of_value[u]
-                new = _fresh(f"{u}.from{src}", taken)
+                new = names.fresh(f"{u}.from{src}")
                 t = types[u]
                 why = f"%{u} of stage {src} is used on stage {s}"
                 body.append(
@@ -527,8 +531,8 @@ def split_stages(plan: Plan, dim: str) -> Plan:
             Instr(
                 ins.outs,
                 ins.op,
-                _rename(ins.args, renames),
-                tuple((kk, _rename(v, renames)) for kk, v in ins.kwargs),
+                rename_vars(ins.args, renames),
+                tuple((kk, rename_vars(v, renames)) for kk, v in ins.kwargs),
                 ins.types,
                 ins.stream,
                 on,
@@ -540,7 +544,7 @@ def split_stages(plan: Plan, dim: str) -> Plan:
         **(plan.notes or {}),
         "output_stage": {o.name: stage_of_value.get(o.var) for o in plan.outputs},
     }
-    return stamp(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
+    return record_pass(plan.replace(body=tuple(body), notes=notes), "split_stages", t0)
 
 
 def _infer_stages(plan: Plan, tagged: dict[str, int]) -> list[int]:
@@ -612,14 +616,6 @@ def _infer_stages(plan: Plan, tagged: dict[str, int]) -> list[int]:
                     stage[k] = max(known)
         settle()
     return [0 if s is None else s for s in stage]
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 __all__ = ["microbatch", "split_stages", "MB", "Partial"]

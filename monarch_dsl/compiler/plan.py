@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -82,6 +84,24 @@ class Partial(Placement):
         return f"P({self.op})"
 
     __repr__ = __str__
+
+
+def format_placements(placements: tuple[Placement, ...], dims: tuple[str, ...]) -> str:
+    """``{dp: S(0), tp: R}``: one placement per mesh dim, labelled with the dim's name (a
+    placement beyond ``dims`` is printed unlabelled). How plans print a value's layout, and
+    how the compiler's messages and reasons word one."""
+    items = []
+    for i, p in enumerate(placements):
+        if not isinstance(p, (Shard, Replicate, Partial)):
+            raise TypeError(f"cannot print placement {p!r}: expected Shard, Replicate or Partial")
+        items.append((f"{dims[i]}: " if i < len(dims) else "") + str(p))
+    return "{" + ", ".join(items) + "}"
+
+
+# The virtual mesh dim of micro-batches: ``compile_step`` adds it to the mesh when a step runs
+# in several micro-batches, ``propagate`` shards the batch over it (its "ranks" run one after
+# another on the same devices), and ``pipeline.microbatch`` unrolls it.
+MB = "mb"
 
 
 # ---- types -----------------------------------------------------------------------------------
@@ -202,6 +222,45 @@ class Instr:
         return [v.name for v in leaves((self.args, tuple(v for _, v in self.kwargs)), Var)]
 
 
+def rename_vars(value: Any, renames: dict[str, str]) -> Any:
+    """``value`` (an argument: a pytree of tuples and lists) with each ``Var`` whose name is
+    in ``renames`` renamed."""
+    if isinstance(value, Var):
+        return Var(renames.get(value.name, value.name))
+    if isinstance(value, (list, tuple)):
+        return type(value)(rename_vars(v, renames) for v in value)
+    return value
+
+
+class FreshNames:
+    """Names for new values, none of them ``taken`` already (nor given before)."""
+
+    def __init__(self, taken: Iterable[str] = ()) -> None:
+        self.taken = set(taken)
+        self.counter = 0  # the last number ``fresh(..., numbered=True)`` gave
+
+    def fresh(self, base: str, numbered: bool = False) -> str:
+        """``base`` if it is free, else the first free of ``base_1``, ``base_2``, ...; with
+        ``numbered``, ``base_<n>`` always, ``n`` counting on from the last numbered name (so
+        that the numbers grow through the plan: ``all_reduce_7``)."""
+        if numbered:
+            i = self.counter
+        elif base not in self.taken:
+            self.taken.add(base)
+            return base
+        else:
+            i = 0
+        while True:
+            i += 1
+            name = f"{base}_{i}"
+            if name not in self.taken:
+                break
+        if numbered:
+            self.counter = i
+        self.taken.add(name)
+        return name
+
+
 INPUT_KINDS = ("arg", "param", "buffer", "state")
 OUTPUT_KINDS = ("out", "state", "grad")
 
@@ -243,7 +302,7 @@ IMPLEMENTATIONS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
-class Stage:
+class PassRecord:
     """The plan after one pass: ``name`` of the pass, ``seconds`` it took, the plan."""
 
     name: str
@@ -263,7 +322,7 @@ class Plan:
     micro_batches: int = 1
     # Not printed, not compared: how the pass pipeline got here, and how to rebuild the
     # function's result from the flat outputs.
-    stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
+    passes: tuple[PassRecord, ...] = field(default=(), compare=False, repr=False)
     out_spec: Any = field(default=None, compare=False, repr=False)
     # Facts passes hand on to later passes (not part of the plan): "phase" and "stage" of
     # each instruction, by its first out's name.
@@ -361,6 +420,13 @@ class Plan:
         ``PlanError`` pointing at the user's line, returns the plan."""
         IMPLEMENTATIONS["check"](self)
         return self
+
+
+def record_pass(plan: Plan, name: str, t0: float) -> Plan:
+    """``plan`` with the pass ``name``, which started at ``time.perf_counter()`` ``t0`` and
+    made it, added to ``plan.passes``."""
+    record = PassRecord(name, time.perf_counter() - t0, plan)
+    return plan.replace(passes=plan.passes + (record,))
 
 
 class PlanSyntaxError(ValueError):

@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from monarch_dsl.compiler.plan import Instr, Plan, Var
-from monarch_dsl.compiler.propagate import ALIASING, _base, _bytes, _fmt, stamp, written
+from monarch_dsl.compiler.cost import nbytes
+from monarch_dsl.compiler.ops import ALIASING, base_name, written
+from monarch_dsl.compiler.plan import Instr, Plan, Var, format_placements, record_pass
 
 
 def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
@@ -41,7 +42,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             readers.setdefault(u, {})[ins.op] = None
         for o in ins.outs:
             defined_at[o] = k
-        name, inplace = _base(ins.op) if "." in ins.op else (ins.op, False)
+        name, inplace = base_name(ins.op) if "." in ins.op else (ins.op, False)
         if uses and (name in ALIASING or inplace):
             for o in ins.outs:
                 root[o] = root.get(uses[0], uses[0])
@@ -109,7 +110,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         members = [body[k] for _, k in bucket]
         first = members[0]
         srcs = [sources[k] for _, k in bucket]
-        mib = sum(_bytes(m.types[0]) for m in members) / 2**20
+        mib = sum(nbytes(m.types[0]) for m in members) / 2**20
         reason = (
             f"gradient bucket {bi + 1}/{len(buckets)} ({len(members)} tensors, {mib:.2f} MiB): "
             f"{_why(members, srcs, readers, types, plan.dims)} made whole for the optimizer update"
@@ -127,14 +128,14 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         )
         insert_after.setdefault(max(r for r, _ in bucket), []).append(instr)
     if not moved:
-        return stamp(plan, "schedule", t0)
+        return record_pass(plan, "schedule", t0)
     out: list[Instr] = list(insert_after.get(-1, []))
     for k, ins in enumerate(body):
         out.extend(insert_before.get(k, []))
         if k not in moved:
             out.append(ins)
         out.extend(insert_after.get(k, []))
-    return stamp(plan.replace(body=tuple(out)), "schedule", t0)
+    return record_pass(plan.replace(body=tuple(out)), "schedule", t0)
 
 
 def _prefetch(
@@ -177,7 +178,8 @@ def _why(
     ``{dp: P(sum)} -> {dp: R} for aten.clone.default: %a, %b``, groups joined by ``; ``."""
     groups: dict[str, list[str]] = {}
     for m, src in zip(members, srcs):
-        change = f"{_fmt(types[src].placements, dims)} -> {_fmt(m.types[0].placements, dims)}"
+        before = format_placements(types[src].placements, dims)
+        change = f"{before} -> {format_placements(m.types[0].placements, dims)}"
         ops = ", ".join(readers[m.outs[0]])
         groups.setdefault(f"{change} for {ops}", []).append("%" + src)
     return "; ".join(f"{key}: {', '.join(vs)}" for key, vs in groups.items())
@@ -197,7 +199,7 @@ def _buckets(
             buckets.append(current)
             current, size = [], 0.0
         current.append((ready, k))
-        size += _bytes(body[k].types[0])
+        size += nbytes(body[k].types[0])
     if current:
         buckets.append(current)
     return buckets

@@ -46,6 +46,7 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
     Var,
+    format_placements,
 )
 
 __all__ = ["format_plan", "parse_plan"]
@@ -105,17 +106,7 @@ def _instr(ins: Instr, dims: tuple[str, ...]) -> str:
 def _type(t: TensorType, dims: tuple[str, ...]) -> str:
     dtype = DTYPE_NAMES.get(t.dtype, t.dtype)
     shape = "" if t.shape is None else f"[{','.join(str(n) for n in t.shape)}]"
-    items = []
-    for i, p in enumerate(t.placements):
-        label = f"{dims[i]}: " if i < len(dims) else ""
-        items.append(label + _placement(p))
-    return f"{dtype}{shape} {{{', '.join(items)}}}"
-
-
-def _placement(p: Placement) -> str:
-    if isinstance(p, (Shard, Replicate, Partial)):
-        return str(p)
-    raise TypeError(f"cannot print placement {p!r}: expected Shard, Replicate or Partial")
+    return f"{dtype}{shape} {format_placements(t.placements, dims)}"
 
 
 def _value(v: Any, bare_names: bool = False) -> str:

@@ -1,0 +1,13 @@
+"""The sharding rules, one module per op family; importing this package registers them all
+(see ``propagate.registry``)."""
+
+from monarch_dsl.compiler.propagate.rules import (  # noqa: F401
+    embedding,
+    factory,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    reduction,
+    shape,
+)

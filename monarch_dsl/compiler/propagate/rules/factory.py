@@ -1,0 +1,39 @@
+"""Tensors made from nothing (factories), from another's shape (``*_like``), and a scalar
+read out of one."""
+
+from __future__ import annotations
+
+from monarch_dsl.compiler.plan import Instr, Shard
+from monarch_dsl.compiler.propagate.registry import (
+    Ctx,
+    R,
+    Strategy,
+    aten,
+    divisible,
+    first_input_as_is,
+    rule,
+)
+
+FACTORY = {"scalar_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor"}
+LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+
+
+@rule(*aten(FACTORY), factory=True)
+def rule_factory(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    return [Strategy((), (R,) * len(c.outs))]
+
+
+@rule(*aten(LIKE))
+def rule_like(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    cands = [Strategy((None,), (R,))]
+    out = c.outs[0]
+    for d in range(len(out.shape or ())):
+        if divisible(out, d, c.n):
+            cands.append(Strategy((Shard(d),), (Shard(d),)))
+    cands = first_input_as_is(cands, c)
+    return [Strategy((s.ins[0],), s.outs) if s.ins[0] is not None else s for s in cands]
+
+
+@rule("aten._local_scalar_dense")
+def rule_local_scalar(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    return [Strategy((R,), (R,))]
