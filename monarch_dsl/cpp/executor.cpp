@@ -15,6 +15,7 @@
 // destroyed (refs.h), so Python threads that wait for it cannot deadlock with stream threads.
 
 #include "boxed.h"
+#include "collectives.h"
 #include "comm.h"
 #include "refs.h"
 #include "streams.h"
@@ -593,39 +594,18 @@ class Executor {
     return [wait = std::move(wait), t = std::move(t)] { wait(); };
   }
 
-  // The collective's result; an in-place all-reduce of a contiguous tensor works on `src`
-  // itself (at 64 MiB two copies halved the bandwidth).
-  static at::Tensor collective(Group& grp, at::Tensor src, const ReduceCall& r, bool in_place) {
-    const std::string op = r.reduction == "avg" ? "sum" : r.reduction;
-    if (in_place && !r.scatter && r.reduction != "stack" && src.is_contiguous()) {
-      grp.comm->all_reduce(src, op);
-      if (r.reduction == "avg") src.div_(grp.size);
-      return src;
-    }
-    src = src.contiguous();
+  // The collective's result (collectives.h); an in-place all-reduce of a contiguous tensor
+  // works on `src` itself (at 64 MiB two copies halved the bandwidth).
+  static at::Tensor collective(Group& grp, const at::Tensor& src, const ReduceCall& r,
+                               bool in_place) {
+    md::Comm& comm = *grp.comm;
     if (r.reduction == "stack") {
-      if (r.scatter) {  // all-to-all: piece i of my dim 0 goes to rank i
-        at::Tensor out = at::empty_like(src);
-        grp.comm->all_to_all(out, src);
-        return out;
-      }
-      std::vector<at::Tensor> outs;
-      for (int64_t i = 0; i < grp.size; ++i) outs.push_back(at::empty_like(src));
-      grp.comm->all_gather(outs, src);
-      return at::stack(outs);
+      if (r.scatter) return md::all_to_all(comm, src, grp.size, 0, 0)();  // piece i to rank i
+      return md::all_gather(comm, src, grp.size, 0, /*stack=*/true)();
     }
-    at::Tensor out;
-    if (r.scatter) {
-      std::vector<at::Tensor> chunks;
-      for (auto& c : src.chunk(grp.size)) chunks.push_back(c.contiguous());
-      out = at::empty_like(chunks.at(grp.index));
-      grp.comm->reduce_scatter(out, chunks, op);
-    } else {
-      out = src.clone();
-      grp.comm->all_reduce(out, op);
-    }
-    if (r.reduction == "avg") out.div_(grp.size);
-    return out;
+    if (r.scatter) return md::reduce_scatter(comm, src, r.reduction, grp.index, grp.size, 0)();
+    if (in_place && src.is_contiguous()) return md::all_reduce(comm, src, r.reduction, grp.size)();
+    return md::all_reduce(comm, src.clone(at::MemoryFormat::Contiguous), r.reduction, grp.size)();
   }
 
   // A root failure of this rank at controller line `line`, in `op`, raised as `e`: named as
