@@ -28,7 +28,7 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from monarch_dsl import _build
+from monarch_dsl import _core
 from monarch_dsl.compiler import ir
 from monarch_dsl.compiler.lower import Program, Slot, Step, core_steps, run_step
 from monarch_dsl.runtime.core_executor import CoreExecutor
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    core = _build.load(build=False)
+    core = _core.require()
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     gm = make_fx(chain(args.ops))(a, b)

@@ -1,7 +1,20 @@
 """The C++ runtime (cpp/). Only simple values cross this boundary: tensors, numbers, lists."""
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
+
+# The loader (_core.py): the module whose classes follow.
+def native() -> ModuleType | None:
+    """The C++ runtime's module, loaded once (never built here), or None: not built or failed
+    to load (``unavailable_reason()`` says why)."""
+
+def unavailable_reason() -> str | None: ...
+def require() -> ModuleType:
+    """``native()``, or the exception that stopped it (BuildError: not built)."""
+
+def worker_native() -> ModuleType | None:
+    """``native()`` for a worker, or None: ``MD_EXECUTOR=python``, or not built (said once)."""
 
 class Env:
     """A rank's value slots for one run of a plan (``Program.n_slots`` of them)."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from monarch_dsl import _core
 from monarch_dsl.compiler import ir
 from monarch_dsl.compiler.interpret import local_value
 from monarch_dsl.compiler.lower import Program, Slot, core_steps, run_step, runs_on, shard_local
@@ -56,7 +57,7 @@ class PlanRunner:
     def __init__(self, executor: Any) -> None:
         self.ex = executor
         self.programs: dict[int, tuple[Program, list]] = {}
-        self.core = _core()  # the C++ runtime, or None: compute steps run in Python
+        self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
 
     def define(self, ins: ir.DefinePlan) -> None:
@@ -329,25 +330,6 @@ def _groups_of(on: str, step) -> str:
     collectives on another thread at the same time, and two threads on one group mix up their
     messages."""
     return on if step.stream == "main" else f"plan/{on}/{step.stream}"
-
-
-def _core() -> Any:
-    """The C++ runtime, unless ``MD_EXECUTOR=python`` asks for the reference executor. A
-    worker never builds it (the controller does, before starting workers): without a build,
-    compute runs in Python, and says so once."""
-    import os
-    import sys
-
-    if os.environ.get("MD_EXECUTOR", "cpp") == "python":
-        return None
-    from monarch_dsl import _build
-
-    try:
-        return _build.load(build=False)
-    except _build.BuildError as e:
-        print(f"monarch_dsl worker: {e}; compiled plans run in Python", file=sys.stderr)
-        os.environ["MD_EXECUTOR"] = "python"
-        return None
 
 
 class _Once:
