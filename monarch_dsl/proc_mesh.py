@@ -16,7 +16,7 @@ from monarch_dsl import actor as _actor
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
-from monarch_dsl.runtime import controller, serialize, transport
+from monarch_dsl.runtime import controller, forkserver, serialize, transport
 
 DEFAULT_TIMEOUT = 120.0
 STOP_SYNC_TIMEOUT = 60.0  # stop() waits this long for the workers to finish their commands
@@ -193,7 +193,7 @@ _this_host = LocalHost()
 def this_host() -> LocalHost:
     """The local host. Starting the fork server here (not at the first spawn) lets it fork
     from a controller that has not yet run a multi-threaded torch op."""
-    controller.fork_server().ensure_started()
+    forkserver.fork_server().ensure_started()
     return _this_host
 
 
