@@ -28,7 +28,7 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from monarch_dsl import _build, isa
+from monarch_dsl import _core, isa
 from monarch_dsl.compiler.lower import core_steps, run_step
 from monarch_dsl.isa import Compute, Program, Slot
 from monarch_dsl.runtime.core_executor import CoreExecutor
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    core = _build.load(build=False)
+    core = _core.require()
 
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     gm = make_fx(chain(args.ops))(a, b)

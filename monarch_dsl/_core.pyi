@@ -1,7 +1,20 @@
 """The C++ runtime (cpp/). Only simple values cross this boundary: tensors, numbers, lists."""
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
+
+# The loader (_core.py): the module whose classes follow.
+def native() -> ModuleType | None:
+    """The C++ runtime's module, loaded once (never built here), or None: not built or failed
+    to load (``unavailable_reason()`` says why)."""
+
+def unavailable_reason() -> str | None: ...
+def require() -> ModuleType:
+    """``native()``, or the exception that stopped it (BuildError: not built)."""
+
+def worker_native() -> ModuleType | None:
+    """``native()`` for a worker, or None: ``MD_EXECUTOR=python``, or not built (said once)."""
 
 class Env:
     """A rank's value slots for one run of a plan (``Program.n_slots`` of them)."""
@@ -85,8 +98,8 @@ class Executor:
     new root failure, passed to ``report`` (under the GIL). Every other instruction is a Python
     callable run under the GIL on its stream's thread, in order (``runtime/core_executor.py``).
 
-    ``ref_type``: the named tuple standing for a ref in arguments (``ir.Ref``);
-    ``device_sentinel``: the object standing for ``device`` (``ir.WORKER_DEVICE``)."""
+    ``ref_type``: the named tuple standing for a ref in arguments (``isa.Ref``);
+    ``device_sentinel``: the object standing for ``device`` (``isa.WORKER_DEVICE``)."""
 
     def __init__(
         self,
@@ -108,14 +121,20 @@ class Executor:
     def keys(self) -> list[int]: ...
     # Instructions, queued on a stream (a thread per stream, started on first use).
     def call_op(
-        self, stream: str, op: str, args: tuple, kwargs: dict, outs: Sequence[int], line: str
+        self,
+        stream: str,
+        op: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outs: Sequence[int],
+        line: str,
     ) -> None:
         """``outs = op(*args, **kwargs)``, ``op`` as ``"aten::add.Tensor"``; ``outs`` receive the
         tensor results in order (-1: not kept). Raises here, before queueing, for what the
         dispatcher cannot take (unknown op, arguments its schema rejects)."""
     def run_batch(
         self,
-        items: tuple,
+        items: tuple[Any, ...],
         member: dict[int, bool],
         callop_type: type,
         other: Callable[[int, Any], None],
@@ -144,7 +163,7 @@ class Executor:
         what: str,
         what_error: str,
     ) -> None:
-        """``ir.Reduce`` without Python: a flag all-reduce first (did any rank's input fail?),
+        """``isa.Reduce`` without Python: a flag all-reduce first (did any rank's input fail?),
         zeros in place of a failed input, then the collective (sum avg min max prod; stack =
         all-gather; ``scatter``: reduce-scatter, or all-to-all with stack). ``out == src``: in
         place."""

@@ -15,7 +15,7 @@ from monarch_dsl import _build
 from monarch_dsl import actor as _actor
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
-from monarch_dsl.runtime import controller, serialize, transport
+from monarch_dsl.runtime import controller, forkserver, serialize, transport
 from monarch_dsl.tensor import activation as _activation
 
 DEFAULT_TIMEOUT = 120.0
@@ -194,7 +194,7 @@ _this_host = LocalHost()
 def this_host() -> LocalHost:
     """The local host. Starting the fork server here (not at the first spawn) lets it fork
     from a controller that has not yet run a multi-threaded torch op."""
-    controller.fork_server().ensure_started()
+    forkserver.fork_server().ensure_started()
     return _this_host
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import monarch_dsl as md
-from monarch_dsl import _build
+from monarch_dsl import _core
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.interpret import simulate_values
 from monarch_dsl.compiler.lower import lower
@@ -73,7 +73,7 @@ def simulate_both(plan, values: list) -> tuple[list, list]:
     program = lower(plan)
     copies = [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
     outs, after = simulate_values(plan, program, values)
-    cpp_outs, cpp_after = simulate_values(plan, program, copies, core=_build.load(build=False))
+    cpp_outs, cpp_after = simulate_values(plan, program, copies, core=_core.require())
     for a, b in zip(outs + after, cpp_outs + cpp_after, strict=True):
         assert torch.equal(a, b), "the C++ executor differs from the reference executor"
     return outs, after

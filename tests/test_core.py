@@ -11,11 +11,11 @@ import torch.nn as nn
 from compiler_helpers import mse_step
 
 import monarch_dsl as md
-from monarch_dsl import _build
+from monarch_dsl import _build, _core
 from monarch_dsl.compiler.lower import run_step
 from monarch_dsl.isa import Compute, Slot
 
-core = _build.load(build=False)  # setup built it; a missing build fails here, clearly
+core = _core.require()  # setup built it; a missing build fails here, clearly
 
 
 def _step(op, args, outs, kwargs=None, frees=()):
@@ -201,6 +201,15 @@ def test_program_error_names_the_step_and_later_steps_do_not_run():
     assert compiled.run(env, 0, 3) == 1
     assert "mat1 and mat2 shapes cannot be multiplied" in compiled.last_error()
     assert env.has(2) and not env.has(4)
+
+
+def test_one_loader_for_plans_workers_and_shared_memory(monkeypatch):
+    from monarch_dsl.runtime import shm
+
+    assert _core.native() is core and shm.core() is core and _core.Program is core.Program
+    assert _core.unavailable_reason() is None and _core.worker_native() is core
+    monkeypatch.setenv("MD_EXECUTOR", "python")
+    assert _core.worker_native() is None
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):

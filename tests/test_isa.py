@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_dsl import isa
+from monarch_dsl import _core, isa
 from monarch_dsl.compiler.interpret import run_program
 from monarch_dsl.isa import Slot
 from monarch_dsl.runtime.executor import Failure, ReferenceExecutor
 
-core = pytest.importorskip("monarch_dsl._build").load(build=False)
+core = _core.require()  # setup built it; a missing build fails here, clearly
 
 from monarch_dsl.runtime.core_executor import CoreExecutor  # noqa: E402
 

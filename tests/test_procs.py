@@ -196,11 +196,11 @@ def test_fork_server_forks_only_when_safe(prelude, mode):
         f"""
         {prelude}
         import monarch_dsl as md
-        from monarch_dsl.runtime import controller
+        from monarch_dsl.runtime import forkserver
         pm = md.this_host().spawn_procs({{"gpu": 2}})
         from actors_lib import Counter
         print(pm.spawn("c", Counter, 2).incr.call(1).get(timeout=60).values())
-        print(controller.fork_server().mode)
+        print(forkserver.fork_server().mode)
         pm.stop()
         """,
         timeout=180,
@@ -213,11 +213,11 @@ def test_fresh_fork_server_on_request():
     out = run_script(
         """
         import monarch_dsl as md
-        from monarch_dsl.runtime import controller
+        from monarch_dsl.runtime import forkserver
         from actors_lib import Counter
         pm = md.this_host().spawn_procs({"gpu": 2})
         print(pm.spawn("c", Counter, 1).get.call().get(timeout=60).values())
-        print(controller.fork_server().mode)
+        print(forkserver.fork_server().mode)
         """,
         timeout=180,
         MONARCH_DSL_FORK_SERVER="fresh",

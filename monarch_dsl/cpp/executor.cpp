@@ -1,5 +1,6 @@
-// The worker's executor of eager instructions: the ref table, one thread per stream, events
-// for borrows, and aten ops called through the dispatcher without the GIL.
+// The worker's executor of eager instructions: events for borrows, collectives and copies
+// between meshes, and aten ops called through the dispatcher without the GIL. The ref table is
+// refs.h; the stream threads that run the instructions are streams.h.
 //
 // runtime/core_executor.py feeds it. Ops, deletes and borrows run here; every other
 // instruction (collectives, transfers, fetches, remote functions, plans) is a Python callable
@@ -10,14 +11,15 @@
 // with a failed input is not run: its outputs take that failure. An op that raises gets a new
 // root failure, reported to Python once.
 //
-// Locking: `refs_lock_` guards the table and is never held while taking the GIL or while a
-// value is destroyed (a tensor's destructor may take the GIL), so Python threads that wait for
-// it cannot deadlock with stream threads.
+// Locking: the ref table's lock is never held while taking the GIL or while a value is
+// destroyed (refs.h), so Python threads that wait for it cannot deadlock with stream threads.
 
 #include "boxed.h"
+#include "collectives.h"
 #include "comm.h"
+#include "refs.h"
+#include "streams.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Dtype.h>
@@ -25,24 +27,15 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <memory>
-#include <thread>
 
 namespace py = pybind11;
 
 namespace {
 
-struct Failure {
-  int64_t rank;
-  std::string line, op, error, traceback;
-};
-using FailurePtr = std::shared_ptr<const Failure>;
-
-struct Entry {
-  c10::IValue value;
-  FailurePtr failure;  // set: the ref failed, `value` is empty
-};
+using md::exec::Entry;
+using md::exec::Failure;
+using md::exec::FailurePtr;
 
 enum class Kind { Op, Reduce, Transfer, Delete, Signal, Wait, BorrowBegin, BorrowEnd, Python, Barrier };
 
@@ -52,7 +45,7 @@ struct OpCall {
   std::string line;
 };
 
-// A collective over a slice of mesh dims (ir.Reduce): `group` names the group, whose getter
+// A collective over a slice of mesh dims (isa.Reduce): `group` names the group, whose getter
 // Python registered (set_group).
 struct ReduceCall {
   std::string group;
@@ -64,7 +57,7 @@ struct ReduceCall {
   std::string line, what, what_error;  // what: "reduce over ('gpu',)", as Python names it
 };
 
-// A copy between meshes (ir.Transfer): this rank sends `src` to, or receives `out` from, the
+// A copy between meshes (isa.Transfer): this rank sends `src` to, or receives `out` from, the
 // other rank of each pair it is in, through the pair's group (`groups`, one per pair).
 struct TransferCall {
   int64_t src, out;
@@ -95,45 +88,37 @@ class Executor {
         device_sentinel_(std::move(device_sentinel)),
         device_(torch::jit::toIValue(device, c10::DeviceObjType::get())),
         failure_type_(std::move(failure_type)),
-        report_(std::move(report)) {}
+        report_(std::move(report)),
+        streams_(device_.toDevice(), [this](Item& item) { run(item); }) {}
 
   ~Executor() { close(); }
 
   // ---- the ref table, as a mapping (Python handlers use it like the reference's dict) ----
   py::object get(int64_t ref, py::object missing) {
-    auto e = lookup(ref);
+    auto e = refs_.lookup(ref);
     return e ? to_python(*e) : missing;
   }
 
   py::object getitem(int64_t ref) {
-    auto e = lookup(ref);
+    auto e = refs_.lookup(ref);
     if (!e) throw py::key_error(std::to_string(ref));
     return to_python(*e);
   }
 
-  void set(int64_t ref, py::handle value) { store(ref, from_python(value)); }
+  void set(int64_t ref, py::handle value) {
+    refs_.store(ref, md::exec::from_python(value, failure_type_));
+  }
 
   py::object pop(int64_t ref, py::object missing) {
-    auto e = take(ref);
+    auto e = refs_.take(ref);
     return e ? to_python(*e) : missing;
   }
 
-  bool contains(int64_t ref) {
-    std::lock_guard<std::mutex> g(refs_lock_);
-    return refs_.count(ref) > 0;
-  }
+  bool contains(int64_t ref) { return refs_.contains(ref); }
 
-  size_t size() {
-    std::lock_guard<std::mutex> g(refs_lock_);
-    return refs_.size();
-  }
+  size_t size() { return refs_.size(); }
 
-  std::vector<int64_t> keys() {
-    std::lock_guard<std::mutex> g(refs_lock_);
-    std::vector<int64_t> out;
-    for (const auto& kv : refs_) out.push_back(kv.first);
-    return out;
-  }
+  std::vector<int64_t> keys() { return refs_.keys(); }
 
   // ---- instructions, queued on a stream (called with the GIL) ----------------------------
   // Prepare an op call: raises if it cannot be called from C++ (the caller runs it in
@@ -155,15 +140,7 @@ class Executor {
     std::vector<std::pair<Stream*, std::vector<Item>>> pending;
     size_t held = 0;
     auto flush = [&] {
-      for (auto& [stream, queued] : pending) {
-        if (queued.empty()) continue;
-        {
-          std::lock_guard<std::mutex> g(stream->lock);
-          for (auto& item : queued) stream->queue.push_back(std::move(item));
-        }
-        stream->cv.notify_one();
-        queued.clear();
-      }
+      for (auto& [stream, queued] : pending) Streams::enqueue(*stream, queued);
       held = 0;
     };
     auto* callop = reinterpret_cast<PyTypeObject*>(callop_type.ptr());
@@ -198,7 +175,7 @@ class Executor {
         } catch (const std::exception&) {  // (py::error_already_set too: a mesh coordinate...)
         }
         if (item) {
-          Stream* s = stream_named(stream);
+          Stream* s = streams_.named(stream);
           auto it = std::find_if(pending.begin(), pending.end(),
                                  [&](const auto& p) { return p.first == s; });
           if (it == pending.end()) it = pending.insert(pending.end(), {s, {}});
@@ -284,11 +261,7 @@ class Executor {
 
   // `done()` runs (under the GIL) once every stream has run what it was given before.
   void barrier(const py::function& done) {
-    std::vector<Stream*> all;
-    {
-      std::lock_guard<std::mutex> g(streams_lock_);
-      for (auto& kv : streams_) all.push_back(kv.second.get());
-    }
+    std::vector<Stream*> all = streams_.all();
     if (all.empty()) {
       done();
       return;
@@ -298,55 +271,27 @@ class Executor {
       Item item{Kind::Barrier};
       item.fn = done.inc_ref().ptr();  // each arrival releases one reference
       item.counter = left;
-      enqueue(*s, std::move(item));
+      Streams::enqueue(*s, std::move(item));
     }
   }
 
-  std::vector<std::string> streams() {
-    std::lock_guard<std::mutex> g(streams_lock_);
-    std::vector<std::string> out;
-    for (const auto& kv : streams_) out.push_back(kv.first);
-    return out;
-  }
+  std::vector<std::string> streams() { return streams_.names(); }
 
   // Stop the stream threads after what they were given (called with the GIL; releases it).
   void close() {
-    std::vector<std::unique_ptr<Stream>> all;
-    {
-      std::lock_guard<std::mutex> g(streams_lock_);
-      for (auto& kv : streams_) all.push_back(std::move(kv.second));
-      streams_.clear();
-      closed_ = true;
-    }
     {
       py::gil_scoped_release nogil;
-      for (auto& s : all) {
-        {
-          std::lock_guard<std::mutex> g(s->lock);
-          s->stop = true;
-        }
-        s->cv.notify_all();
-        if (s->thread.joinable()) s->thread.join();
-      }
+      streams_.close();
     }
-    std::unordered_map<int64_t, Entry> dead;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      dead.swap(refs_);
-    }
+    refs_.clear();
     std::lock_guard<std::mutex> g(groups_lock_);
     groups_.clear();
     getters_.clear();
   }
 
  private:
-  struct Stream {
-    std::mutex lock;
-    std::condition_variable cv;
-    std::deque<Item> queue;
-    bool stop = false;
-    std::thread thread;
-  };
+  using Streams = md::exec::Streams<Item>;
+  using Stream = Streams::Stream;
 
   // An eager op, prepared (raises for what the dispatcher cannot take).
   Item op_item(const std::string& op, const py::tuple& args, const py::dict& kwargs,
@@ -372,88 +317,9 @@ class Executor {
     return md::make_call(handle, op, args, kwargs, ref_of, special);
   }
 
-  py::object to_python(const Entry& e) {
-    if (e.failure) {
-      const auto& f = *e.failure;
-      return failure_type_(f.rank, f.line, f.op, f.error, f.traceback);
-    }
-    return torch::jit::toPyObject(e.value);
-  }
+  py::object to_python(const Entry& e) { return md::exec::to_python(e, failure_type_); }
 
-  Entry from_python(py::handle value) {
-    Entry e;
-    if (py::isinstance(value, failure_type_)) {
-      e.failure = std::make_shared<Failure>(Failure{
-          value.attr("rank").cast<int64_t>(), value.attr("line").cast<std::string>(),
-          value.attr("op").cast<std::string>(), value.attr("error").cast<std::string>(),
-          value.attr("traceback").cast<std::string>()});
-    } else if (THPVariable_Check(value.ptr())) {
-      e.value = THPVariable_Unpack(value.ptr());
-    } else if (py::isinstance<py::bool_>(value)) {
-      e.value = value.cast<bool>();
-    } else if (py::isinstance<py::int_>(value)) {
-      e.value = value.cast<int64_t>();
-    } else if (py::isinstance<py::float_>(value)) {
-      e.value = value.cast<double>();
-    } else if (!value.is_none()) {
-      throw py::type_error("a ref holds a tensor, a number, None or a Failure");
-    }
-    return e;
-  }
-
-  // The stream `name`, its thread started on first use.
-  Stream* stream_named(const std::string& name) {
-    std::lock_guard<std::mutex> g(streams_lock_);
-    if (closed_) throw std::runtime_error("the executor is closed");
-    auto& slot = streams_[name];
-    if (!slot) {
-      slot = std::make_unique<Stream>();
-      Stream* raw = slot.get();
-      raw->thread = std::thread([this, raw] { loop(*raw); });
-    }
-    return slot.get();
-  }
-
-  void push(const std::string& name, Item item) { enqueue(*stream_named(name), std::move(item)); }
-
-  static void enqueue(Stream& s, Item item) {
-    {
-      std::lock_guard<std::mutex> g(s.lock);
-      s.queue.push_back(std::move(item));
-    }
-    s.cv.notify_one();
-  }
-
-  void loop(Stream& s) {
-    // OpenMP's and MKL's thread counts are per thread: a new thread starts at one per core,
-    // whatever the worker set (runtime/worker.py _limit_threads). Without this a stream
-    // thread's matmuls ran 2 OpenMP threads per worker on 2 cores, whose spin-waits took the
-    // core from the other rank (the tiny DDP step: 9 ms instead of 0.8 ms).
-    at::init_num_threads();
-    if (device_.toDevice().is_cuda()) {
-      // Each stream thread issues its work on a CUDA stream of its own (current for this
-      // thread only), so streams overlap on the GPU as they do on the host.
-      c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
-      cuda.setDevice(device_.toDevice());
-      cuda.exchangeStream(cuda.getStreamFromGlobalPool(device_.toDevice()));
-    }
-    while (true) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> g(s.lock);
-        s.cv.wait(g, [&] { return s.stop || !s.queue.empty(); });
-        if (s.queue.empty()) return;  // stopped, and nothing left
-        item = std::move(s.queue.front());
-        s.queue.pop_front();
-      }
-      try {
-        run(item);
-      } catch (const std::exception& e) {  // a bug of ours: keep the stream alive, say so
-        py::gil_scoped_acquire gil;
-        PySys_WriteStderr("monarch_dsl executor: internal error: %s\n", e.what());
-      }
-    }
-  }
+  void push(const std::string& name, Item item) { streams_.push(name, std::move(item)); }
 
   void run(Item& item) {
     switch (item.kind) {
@@ -467,7 +333,7 @@ class Executor {
         run_transfer(*item.transfer);
         break;
       case Kind::Delete:
-        for (auto r : item.refs) take(r);
+        for (auto r : item.refs) refs_.take(r);
         break;
       case Kind::Signal:
         set_event(item.event);
@@ -477,10 +343,10 @@ class Executor {
         break;
       case Kind::BorrowBegin:
         wait_event(item.event);  // the origin stream got here: the value is ready
-        if (auto e = lookup(item.src)) store(item.dst, std::move(*e));
+        if (auto e = refs_.lookup(item.src)) refs_.store(item.dst, std::move(*e));
         break;
       case Kind::BorrowEnd:
-        take(item.dst);
+        refs_.take(item.dst);
         set_event(item.event);
         break;
       case Kind::Python: {
@@ -518,17 +384,16 @@ class Executor {
     // The inputs, or the failure of one of them.
     FailurePtr failed, root;
     torch::jit::Stack stack;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
+    refs_.locked([&](auto find) {
       for (const auto& p : op.call.patches) {
         for (auto k : p.keys) {
-          auto it = refs_.find(k);
-          if (it == refs_.end()) {
+          const Entry* e = find(k);
+          if (!e) {
             failed = std::make_shared<Failure>(Failure{
                 rank_, op.line, op.call.name, "internal error: no value for %" + std::to_string(k),
                 ""});
-          } else if (it->second.failure) {
-            failed = it->second.failure;
+          } else if (e->failure) {
+            failed = e->failure;
           }
           if (failed) break;
         }
@@ -537,13 +402,13 @@ class Executor {
       if (!failed) {
         try {  // a held value of the wrong kind for its argument (None in a Tensor[])
           md::fill_stack(op.call, stack, [&](int64_t k) -> const c10::IValue& {
-            return refs_.at(k).value;
+            return find(k)->value;
           });
         } catch (const std::exception& e) {
           root = failure_of(e, op.line, op.call.name);
         }
       }
-    }
+    });
     if (root) {
       fail(op.outs, root, true);
       return;
@@ -576,7 +441,7 @@ class Executor {
       }
     }
     for (size_t i = 0; i < op.outs.size() && i < tensors.size(); ++i)
-      if (op.outs[i] >= 0) store(op.outs[i], Entry{std::move(tensors[i]), nullptr});
+      if (op.outs[i] >= 0) refs_.store(op.outs[i], Entry{std::move(tensors[i]), nullptr});
     stack.clear();
   }
 
@@ -607,11 +472,11 @@ class Executor {
     return groups_.emplace(key, std::move(made)).first->second;  // (one thread per stream)
   }
 
-  // ir.Reduce, as the reference executor's reduce() does it: every rank of the group takes
+  // isa.Reduce, as the reference executor's reduce() does it: every rank of the group takes
   // part even when its input failed (with zeros), after a flag all-reduce tells all of them
   // whether any input failed -- then every rank's result is failed, none hangs.
   void run_reduce(ReduceCall& r) {
-    Entry in = lookup(r.src).value_or(Entry{});
+    Entry in = refs_.lookup(r.src).value_or(Entry{});
     FailurePtr failed = in.failure;
     const bool own_failed = failed != nullptr;
     at::Tensor result;
@@ -652,14 +517,14 @@ class Executor {
       if (!result.is_same(src)) src.copy_(result);
       return;
     }
-    store(r.out, Entry{result, nullptr});
+    refs_.store(r.out, Entry{result, nullptr});
   }
 
-  // ir.Transfer, as the reference executor's transfer(): a sender sends a flag (1: a value,
+  // isa.Transfer, as the reference executor's transfer(): a sender sends a flag (1: a value,
   // 0: its source had failed) and the value (zeros after a failure), so a receiver fails with
   // it instead of hanging or using zeros. Every send is started before the first receive.
   void run_transfer(TransferCall& t) {
-    Entry in = lookup(t.src).value_or(Entry{});
+    Entry in = refs_.lookup(t.src).value_or(Entry{});
     auto options = at::TensorOptions().device(device_.toDevice());
     std::optional<Entry> local;        // a pair of this rank with itself: a copy
     at::Tensor flag_in, value_in;      // what this rank receives
@@ -720,7 +585,7 @@ class Executor {
     } else {
       return;  // a sender only
     }
-    store(t.out, std::move(result));
+    refs_.store(t.out, std::move(result));
   }
 
   // A wait that keeps `t` alive until it has returned.
@@ -729,39 +594,18 @@ class Executor {
     return [wait = std::move(wait), t = std::move(t)] { wait(); };
   }
 
-  // The collective's result; an in-place all-reduce of a contiguous tensor works on `src`
-  // itself (at 64 MiB two copies halved the bandwidth).
-  static at::Tensor collective(Group& grp, at::Tensor src, const ReduceCall& r, bool in_place) {
-    const std::string op = r.reduction == "avg" ? "sum" : r.reduction;
-    if (in_place && !r.scatter && r.reduction != "stack" && src.is_contiguous()) {
-      grp.comm->all_reduce(src, op);
-      if (r.reduction == "avg") src.div_(grp.size);
-      return src;
-    }
-    src = src.contiguous();
+  // The collective's result (collectives.h); an in-place all-reduce of a contiguous tensor
+  // works on `src` itself (at 64 MiB two copies halved the bandwidth).
+  static at::Tensor collective(Group& grp, const at::Tensor& src, const ReduceCall& r,
+                               bool in_place) {
+    md::Comm& comm = *grp.comm;
     if (r.reduction == "stack") {
-      if (r.scatter) {  // all-to-all: piece i of my dim 0 goes to rank i
-        at::Tensor out = at::empty_like(src);
-        grp.comm->all_to_all(out, src);
-        return out;
-      }
-      std::vector<at::Tensor> outs;
-      for (int64_t i = 0; i < grp.size; ++i) outs.push_back(at::empty_like(src));
-      grp.comm->all_gather(outs, src);
-      return at::stack(outs);
+      if (r.scatter) return md::all_to_all(comm, src, grp.size, 0, 0)();  // piece i to rank i
+      return md::all_gather(comm, src, grp.size, 0, /*stack=*/true)();
     }
-    at::Tensor out;
-    if (r.scatter) {
-      std::vector<at::Tensor> chunks;
-      for (auto& c : src.chunk(grp.size)) chunks.push_back(c.contiguous());
-      out = at::empty_like(chunks.at(grp.index));
-      grp.comm->reduce_scatter(out, chunks, op);
-    } else {
-      out = src.clone();
-      grp.comm->all_reduce(out, op);
-    }
-    if (r.reduction == "avg") out.div_(grp.size);
-    return out;
+    if (r.scatter) return md::reduce_scatter(comm, src, r.reduction, grp.index, grp.size, 0)();
+    if (in_place && src.is_contiguous()) return md::all_reduce(comm, src, r.reduction, grp.size)();
+    return md::all_reduce(comm, src.clone(at::MemoryFormat::Contiguous), r.reduction, grp.size)();
   }
 
   // A root failure of this rank at controller line `line`, in `op`, raised as `e`: named as
@@ -790,36 +634,8 @@ class Executor {
 
   void fail(const std::vector<int64_t>& outs, const FailurePtr& f, bool root) {
     for (auto r : outs)
-      if (r >= 0) store(r, Entry{c10::IValue(), f});
+      if (r >= 0) refs_.store(r, Entry{c10::IValue(), f});
     if (root) report(f);
-  }
-
-  // The table's three operations. The lock is held only for the map itself: a replaced or
-  // removed value is destroyed after it is released (a tensor's destructor may take the GIL).
-  std::optional<Entry> lookup(int64_t ref) {
-    std::lock_guard<std::mutex> g(refs_lock_);
-    auto it = refs_.find(ref);
-    if (it == refs_.end()) return std::nullopt;
-    return it->second;
-  }
-
-  void store(int64_t ref, Entry e) {
-    Entry old;
-    {
-      std::lock_guard<std::mutex> g(refs_lock_);
-      auto& slot = refs_[ref];
-      old = std::move(slot);
-      slot = std::move(e);
-    }
-  }
-
-  std::optional<Entry> take(int64_t ref) {
-    std::lock_guard<std::mutex> g(refs_lock_);
-    auto it = refs_.find(ref);
-    if (it == refs_.end()) return std::nullopt;
-    Entry e = std::move(it->second);
-    refs_.erase(it);
-    return e;
   }
 
   // Events order streams: the host thread waits for the flag; on CUDA the waiting stream
@@ -864,12 +680,7 @@ class Executor {
   c10::IValue device_;
   py::object failure_type_, report_;
 
-  std::mutex refs_lock_;
-  std::unordered_map<int64_t, Entry> refs_;
-
-  std::mutex streams_lock_;
-  std::unordered_map<std::string, std::unique_ptr<Stream>> streams_;
-  bool closed_ = false;
+  md::exec::RefTable refs_;
 
   std::mutex groups_lock_;
   std::unordered_map<std::string, py::function> getters_;
@@ -878,6 +689,8 @@ class Executor {
   std::mutex events_lock_;
   std::condition_variable events_cv_;
   std::unordered_map<int64_t, EventState> events_;
+
+  Streams streams_;  // last: its threads stop (close()) before the rest goes
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 // itself).
 
 #include "boxed.h"
+#include "collectives.h"
 #include "comm.h"
 
 #include <torch/csrc/Dtype.h>
@@ -503,8 +504,6 @@ class Program {
       values.at(c.outs.at(0)) = buf;
       return;
     }
-    const std::string reduce = c.reduce == "avg" ? "sum" : c.reduce;
-    const bool avg = c.reduce == "avg";
     const int64_t n = c.size;
     std::function<void()> finish;
     if (op == "all_reduce") {
@@ -520,22 +519,19 @@ class Program {
         numel += t.numel();
         pieces.push_back(t.contiguous());
       }
-      at::Tensor flat;
-      md::Wait wait;
+      md::Finish reduced;
       if (tensors.size() == 1) {
-        flat = result_buffer(c, tensors[0].sizes(), tensors[0].options());
-        wait = c.comm->start_all_reduce_into(flat, pieces, reduce);
+        at::Tensor flat = result_buffer(c, tensors[0].sizes(), tensors[0].options());
+        reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
       } else if (one_dtype && !tensors.empty()) {
-        flat = result_buffer(c, {numel}, tensors[0].options());
-        wait = c.comm->start_all_reduce_into(flat, pieces, reduce);
+        at::Tensor flat = result_buffer(c, {numel}, tensors[0].options());
+        reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
       } else {  // (cat's type promotion)
         for (auto& p : pieces) p = p.reshape(-1);
-        flat = at::cat(pieces);
-        wait = c.comm->start_all_reduce(flat, reduce);
+        reduced = md::all_reduce(*c.comm, at::cat(pieces), c.reduce, n);
       }
-      finish = [&values, outs = c.outs, tensors, flat, wait, avg, n]() mutable {
-        if (wait) wait();
-        if (avg) flat.div_(n);
+      finish = [&values, outs = c.outs, tensors, reduced]() {
+        at::Tensor flat = reduced();
         if (tensors.size() == 1) {
           values.at(outs.at(0)) = flat;
           return;
@@ -549,39 +545,17 @@ class Program {
       };
     } else {
       at::Tensor x = value(0);
+      md::Finish result;
       if (op == "all_gather") {
-        at::Tensor input = x.contiguous();
-        std::vector<at::Tensor> outs;
-        for (int64_t i = 0; i < n; ++i) outs.push_back(at::empty_like(input));
-        md::Wait wait = c.comm->start_all_gather(outs, input);
-        finish = [&values, out = c.outs.at(0), outs, input, wait, dim = c.dim]() {
-          if (wait) wait();
-          values.at(out) = at::cat(outs, dim);
-        };
+        result = md::all_gather(*c.comm, x, n, c.dim, /*stack=*/false);
       } else if (op == "reduce_scatter") {
-        std::vector<at::Tensor> chunks;
-        for (auto& t : x.chunk(n, c.dim)) chunks.push_back(t.contiguous());
-        at::Tensor out = at::empty_like(chunks.at(c.index));
-        md::Wait wait = c.comm->start_reduce_scatter(out, chunks, reduce);
-        finish = [&values, slot = c.outs.at(0), out, chunks, wait, avg, n]() mutable {
-          if (wait) wait();
-          if (avg) out.div_(n);
-          values.at(slot) = out;
-        };
+        result = md::reduce_scatter(*c.comm, x, c.reduce, c.index, n, c.dim);
       } else if (op == "all_to_all") {
-        at::Tensor src = x.movedim(c.split_dim, 0).contiguous();
-        at::Tensor out = at::empty_like(src);
-        md::Wait wait = c.comm->start_all_to_all(out, src);
-        finish = [&values, slot = c.outs.at(0), out, src, wait, n, split = c.split_dim,
-                  cat = c.cat_dim]() {
-          if (wait) wait();
-          std::vector<at::Tensor> pieces;
-          for (auto& p : out.chunk(n, 0)) pieces.push_back(p.movedim(0, split));
-          values.at(slot) = at::cat(pieces, cat).contiguous();
-        };
+        result = md::all_to_all(*c.comm, x, n, c.split_dim, c.cat_dim);
       } else {
         throw std::runtime_error("unknown communication " + op);
       }
+      finish = [&values, slot = c.outs.at(0), result]() { values.at(slot) = result(); };
     }
     if (!c.async) {
       finish();

@@ -4,7 +4,7 @@
 Where the script runs
 ---------------------
 Each rank of a run is a process of its own, forked for that run by the controller's fork server
-(``runtime/zygote.py``) -- neither the worker itself nor a child of the worker:
+(``runtime/forkserver.py``) -- neither the worker itself nor a child of the worker:
 
 - *Not in the worker.* A torchrun script owns its process: it calls ``init_process_group`` and
   ``destroy_process_group``, ``sys.exit``, leaves threads, CUDA contexts and module state
@@ -19,7 +19,7 @@ Each rank of a run is a process of its own, forked for that run by the controlle
   OpenMP region nor touched CUDA (it proves this before serving), and already forks every
   worker, reports each child's exit status, and kills its children if the controller dies. So
   a rank starts in milliseconds without ``import torch``, on the first run as on every later
-  one: the one-time cost is the mesh's start. ``zygote.run_script`` makes the fork look like
+  one: the one-time cost is the mesh's start. ``forkserver.run_script`` makes the fork look like
   a fresh ``python script.py ARGS`` (signals, atexit, logging, random state, thread count).
 
 What a rank sees
@@ -69,7 +69,7 @@ from typing import Any
 
 from monarch_dsl.actor import ValueMesh
 from monarch_dsl.errors import SpmdError, SupervisionError
-from monarch_dsl.runtime import controller, logs
+from monarch_dsl.runtime import controller, forkserver, logs
 from monarch_dsl.runtime.messages import ForkScripts
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping ranks
@@ -210,7 +210,7 @@ class _Run:
         self.out: list[Any] = []
         self.err: list[Any] = []
         envs = rank_envs(job.worker_env, env, len(ranks))
-        server = controller.fork_server()
+        server = forkserver.fork_server()
         fds: list[int] = []
         try:
             for label in self.labels:
@@ -275,7 +275,7 @@ class _Run:
         for i in ranks:
             pid = self.pids[i]
             try:
-                os.killpg(pid, sig)  # the rank leads its process group (zygote.py)
+                os.killpg(pid, sig)  # the rank leads its process group (forkserver.py)
             except (ProcessLookupError, PermissionError):
                 try:
                     os.kill(pid, sig)
@@ -327,7 +327,7 @@ class _Run:
         what = f"timed out after {timeout} s" if timeout is not None else ""
         if failed:
             what = "; ".join(
-                [f"{self.describe(i)} {controller.describe_status(self.status[i])}" for i in failed]
+                [f"{self.describe(i)} {forkserver.describe_status(self.status[i])}" for i in failed]
                 + ([what] if what else [])
             )
         if stopped:

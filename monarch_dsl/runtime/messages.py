@@ -150,7 +150,7 @@ class ForkWorkers(NamedTuple):
 
 class ForkScripts(NamedTuple):
     """Ask the fork server for one process per entry of ``envs`` that runs ``script`` as
-    ``__main__`` (``pm.run_spmd``; see zygote.run_script). Sent with 2 file descriptors per
+    ``__main__`` (``pm.run_spmd``; see forkserver.run_script). Sent with 2 file descriptors per
     process (stdout and stderr write ends, in order); answered with ``Forked``, and each
     process's exit with ``ChildExited``. Each process leads its own process group, so the
     controller stops a rank and whatever it started with one ``killpg``."""
@@ -174,7 +174,7 @@ class ForkServerReady(NamedTuple):
 
 
 class ForkServerUnsafe(NamedTuple):
-    """The fork server found it cannot fork safely (see zygote.py) and is exiting."""
+    """The fork server found it cannot fork safely (see forkserver.py) and is exiting."""
 
     reason: str
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from monarch_dsl import isa
+from monarch_dsl import _core, isa
 from monarch_dsl.compiler.interpret import local_value
 from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
 from monarch_dsl.compiler.plan import TensorType
@@ -36,7 +36,7 @@ class PlanRunner:
     def __init__(self, executor: Any) -> None:
         self.ex = executor
         self.programs: dict[int, tuple[Program, list]] = {}
-        self.core = _core()  # the C++ runtime, or None: compute steps run in Python
+        self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
 
     def define(self, ins: isa.DefinePlan) -> None:
@@ -250,25 +250,6 @@ def _groups_of(on: str, step) -> str:
     collectives on another thread at the same time, and two threads on one group mix up their
     messages."""
     return on if step.stream == "main" else f"plan/{on}/{step.stream}"
-
-
-def _core() -> Any:
-    """The C++ runtime, unless ``MD_EXECUTOR=python`` asks for the reference executor. A
-    worker never builds it (the controller does, before starting workers): without a build,
-    compute runs in Python, and says so once."""
-    import os
-    import sys
-
-    if os.environ.get("MD_EXECUTOR", "cpp") == "python":
-        return None
-    from monarch_dsl import _build
-
-    try:
-        return _build.load(build=False)
-    except _build.BuildError as e:
-        print(f"monarch_dsl worker: {e}; compiled plans run in Python", file=sys.stderr)
-        os.environ["MD_EXECUTOR"] = "python"
-        return None
 
 
 class _Once:

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from monarch_dsl import _core
+
 PREFIX = "md_shm"
 SHM_DIR = "/dev/shm"
 # Bytes per rank of a group's segment (two halves: a collective moves data in chunks of half
@@ -79,32 +81,14 @@ _OPS = {
 }
 
 
-_core_lock = threading.Lock()
-_core: Any = None
-_core_error: str | None = None
-
-
 def core() -> Any:
     """The C++ module providing ``ShmGroup``, or None (see :func:`unavailable_reason`). Only
     loads a prebuilt runtime; never builds it."""
-    global _core, _core_error
-    with _core_lock:
-        if _core is None and _core_error is None:
-            try:
-                from monarch_dsl import _build
-
-                module = _build.load(build=False)
-                if hasattr(module, "ShmGroup"):
-                    _core = module
-                else:
-                    _core_error = f"the C++ runtime in {_build.build_dir()} has no ShmGroup"
-            except Exception as e:  # noqa: BLE001 - not built, out of date, failed to load
-                _core_error = f"{type(e).__name__}: {e}"
-        return _core
+    return _core.native()
 
 
 def unavailable_reason() -> str | None:
-    return None if core() is not None else _core_error
+    return _core.unavailable_reason()
 
 
 def enabled() -> bool:
@@ -208,7 +192,7 @@ class ShmProcessGroup:
         size_limit: int = SIZE_LIMIT,
     ):
         if core() is None:
-            raise RuntimeError(f"shared-memory collectives unavailable: {_core_error}")
+            raise RuntimeError(f"shared-memory collectives unavailable: {unavailable_reason()}")
         self.store = store
         self._rank = rank
         self._size = size

@@ -199,8 +199,8 @@ class Worker:
         if self._executor is None:
             import torch
 
+            from monarch_dsl import _core
             from monarch_dsl.runtime.executor import ReferenceExecutor
-            from monarch_dsl.runtime.plan_runner import _core
 
             device = self.device
             if device.type == "cuda":
@@ -212,7 +212,7 @@ class Worker:
                 ),
                 report=lambda f: self.reply(FailureReport(self.rank, f.as_tuple())),
             )
-            core = _core()  # None: MD_EXECUTOR=python, or no build (said once on stderr)
+            core = _core.worker_native()  # None: MD_EXECUTOR=python, or no build (said once)
             if core is None:
                 self._executor = ReferenceExecutor(self.rank, device, **callbacks)
             else:

@@ -1,4 +1,5 @@
-"""The fork server: one warm process per controller that forks workers on request.
+"""The fork server -- one warm process per controller that forks workers on request -- and the
+controller's client of it (:class:`ForkServerClient`, :func:`fork_server`).
 
 Importing torch takes seconds; forking a process that has imported it takes milliseconds. So a
 controller keeps one fork server and every worker of every local mesh is forked from it: torch
@@ -12,8 +13,7 @@ Two ways to start it:
   the fork server proves it: it forks a throwaway child that runs a parallel op under an alarm.
   If that child does not finish cleanly the fork server says so and exits, and the controller
   falls back to
-- *a fresh interpreter* (``python -m monarch_dsl.runtime.zygote FD``), which imports torch
-  itself.
+- *a fresh interpreter* (:func:`main`), which imports torch itself.
 
 The fork server is single-threaded (so forking it is always safe), lives in its own session
 (Ctrl-C in the controller's terminal does not reach the workers), kills its children and exits
@@ -28,6 +28,10 @@ not have (signal handlers, atexit functions, logging handlers, the random genera
 torch's thread count), and ends the way an interpreter does (non-daemon threads joined, atexit
 functions run, streams flushed). Each such process leads its own process group, so stopping a
 rank also stops what it started (a DataLoader's workers).
+
+The client (in the controller) starts the fork server on first use, sends it requests with the
+file descriptors of the children's stdout and stderr, and reads its replies on a thread of its
+own: the pids forked, and every child's exit status (``watch_exit``).
 """
 
 from __future__ import annotations
@@ -35,17 +39,23 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import itertools
+import logging
 import os
 import pickle
 import runpy
 import selectors
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from monarch_dsl.errors import SpawnError
+from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import (
     ChildExited,
     Forked,
@@ -54,6 +64,8 @@ from monarch_dsl.runtime.messages import (
     ForkServerUnsafe,
     ForkWorkers,
 )
+
+log = logging.getLogger("monarch_dsl")
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 2048
@@ -339,8 +351,211 @@ def _print_script_traceback(exc: BaseException, script: str) -> None:
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
+# =============================================================================== client
+
+
+def describe_status(status: int | None) -> str:
+    """A child's exit status as the fork server reports it (``ChildExited``), in words."""
+    if status is None:
+        return "exited (status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"was killed by signal {name}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+# The command of a fresh-interpreter fork server (not ``python -m`` this module: importing
+# monarch_dsl imports it, and runpy would run a second copy as __main__).
+_FRESH = "from monarch_dsl.runtime.forkserver import main; main()"
+
+
+class ForkServerClient:
+    """The controller's handle on its fork server (one per controller process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chan: socket.socket | None = None
+        self._pid: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._requests: dict[int, Future] = {}
+        self._exit_watchers: dict[int, Callable[[int], None]] = {}
+        self._exited: dict[int, int] = {}
+        self._ids = itertools.count(1)
+        self.mode = ""
+        self._stderr_path = ""
+
+    # ------------------------------------------------------------------ start
+    def ensure_started(self, timeout: float = 120.0) -> None:
+        with self._lock:
+            if self._chan is not None:
+                return
+            want = os.environ.get("MONARCH_DSL_FORK_SERVER", "fork")
+            if want not in ("fork", "fresh"):
+                raise ValueError(f"MONARCH_DSL_FORK_SERVER must be 'fork' or 'fresh', got {want!r}")
+            reason = ""
+            if want == "fork":
+                reason = self._fork_unsafe_reason()
+                if not reason:
+                    ready = self._start_forked(timeout)
+                    if isinstance(ready, ForkServerReady):
+                        self.mode = "forked from the controller"
+                        return self._start_reader()
+                    reason = ready.reason
+            self._start_fresh(timeout)
+            self.mode = "fresh interpreter"
+            if reason:
+                log.info("monarch_dsl: fork server started fresh because %s", reason)
+            self._start_reader()
+
+    @staticmethod
+    def _fork_unsafe_reason() -> str:
+        if not hasattr(os, "fork"):
+            return "this platform cannot fork"
+        torch = sys.modules.get("torch")
+        # A torch built with CUDA: asking it whether a GPU is there (torch.cuda.is_available,
+        # as most scripts do) already makes its forked children refuse to use CUDA, so
+        # workers on such a build come from a fresh interpreter. (CPU builds fork.)
+        if torch is not None and torch.cuda._is_compiled():
+            return "torch is built with CUDA (a forked worker could not initialize it)"
+        return ""
+
+    def _start_forked(self, timeout: float):
+        from monarch_dsl.runtime import worker  # noqa: F401 - imported before the fork
+
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.environ["MONARCH_DSL_ROLE"] = "fork-server"
+                parent.close()
+                os.setsid()
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                ForkServer(child, forked_from_controller=True).serve()
+            finally:
+                os._exit(1)
+        child.close()
+        msg = self._first_message(parent, timeout, lambda: "")
+        if isinstance(msg, ForkServerUnsafe):
+            os.waitpid(pid, 0)
+            parent.close()
+            return msg
+        self._chan, self._pid = parent, pid
+        return msg
+
+    def _start_fresh(self, timeout: float) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd, self._stderr_path = tempfile.mkstemp(prefix="monarch_dsl-forkserver-", suffix=".err")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _FRESH, str(child.fileno())],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            stderr=fd,
+            env=env,
+            start_new_session=True,
+        )
+        os.close(fd)
+        child.close()
+        try:
+            self._first_message(parent, timeout, self._fresh_stderr)
+        finally:
+            # The fork server keeps its fd; the name is only needed to report a failed start.
+            os.unlink(self._stderr_path)
+        self._chan, self._pid = parent, self._proc.pid
+
+    def _fresh_stderr(self) -> str:
+        try:
+            with open(self._stderr_path, errors="replace") as f:
+                return f.read()[-8000:]
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _first_message(chan: socket.socket, timeout: float, stderr: Callable[[], str]):
+        chan.settimeout(timeout)
+        try:
+            data = chan.recv(1 << 20)
+        except TimeoutError:
+            data = None
+        chan.settimeout(None)
+        if not data:
+            what = "did not start in time" if data is None else "exited during startup"
+            raise SpawnError(f"the monarch_dsl fork server {what}", stderr=stderr())
+        return pickle.loads(data)
+
+    def _start_reader(self) -> None:
+        threading.Thread(target=self._read_loop, name="md-forkserver", daemon=True).start()
+
+    # ------------------------------------------------------------------ use
+    def fork(self, request: ForkWorkers, fds: Sequence[int], timeout: float) -> tuple[int, ...]:
+        self.ensure_started()
+        fut: Future = Future()
+        request = request._replace(request_id=next(self._ids))
+        self._requests[request.request_id] = fut
+        assert self._chan is not None
+        socket.send_fds(self._chan, [pickle.dumps(request)], list(fds))
+        return fut.get(timeout)
+
+    def watch_exit(self, pid: int, callback: Callable[[int], None]) -> None:
+        """Call ``callback(status)`` (from the reader thread) when ``pid`` exits."""
+        with self._lock:
+            status = self._exited.pop(pid, None)
+            if status is None:
+                self._exit_watchers[pid] = callback
+                return
+        callback(status)
+
+    def _read_loop(self) -> None:
+        assert self._chan is not None
+        while True:
+            try:
+                data = self._chan.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                self._on_lost()
+                return
+            msg = pickle.loads(data)
+            if isinstance(msg, Forked):
+                fut = self._requests.pop(msg.request_id, None)
+                if fut is not None:
+                    fut.set_result(msg.pids)
+            elif isinstance(msg, ChildExited):
+                with self._lock:
+                    cb = self._exit_watchers.pop(msg.pid, None)
+                    if cb is None:
+                        self._exited[msg.pid] = msg.status
+                if cb is not None:
+                    cb(msg.status)
+
+    def _on_lost(self) -> None:
+        with self._lock:
+            self._chan = None
+            watchers, self._exit_watchers = self._exit_watchers, {}
+            requests, self._requests = self._requests, {}
+        err = SpawnError("the monarch_dsl fork server died")
+        for fut in requests.values():
+            fut.set_exception(err)
+        for cb in watchers.values():
+            cb(-1)
+
+
+_fork_server = ForkServerClient()
+
+
+def fork_server() -> ForkServerClient:
+    return _fork_server
+
+
 def main() -> None:
-    """Entry point of a fresh-interpreter fork server: ``python -m ... FD``."""
+    """Entry point of a fresh-interpreter fork server: ``python -c _FRESH FD``."""
     os.environ["MONARCH_DSL_ROLE"] = "fork-server"
     chan = socket.socket(fileno=int(sys.argv[1]))
     import torch  # noqa: F401 - the whole point: imported once, here
@@ -348,7 +563,3 @@ def main() -> None:
     from monarch_dsl.runtime import worker  # noqa: F401
 
     ForkServer(chan, forked_from_controller=False).serve()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,31 @@
+// The stream threads' setup and error reports (see streams.h).
+
+#include "streams.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <pybind11/pybind11.h>
+
+namespace md::exec {
+
+void start_stream_thread(const c10::Device& device) {
+  // OpenMP's and MKL's thread counts are per thread: a new thread starts at one per core,
+  // whatever the worker set (runtime/worker.py _limit_threads). Without this a stream
+  // thread's matmuls ran 2 OpenMP threads per worker on 2 cores, whose spin-waits took the
+  // core from the other rank (the tiny DDP step: 9 ms instead of 0.8 ms).
+  at::init_num_threads();
+  if (device.is_cuda()) {
+    // Each stream thread issues its work on a CUDA stream of its own (current for this
+    // thread only), so streams overlap on the GPU as they do on the host.
+    c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    cuda.setDevice(device);
+    cuda.exchangeStream(cuda.getStreamFromGlobalPool(device));
+  }
+}
+
+void report_internal_error(const std::exception& e) {
+  pybind11::gil_scoped_acquire gil;
+  PySys_WriteStderr("monarch_dsl executor: internal error: %s\n", e.what());
+}
+
+}  // namespace md::exec
