@@ -1,4 +1,4 @@
-"""The reference executor: runs plan instructions (``compiler/isa.py``) on one worker, in Python.
+"""The reference executor: runs plan instructions (``monarch_dsl/isa``) on one worker, in Python.
 
 It keeps the ref table, and an error value per failed ref: an instruction whose inputs failed
 is skipped and its outputs fail with the same root cause, so only what depends on a failure

@@ -1,6 +1,6 @@
 """The tensor engine of one process allocation: instructions batched for the workers.
 
-Each op appends an instruction (``compiler/isa.py``) to the batch; batches go to the workers
+Each op appends an instruction (``monarch_dsl/isa``) to the batch; batches go to the workers
 lazily -- when a value is fetched, when the batch is big, a moment after it started, or at
 ``stop()`` -- so the controller never pays a round trip per op. Tensors the garbage collector
 took are deleted on the workers by the next batch. The engine keeps itself in its controller
