@@ -34,9 +34,10 @@ class Program:
     """The compute steps of a lowered plan, resolved once to dispatcher operators.
 
     ``steps``: per step, None (run by the caller: communication, or another rank's step) or
-    ``(qualified op "aten::mm", overload "default", args, kwargs, outs, frees)`` where args may
-    hold ``slot_type`` instances (``compiler.lower.Slot``) standing for slot values, alone or
-    in a list (a Tensor[] argument). Constants are converted by the op's schema here, once.
+    an ``isa.Compute``, read by field name (``name`` "aten.mm.default", ``args``, ``kwargs``,
+    ``outs``, ``frees``), whose args may hold ``slot_type`` instances (``isa.Slot``) standing
+    for slot values, alone or in a list (a Tensor[] argument). Constants are converted by the
+    op's schema here, once.
     """
 
     def __init__(self, steps: Sequence[Any], slot_type: type) -> None: ...
@@ -58,28 +59,23 @@ class Program:
     def set_comm(
         self,
         k: int,
-        op: str,
-        args: Sequence[int],
-        outs: Sequence[int],
-        frees: Sequence[int],
+        step: Any,
+        *,
         group: Any,
         index: int,
         size: int,
         peer: int,
-        reduce: str,
-        dim: int,
-        split_dim: int,
-        cat_dim: int,
-        shapes: Sequence[Sequence[int]],
-        dtype: Any,
-        run_async: bool,
+        async_: bool,
+        slot_type: type,
     ) -> None:
-        """Communication step ``k`` of this rank (``runtime/plan_runner.py``): all_reduce (a
-        bucket: several args), all_gather, reduce_scatter, all_to_all over ``group`` (a c10d
-        backend or a ShmProcessGroup), send / recv with ``peer``, or shard_local /
-        partial_local (``index`` of ``size`` along a mesh dim). ``args``: the slot of each
-        argument (-1: none); ``shapes`` / ``dtype``: the zeros sent after a failure;
-        ``run_async``: started, and waited for at a result's first use."""
+        """Communication step ``k`` of this rank (``runtime/plan_runner.py``): ``step`` is an
+        ``isa.Comm`` -- AllReduce (a bucket: several args), AllGather, ReduceScatter,
+        AllToAll over ``group`` (a c10d backend or a ShmProcessGroup), Send / Recv with
+        ``peer``, ShardLocal / PartialLocal (``index`` of ``size`` along a mesh dim) -- read by
+        field name (``kind``, ``args``, ``outs``, ``frees``, ``shapes``, ``dtype``, and
+        ``reduce`` / ``dim`` / ``split_dim`` / ``cat_dim`` where the kind has them).
+        ``shapes`` / ``dtype``: the zeros sent after a failure; ``async_``: started, and
+        waited for at a result's first use."""
     def set_uses(self, uses: Sequence[Sequence[int]]) -> None:
         """Per step, the slots it reads (where a collective in flight is waited for)."""
     def has_comms(self) -> bool: ...

@@ -11,6 +11,7 @@ communication steps are run by the back end (``isa/collectives.py`` says what ea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -190,19 +191,16 @@ def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tens
     return value.chunk(n, dim)[index].contiguous()
 
 
-def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list:
-    """The steps of ``program`` as ``_core.Program`` takes them: compute steps of the rank at
-    ``coords`` (None: of every rank), None for the others."""
-    steps: list = []
+def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list[Any]:
+    """The steps of ``program`` as ``_core.Program`` takes them: the compute steps of the rank
+    at ``coords`` (None: of every rank), a ``device`` kwarg made ``device`` (if not None), and
+    None for the others (communication steps come by ``set_comm``)."""
+    steps: list[Any] = []
     for step in program.steps:
         if not isinstance(step, Compute) or (coords is not None and not step.runs_on(coords)):
             steps.append(None)
-            continue
-        ns, name, overload = step.name.split(".")
-        kwargs = dict(step.kwargs)
-        if device is not None and "device" in kwargs:
-            kwargs["device"] = device
-        steps.append(
-            (f"{ns}::{name}", overload, tuple(step.args), kwargs, list(step.outs), list(step.frees))
-        )
+        elif device is not None and "device" in step.kwargs:
+            steps.append(dataclasses.replace(step, kwargs={**step.kwargs, "device": device}))
+        else:
+            steps.append(step)
     return steps

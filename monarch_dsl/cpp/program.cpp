@@ -186,8 +186,9 @@ class Env {
 
 class Program {
  public:
-  // steps: list of (qualified op name "aten::mm", overload, args tuple, kwargs dict,
-  //                 outs list, frees list), compute steps only (None for others).
+  // steps: the plan's steps for this rank, each an `isa.Compute` (read by field name: its
+  // `name` "aten.mm.default", `args`, `kwargs`, `outs`, `frees`) or None (a communication
+  // step, given later by set_comm, or another rank's step).
   Program(const py::list& steps, py::handle slot_type) {
     auto slot_of = [&](py::handle obj) -> int64_t {
       return py::isinstance(obj, slot_type) ? obj.attr("index").cast<int64_t>() : -1;
@@ -198,14 +199,21 @@ class Program {
         steps_.emplace_back(std::nullopt);
         continue;
       }
-      auto t = item.cast<py::tuple>();
-      auto qualified = t[0].cast<std::string>();
-      auto overload = t[1].cast<std::string>();
+      if (!py::hasattr(item, "name") || !py::hasattr(item, "kwargs"))
+        throw py::type_error("Program: step " + std::to_string(steps_.size()) +
+                             " is not an isa.Compute: " + py::repr(item).cast<std::string>());
+      const auto name = item.attr("name").cast<std::string>();  // "aten.mm.default"
+      const auto dot1 = name.find('.'), dot2 = name.rfind('.');
+      if (dot1 == std::string::npos || dot2 == dot1)
+        throw py::value_error("Program: not an overload name: " + name);
+      const auto qualified = name.substr(0, dot1) + "::" + name.substr(dot1 + 1, dot2 - dot1 - 1);
+      const auto overload = name.substr(dot2 + 1);
       auto handle = md::find_op(qualified, overload);
-      Step step{md::make_call(handle, qualified + "." + overload, t[2].cast<py::tuple>(),
-                              t[3].cast<py::dict>(), slot_of)};
-      for (auto o : t[4].cast<py::list>()) step.outs.push_back(o.cast<int64_t>());
-      for (auto f : t[5].cast<py::list>()) step.frees.push_back(f.cast<int64_t>());
+      Step step{md::make_call(handle, qualified + "." + overload,
+                              py::tuple(item.attr("args")), item.attr("kwargs").cast<py::dict>(),
+                              slot_of)};
+      for (auto o : item.attr("outs")) step.outs.push_back(o.cast<int64_t>());
+      for (auto f : item.attr("frees")) step.frees.push_back(f.cast<int64_t>());
       const auto& returns = handle.schema().returns();
       step.spread = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
       if (step.outs.size() == 1) step.out_op = out_variant(handle);
@@ -263,25 +271,37 @@ class Program {
     return -1;
   }
 
-  // Python's description of communication step `k` of this rank (see CommStep).
-  void set_comm(int64_t k, std::string op, std::vector<int64_t> args, std::vector<int64_t> outs,
-                std::vector<int64_t> frees, py::handle group, int64_t index, int64_t size,
-                int64_t peer, std::string reduce, int64_t dim, int64_t split_dim,
-                int64_t cat_dim, std::vector<std::vector<int64_t>> shapes, py::handle dtype,
-                bool async) {
+  // Communication step `k` of this rank: `step`, an isa.Comm (read by field name: its `kind`,
+  // `args`, `outs`, `frees`, `shapes`, `dtype`, and the kind's own `reduce`, `dim`,
+  // `split_dim`, `cat_dim`), with what the worker decides: the group (None for local
+  // redistributions), this rank's index in it (or along the step's dim) and its size, the
+  // send/recv peer's index in the pair's group, and whether it is started now and waited for
+  // at a result's first use (`async_`: not on the main stream).
+  void set_comm(int64_t k, py::handle step, py::handle group, int64_t index, int64_t size,
+                int64_t peer, bool async, py::handle slot_type) {
     if (k < 0 || k >= static_cast<int64_t>(steps_.size()) || steps_[k])
       throw std::out_of_range("Program.set_comm: not a communication step");
-    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("set_comm: dtype must be a torch.dtype");
-    CommStep c{std::move(op), std::move(args), std::move(outs), std::move(frees)};
+    auto field = [&](const char* name, py::object fallback) {
+      return py::hasattr(step, name) ? py::object(step.attr(name)) : fallback;
+    };
+    CommStep c;
+    c.op = step.attr("kind").cast<std::string>();
+    for (auto a : step.attr("args"))
+      c.args.push_back(py::isinstance(a, slot_type) ? a.attr("index").cast<int64_t>() : -1);
+    for (auto o : step.attr("outs")) c.outs.push_back(o.cast<int64_t>());
+    for (auto f : step.attr("frees")) c.frees.push_back(f.cast<int64_t>());
     if (!group.is_none()) c.comm = md::comm_of(group);
     c.index = index;
     c.size = size;
     c.peer = peer;
-    c.reduce = std::move(reduce);
-    c.dim = dim;
-    c.split_dim = split_dim;
-    c.cat_dim = cat_dim;
-    c.shapes = std::move(shapes);
+    c.reduce = field("reduce", py::str("sum")).cast<std::string>();
+    c.dim = field("dim", py::int_(0)).cast<int64_t>();
+    c.split_dim = field("split_dim", py::int_(0)).cast<int64_t>();
+    c.cat_dim = field("cat_dim", py::int_(0)).cast<int64_t>();
+    for (auto shape : step.attr("shapes")) c.shapes.push_back(shape.cast<std::vector<int64_t>>());
+    py::object dtype = py::module_::import("torch").attr(step.attr("dtype"));
+    if (!THPDtype_Check(dtype.ptr()))
+      throw py::type_error("set_comm: not a torch dtype: " + py::repr(dtype).cast<std::string>());
     c.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
     c.async = async;
     if (comms_.size() < steps_.size()) comms_.resize(steps_.size());
@@ -592,7 +612,9 @@ void bind_program(py::module& m) {
       .def("last_error", &Program::last_error)
       .def("reused", &Program::reused)
       .def("in_place", &Program::in_place)
-      .def("set_comm", &Program::set_comm)
+      .def("set_comm", &Program::set_comm, py::arg("k"), py::arg("step"), py::kw_only(),
+           py::arg("group"), py::arg("index"), py::arg("size"), py::arg("peer"),
+           py::arg("async_"), py::arg("slot_type"))
       .def("set_uses", &Program::set_uses)
       .def("has_comms", &Program::has_comms)
       .def(

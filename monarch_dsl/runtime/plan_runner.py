@@ -68,21 +68,13 @@ class PlanRunner:
             group, index, size = self._group(mesh, coords, step.dims, _groups_of(on, step))
         compiled.set_comm(
             k,
-            step.kind,
-            [a.index if isinstance(a, Slot) else -1 for a in step.args],
-            list(step.outs),
-            list(step.frees),
-            group,
-            index,
-            size,
-            peer,
-            getattr(step, "reduce", "sum"),
-            getattr(step, "dim", 0),
-            getattr(step, "split_dim", 0),
-            getattr(step, "cat_dim", 0),
-            [list(shape) for shape in step.shapes],
-            getattr(torch, step.dtype),
-            step.stream != "main",
+            step,
+            group=group,
+            index=index,
+            size=size,
+            peer=peer,
+            async_=step.stream != "main",
+            slot_type=Slot,
         )
 
     # ---- groups --------------------------------------------------------------------------
