@@ -1,7 +1,8 @@
 """Executor benchmark (issue 5, part 1): time per instruction of a 200-op plan of small aten ops
 on 8x8 tensors, run by
 
-- the C++ runtime (``monarch_dsl._core.Program``: dispatcher handles resolved once, boxed calls),
+- the C++ runtime (``monarch_dsl._core.CompiledPlan``: dispatcher handles resolved once,
+  boxed calls),
 - the Python reference executor (``compiler.lower.run_step`` per step, as workers do with
   ``MD_EXECUTOR=python``),
 - the peer: the same graph as a ``make_fx`` GraphModule (generated Python code calling
@@ -143,7 +144,7 @@ def main() -> None:
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     gm = make_fx(chain(args.ops))(a, b)
     program, n = to_program(gm)
-    compiled = core.Program(core_steps(program, None, None), Slot)
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
     interp = torch.fx.Interpreter(gm)
 
     def run_cpp():
@@ -208,7 +209,7 @@ def main() -> None:
     )
     print(f"{'executor':<42}{'us/op':>10}{'vs graph':>10}")
     rows = [
-        ("C++ runtime (_core.Program)", "cpp"),
+        ("C++ runtime (_core.CompiledPlan)", "cpp"),
         ("Python reference executor (run_step)", "python"),
         ("peer: make_fx GraphModule forward", "graph"),
         ("  the same under torch.inference_mode()", "graph_inference"),
@@ -245,7 +246,7 @@ def main() -> None:
         return
     cuda = torch.device("cuda")
     ga, gb = a.to(cuda), b.to(cuda)
-    on_gpu = core.Program(core_steps(program, None, cuda), Slot)
+    on_gpu = core.CompiledPlan(core_steps(program, None, cuda), Slot)
 
     def run_cpp_cuda():
         env = core.Env(program.n_slots)
@@ -260,7 +261,7 @@ def main() -> None:
 
     gpu = measure({"cpp_cuda": run_cpp_cuda, "eager_cuda": run_eager_cuda})
     print(f"\nthe same {n} ops on {torch.cuda.get_device_name()} (us per instruction)")
-    print(f"{'C++ runtime (_core.Program)':<42}{gpu['cpp_cuda']:>10.2f}")
+    print(f"{'C++ runtime (_core.CompiledPlan)':<42}{gpu['cpp_cuda']:>10.2f}")
     print(f"{'peer: eager CUDA (GraphModule forward)':<42}{gpu['eager_cuda']:>10.2f}")
 
 

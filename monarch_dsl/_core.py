@@ -4,7 +4,7 @@ one place that loads it.
 :func:`native` loads the build once per process (``monarch-dsl build``, ``scripts/setup.sh``
 or the controller's ``_build.ensure()`` makes it; loading never compiles); :func:`require`
 raises where it cannot; :func:`worker_native` adds a worker's choice of executor. The
-module's classes (``Executor``, ``Program``, ``Env``, ``ShmGroup``: ``_core.pyi``) are
+module's classes (``Executor``, ``CompiledPlan``, ``Env``, ``ShmGroup``: ``_core.pyi``) are
 attributes here too, loaded on first use.
 """
 
@@ -69,7 +69,7 @@ def worker_native() -> ModuleType | None:
 
 
 def __getattr__(name: str) -> Any:
-    """``_core.Program`` and the other classes of the C++ module (:func:`require`)."""
+    """``_core.CompiledPlan`` and the other classes of the C++ module (:func:`require`)."""
     if name.startswith("_"):
         raise AttributeError(name)
     return getattr(require(), name)

@@ -17,7 +17,7 @@ def worker_native() -> ModuleType | None:
     """``native()`` for a worker, or None: ``MD_EXECUTOR=python``, or not built (said once)."""
 
 class Env:
-    """A rank's value slots for one run of a plan (``Program.n_slots`` of them)."""
+    """A rank's value slots for one run of a plan (``isa.Program.n_slots`` of them)."""
 
     def __init__(self, n: int) -> None: ...
     def set(self, slot: int, value: Any) -> None:
@@ -30,7 +30,7 @@ class Env:
     def has(self, slot: int) -> bool: ...
     def __len__(self) -> int: ...
 
-class Program:
+class CompiledPlan:
     """The compute steps of a lowered plan, resolved once to dispatcher operators.
 
     ``steps``: per step, None (run by the caller: communication, or another rank's step) or

@@ -34,7 +34,7 @@ def _run_both(steps, inputs, n):
         cenv[i] = v.clone() if v is not None else None  # (a step writes in place)
     for s in steps:
         run_step(s, env)
-    compiled = core.Program(core_steps(program, None, None), Slot)
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
     assert compiled.run(cenv, 0, len(steps)) == -1, compiled.last_error()
     return env, cenv
 
@@ -75,7 +75,7 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
         _step("aten.add.Tensor", (Slot(3), Slot(4)), (6,), frees=(3, 4)),
     ]
     program = Program("p", (), (), tuple(steps), 7, (0, 1), (5, 6), (), ())
-    compiled = core.Program(core_steps(program, None, None), Slot)
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
     kept = []
     for run in range(4):
         a, b = torch.randn(8, 8), torch.randn(8, 8)
@@ -104,7 +104,7 @@ def _program(steps, n, inputs, outputs):
     from monarch_dsl.isa import Program
 
     program = Program("p", (), (), tuple(steps), n, inputs, outputs, (), ())
-    return core.Program(core_steps(program, None, None), Slot)
+    return core.CompiledPlan(core_steps(program, None, None), Slot)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +195,7 @@ def test_program_error_names_the_step_and_later_steps_do_not_run():
     from monarch_dsl.isa import Program
 
     program = Program("p", (), (), tuple(steps), 5, (0, 1), (), (), ())
-    compiled = core.Program(core_steps(program, None, None), Slot)
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
     env = core.Env(5)
     env[0], env[1] = torch.randn(4, 6), torch.randn(4, 6)
     assert compiled.run(env, 0, 3) == 1
@@ -206,7 +206,7 @@ def test_program_error_names_the_step_and_later_steps_do_not_run():
 def test_one_loader_for_plans_workers_and_shared_memory(monkeypatch):
     from monarch_dsl.runtime import shm
 
-    assert _core.native() is core and shm.core() is core and _core.Program is core.Program
+    assert _core.native() is core and shm.core() is core and _core.CompiledPlan is core.CompiledPlan
     assert _core.unavailable_reason() is None and _core.worker_native() is core
     monkeypatch.setenv("MD_EXECUTOR", "python")
     assert _core.worker_native() is None

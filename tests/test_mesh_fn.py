@@ -186,7 +186,9 @@ class PlanRuntime(md.Actor):
         if runner is None or runner.core is None:
             return None, 0
         core = runner.core
-        return core.__name__, sum(isinstance(p, core.Program) for p in runner.compiled.values())
+        return core.__name__, sum(
+            isinstance(p, core.CompiledPlan) for p in runner.compiled.values()
+        )
 
 
 def _block(opt):

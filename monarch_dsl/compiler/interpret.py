@@ -71,7 +71,7 @@ def run_program(
     sizes = program.sizes
     ranks = coords_of(sizes)
     if core is not None:
-        compiled = core.Program(core_steps(program, None, None), Slot)
+        compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
         envs = {c: core.Env(program.n_slots) for c in ranks}
     else:
         envs = {c: [None] * program.n_slots for c in ranks}

@@ -192,7 +192,7 @@ def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tens
 
 
 def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list[Any]:
-    """The steps of ``program`` as ``_core.Program`` takes them: the compute steps of the rank
+    """The steps of ``program`` as ``_core.CompiledPlan`` takes them: the compute steps of the rank
     at ``coords`` (None: of every rank), a ``device`` kwarg made ``device`` (if not None), and
     None for the others (communication steps come by ``set_comm``)."""
     steps: list[Any] = []

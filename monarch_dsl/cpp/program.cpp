@@ -1,7 +1,8 @@
 // The compute part of a compiled plan, run through the c10 dispatcher.
 //
-// A Program is built once per plan on each worker from the lowered steps (op name, arguments
-// with slot markers, outputs, slots to free). Building resolves every operator to its
+// A CompiledPlan (Python: `_core.CompiledPlan`; not to be confused with `isa.Program`, the
+// lowered plan it is built from) is built once per plan on each worker from the lowered steps
+// (op name, arguments with slot markers, outputs, slots to free). Building resolves every operator to its
 // dispatcher handle and converts every constant argument to an IValue by the operator's schema,
 // so running a step is: copy the argument template, put the slot values in, callBoxed, store the
 // results. No Python on that path (an op whose kernel is Python, such as prims, takes the GIL
@@ -54,7 +55,7 @@ struct Step {
 };
 
 // A communication step of this rank (set by Python: runtime/plan_runner.py), run by
-// Program::run_plan the way PlanRunner._comm runs it.
+// CompiledPlan::run_plan the way PlanRunner._comm runs it.
 struct CommStep {
   std::string op;  // all_reduce all_gather reduce_scatter all_to_all send recv shard_local
                    // partial_local
@@ -184,12 +185,12 @@ class Env {
   std::vector<c10::IValue> values;
 };
 
-class Program {
+class CompiledPlan {
  public:
   // steps: the plan's steps for this rank, each an `isa.Compute` (read by field name: its
   // `name` "aten.mm.default", `args`, `kwargs`, `outs`, `frees`) or None (a communication
   // step, given later by set_comm, or another rank's step).
-  Program(const py::list& steps, py::handle slot_type) {
+  CompiledPlan(const py::list& steps, py::handle slot_type) {
     auto slot_of = [&](py::handle obj) -> int64_t {
       return py::isinstance(obj, slot_type) ? obj.attr("index").cast<int64_t>() : -1;
     };
@@ -200,12 +201,12 @@ class Program {
         continue;
       }
       if (!py::hasattr(item, "name") || !py::hasattr(item, "kwargs"))
-        throw py::type_error("Program: step " + std::to_string(steps_.size()) +
+        throw py::type_error("CompiledPlan: step " + std::to_string(steps_.size()) +
                              " is not an isa.Compute: " + py::repr(item).cast<std::string>());
       const auto name = item.attr("name").cast<std::string>();  // "aten.mm.default"
       const auto dot1 = name.find('.'), dot2 = name.rfind('.');
       if (dot1 == std::string::npos || dot2 == dot1)
-        throw py::value_error("Program: not an overload name: " + name);
+        throw py::value_error("CompiledPlan: not an overload name: " + name);
       const auto qualified = name.substr(0, dot1) + "::" + name.substr(dot1 + 1, dot2 - dot1 - 1);
       const auto overload = name.substr(dot2 + 1);
       auto handle = md::find_op(qualified, overload);
@@ -254,7 +255,7 @@ class Program {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
     if (end > static_cast<int64_t>(steps_.size()) || begin < 0)
-      throw std::out_of_range("Program.run: steps out of range");
+      throw std::out_of_range("CompiledPlan.run: steps out of range");
     reused_ = in_place_ = 0;
     torch::jit::Stack stack;  // reused: no allocation per step
     stack.reserve(16);
@@ -280,7 +281,7 @@ class Program {
   void set_comm(int64_t k, py::handle step, py::handle group, int64_t index, int64_t size,
                 int64_t peer, bool async, py::handle slot_type) {
     if (k < 0 || k >= static_cast<int64_t>(steps_.size()) || steps_[k])
-      throw std::out_of_range("Program.set_comm: not a communication step");
+      throw std::out_of_range("CompiledPlan.set_comm: not a communication step");
     auto field = [&](const char* name, py::object fallback) {
       return py::hasattr(step, name) ? py::object(step.attr(name)) : fallback;
     };
@@ -606,24 +607,24 @@ void bind_program(py::module& m) {
       .def("get", &Env::get)
       .def("has", &Env::has)
       .def("__len__", &Env::size);
-  py::class_<Program>(m, "Program")
+  py::class_<CompiledPlan>(m, "CompiledPlan")
       .def(py::init<const py::list&, py::handle>())
-      .def("run", &Program::run)
-      .def("last_error", &Program::last_error)
-      .def("reused", &Program::reused)
-      .def("in_place", &Program::in_place)
-      .def("set_comm", &Program::set_comm, py::arg("k"), py::arg("step"), py::kw_only(),
+      .def("run", &CompiledPlan::run)
+      .def("last_error", &CompiledPlan::last_error)
+      .def("reused", &CompiledPlan::reused)
+      .def("in_place", &CompiledPlan::in_place)
+      .def("set_comm", &CompiledPlan::set_comm, py::arg("k"), py::arg("step"), py::kw_only(),
            py::arg("group"), py::arg("index"), py::arg("size"), py::arg("peer"),
            py::arg("async_"), py::arg("slot_type"))
-      .def("set_uses", &Program::set_uses)
-      .def("has_comms", &Program::has_comms)
+      .def("set_uses", &CompiledPlan::set_uses)
+      .def("has_comms", &CompiledPlan::has_comms)
       .def(
           "run_plan",
-          [](Program& p, Env& env, py::handle device, bool inputs_failed) {
+          [](CompiledPlan& p, Env& env, py::handle device, bool inputs_failed) {
             return p.run_plan(
                 env, torch::jit::toIValue(device, c10::DeviceObjType::get()).toDevice(),
                 inputs_failed);
           },
           py::arg("env"), py::arg("device"), py::arg("inputs_failed") = false)
-      .def("__len__", &Program::size);
+      .def("__len__", &CompiledPlan::size);
 }

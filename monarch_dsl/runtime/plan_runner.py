@@ -37,7 +37,7 @@ class PlanRunner:
         self.ex = executor
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
-        self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.Program
+        self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.CompiledPlan
 
     def define(self, ins: isa.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
@@ -49,7 +49,7 @@ class PlanRunner:
         key = (plan, coords, on)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.core.Program(core_steps(program, coords, self.ex.device), Slot)
+            compiled = self.core.CompiledPlan(core_steps(program, coords, self.ex.device), Slot)
             for k, step in enumerate(program.steps):
                 if isinstance(step, isa.Comm) and step.runs_on(coords):
                     self._set_comm(compiled, k, step, mesh, coords, on)
