@@ -241,16 +241,18 @@ def _threads(rank: int, size: int, names: list[str]) -> list[str]:
     return bad
 
 
-def _timeout(rank: int, size: int, name: str) -> str:
+def _timeout(rank: int, size: int, name: str, done) -> str:
     g = shm.core().ShmGroup(name, rank, size, SMALL, 1.0, 4096)
-    if rank == 1:
-        time.sleep(4)  # attached, but never joins the all-reduce
+    if rank == 1:  # attached, alive, but never joins the all-reduce (until rank 0 is done)
+        done.wait(60)
         return ""
     t = time.monotonic()
     try:
         g.all_reduce(torch.ones(10), "sum")
     except RuntimeError as e:
         return f"{time.monotonic() - t:.1f} {e}"
+    finally:
+        done.set()
     return "no error"
 
 
@@ -302,7 +304,7 @@ def test_two_groups_used_from_two_threads():
 @pytest.mark.procs
 def test_timeout_names_the_group_and_the_late_rank():
     name = _name("timeout")
-    (_, err), _ = _run(2, "_timeout", name)
+    (_, err), _ = _run(2, "_timeout", name, mp.get_context("spawn").Event())
     seconds, _, message = err.partition(" ")
     assert name in message and "timed out" in message and "rank(s) 1" in message, message
     assert "all_reduce" in message
