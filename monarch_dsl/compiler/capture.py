@@ -22,19 +22,33 @@ import sys
 import traceback
 import unittest.mock
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import CodeType, FrameType
+from typing import Any, TypedDict, cast
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from monarch_dsl.compiler.ops import FOREACH
-from monarch_dsl.compiler.plan import PlanError
+from monarch_dsl.compiler.plan import (
+    FreshNames,
+    Input,
+    Instr,
+    Output,
+    Plan,
+    PlanError,
+    Replicate,
+    TensorType,
+    Var,
+)
 from monarch_dsl.frames import innermost_user
 
 aten = torch.ops.aten
+
+# A decomposition table, as make_fx takes it: an op overload -> the function it becomes.
+Decompositions = dict[torch._ops.OpOverload[..., Any], Callable[..., Any]]
 
 # Ops decomposed while tracing, so that propagation needs rules only for a small set of
 # primitives (pointwise, reductions, views, mm); the decompositions are written with the
@@ -67,10 +81,12 @@ _DECOMPOSE = [
 ]
 
 
-def decompositions() -> dict:
+def decompositions() -> Decompositions:
     from torch._decomp import get_decompositions
 
-    return {**get_decompositions(_DECOMPOSE), **_foreach_decompositions()}
+    # (torch types its keys as OperatorBase; they are the overloads of _DECOMPOSE's packets)
+    table = cast(Decompositions, get_decompositions(_DECOMPOSE))
+    return {**table, **_foreach_decompositions()}
 
 
 # ---- multi-tensor (foreach) ops --------------------------------------------------------------
@@ -82,15 +98,15 @@ def decompositions() -> dict:
 # its own, like the foreach=False update.
 
 # Per-tensor ops whose name is not the foreach op's without its prefix.
-_FOREACH_AS = {
+_FOREACH_AS: dict[str, Callable[..., Any]] = {
     "norm": lambda x, ord=2, dtype=None: aten.linalg_vector_norm(x, ord, dtype=dtype),
     "max": lambda x: aten.max.default(x),
 }
 
 
 @functools.cache
-def _foreach_decompositions() -> dict:
-    table = {}
+def _foreach_decompositions() -> Decompositions:
+    table: Decompositions = {}
     for schema in torch._C._jit_get_all_schemas():
         ns, _, name = schema.name.partition("::")
         if ns != "aten" or not name.startswith(FOREACH) or "out" in schema.overload_name:
@@ -102,7 +118,9 @@ def _foreach_decompositions() -> dict:
     return table
 
 
-def _foreach_per_tensor(op, *args, **kwargs):
+def _foreach_per_tensor(
+    op: torch._ops.OpOverload[..., Any], *args: Any, **kwargs: Any
+) -> list[Any] | None:
     """``op`` (a foreach op) as one op per tensor of its list arguments."""
     schema = op._schema
     base = schema.name.partition("::")[2].removeprefix(FOREACH)
@@ -116,8 +134,9 @@ def _foreach_per_tensor(op, *args, **kwargs):
     # scale from a tensor (``value`` is a number), so the product is scaled by the element.
     scales = None
     if base.rstrip("_") in ("addcmul", "addcdiv") and schema.overload_name == "Tensor":
-        *args, scales = args
-    results = []
+        *rest, scales = args
+        args = tuple(rest)
+    results: list[Any] = []
     try:
         for i in range(n):
             a = [v[i] if listed else v for v, listed in zip(args, positional)]
@@ -180,7 +199,8 @@ def _unstack(gm: torch.fx.GraphModule) -> None:
             or not isinstance(i, int)
         ):
             continue
-        x = stack.args[0][i]
+        # (aten.stack's first argument is its list of tensors)
+        x = cast("list[torch.fx.Node]", stack.args[0])[i]
         lo, hi = order[stack], order[node]
         if any(lo < k < hi for k in written_at.get(x, ())) or any(
             node in writes.get(u, ()) for u in node.users
@@ -199,12 +219,12 @@ def _unstack(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _written_nodes(node: torch.fx.Node) -> set:
+def _written_nodes(node: torch.fx.Node) -> set[torch.fx.Node]:
     """The graph values ``node``'s op writes into (its schema's mutable arguments)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return set()
-    out = set()
+    out: set[torch.fx.Node] = set()
     for k, a in enumerate(target._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
@@ -237,7 +257,9 @@ class Captured:
 # ---- what the function uses ------------------------------------------------------------------
 
 
-def used_objects(fn: Callable) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+def used_objects(
+    fn: Callable[..., Any],
+) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
     """The modules and optimizers ``fn`` reaches through its closure and globals, by name."""
     modules: dict[str, nn.Module] = {}
     optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -263,7 +285,7 @@ def used_objects(fn: Callable) -> tuple[dict[str, nn.Module], dict[str, torch.op
     return modules, optimizers
 
 
-def _global_names(code) -> list[str]:
+def _global_names(code: CodeType) -> list[str]:
     names = list(code.co_names)
     for const in code.co_consts:  # nested functions and comprehensions
         if inspect.iscode(const):
@@ -274,10 +296,18 @@ def _global_names(code) -> list[str]:
 # ---- tracing ---------------------------------------------------------------------------------
 
 
+class _OutInfo(TypedDict, total=False):
+    """What tracing the step found out about its results."""
+
+    spec: pytree.TreeSpec  # of the function's own result
+    n_out: int  # its tensors
+    state: list[str]  # the optimizer state and gradients the step leaves, by name
+
+
 def capture(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     state: dict[str, torch.Tensor] | None = None,
     values: dict[str, torch.Tensor] | None = None,
 ) -> Captured:
@@ -294,11 +324,11 @@ def capture(
     kinds: dict[str, str] = {}
     owner: dict[int, str] = {}
     for mname, mod in modules.items():
-        for pname, p in mod.named_parameters(remove_duplicate=True):
-            if id(p) not in owner:
-                owner[id(p)] = f"{mname}.{pname}"
-                params[owner[id(p)]] = p
-                kinds[owner[id(p)]] = "param"
+        for pname, param in mod.named_parameters(remove_duplicate=True):
+            if id(param) not in owner:
+                owner[id(param)] = f"{mname}.{pname}"
+                params[owner[id(param)]] = param
+                kinds[owner[id(param)]] = "param"
         for bname, b in mod.named_buffers(remove_duplicate=True):
             if id(b) not in owner:
                 owner[id(b)] = f"{mname}.{bname}"
@@ -331,8 +361,9 @@ def capture(
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
         raise TypeError(f"{fn.__qualname__}: {e}") from None
-    arg_names, arg_values = [], []
-    templates = []  # (argument name, pytree spec, leaves)
+    arg_names: list[str] = []
+    arg_values: list[torch.Tensor] = []
+    templates: list[tuple[str, pytree.TreeSpec, list[Any]]] = []  # (argument name, spec, leaves)
     for pname, value in bound.arguments.items():
         leaves, spec = pytree.tree_flatten(value)
         templates.append((pname, spec, leaves))
@@ -345,9 +376,9 @@ def capture(
     state_names, state_values = list(state), list(state.values())
     n_args, n_params = len(arg_values), len(param_values)
 
-    out_info: dict[str, Any] = {}
+    out_info: _OutInfo = {}
 
-    def flat_step(*flat: torch.Tensor):
+    def flat_step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a = flat[:n_args]
         p = flat[n_args : n_args + n_params]
         s = flat[n_args + n_params :]
@@ -372,7 +403,7 @@ def capture(
                     ):
                         opt.state[traced[pname]][key] = value
             it = iter(a)
-            arguments = {}
+            arguments: dict[str, Any] = {}
             for pname, spec, leaves in templates:
                 leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
                 arguments[pname] = pytree.tree_unflatten(leaves, spec)
@@ -388,13 +419,13 @@ def capture(
                         "may return only tensors (in any pytree)"
                     )
             # State the step created or kept, and gradients.
-            kept = []
+            kept: list[tuple[str, torch.Tensor]] = []
             for opt in optimizers.values():
                 for t, entries in opt.state.items():
-                    pname = by_param.get(id(t))
+                    state_of = by_param.get(id(t))
                     for key, value in entries.items():
-                        if isinstance(value, torch.Tensor) and pname is not None:
-                            kept.append((f"{pname}.{key}", value))
+                        if isinstance(value, torch.Tensor) and state_of is not None:
+                            kept.append((f"{state_of}.{key}", value))
             for name, t in zip(param_names, p):
                 if kinds[name] == "param" and t.grad is not None:
                     kept.append((f"{name}.grad", t.grad))
@@ -406,7 +437,7 @@ def capture(
                     t.grad = None
             restore()
 
-    example = []
+    example: list[torch.Tensor] = []
     for v in arg_values:
         example.append(v.detach().requires_grad_(v.requires_grad))
     for name, v in zip(param_names, param_values):
@@ -474,29 +505,41 @@ def capture(
     )
 
 
-def _leaves(value: Any) -> list:
+def _leaves(value: Any) -> list[Any]:
     return pytree.tree_flatten(value)[0]
 
 
-def _swap_in(modules, optimizers, params, traced, owner) -> Callable[[], None]:
+def _swap_in(
+    modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    params: dict[str, torch.Tensor],
+    traced: dict[str, torch.Tensor],
+    owner: dict[int, str],
+) -> Callable[[], None]:
     """Put the traced tensors in place of the modules' parameters/buffers and the optimizers'
     params and state; returns a function that puts the originals back."""
     undo: list[Callable[[], None]] = []
     by_id = {id(params[n]): traced[n] for n in params}
     for mod in modules.values():
         for sub in mod.modules():
-            for table in (sub._parameters, sub._buffers):
+            # (while tracing, a module's parameters are the traced tensors: not Parameters)
+            tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for table in tables:
                 for key, value in list(table.items()):
                     if value is not None and id(value) in by_id:
                         table[key] = by_id[id(value)]
-                        undo.append(lambda t=table, k=key, v=value: t.__setitem__(k, v))
+                        undo.append(functools.partial(table.__setitem__, key, value))
     for opt in optimizers.values():
         old_state = opt.state
         old_params = [list(g["params"]) for g in opt.param_groups]
         for g in opt.param_groups:
             g["params"] = [by_id.get(id(p), p) for p in g["params"]]
 
-        def put_back(opt=opt, old_state=old_state, old_params=old_params):
+        def put_back(
+            opt: torch.optim.Optimizer = opt,
+            old_state: defaultdict[torch.Tensor, Any] = old_state,
+            old_params: list[list[torch.Tensor]] = old_params,
+        ) -> None:
             opt.state = old_state
             for g, ps in zip(opt.param_groups, old_params):
                 g["params"] = ps
@@ -519,16 +562,16 @@ class _UserFrames:
     collected, without reading source lines (torch's full capture and formatting of every
     frame for every node was a third of the tracing time)."""
 
-    def __init__(self, frame) -> None:
+    def __init__(self, frame: FrameType | None) -> None:
         self.frame = frame
 
     @classmethod
-    def extract(cls, *args, **kwargs) -> _UserFrames:
+    def extract(cls, *args: Any, **kwargs: Any) -> _UserFrames:
         return cls(sys._getframe(1))
 
     def summary(self) -> traceback.StackSummary:
         anchors = getattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS", ())
-        frames = []
+        frames: list[traceback.FrameSummary] = []
         f = self.frame
         while f is not None:
             code = f.f_code
@@ -578,7 +621,7 @@ def _in_foreach(e: BaseException) -> bool:
     return False
 
 
-def _chain(e: BaseException | None):
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
     while e is not None:
         yield e
         e = e.__cause__ or e.__context__
@@ -592,7 +635,7 @@ _DROPPED = {
 }
 
 
-def resolve_op(name: str):
+def resolve_op(name: str) -> Any:
     """The torch op overload named ``name`` (``"aten.mm.default"``)."""
     ns, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, ns), op), overload)
@@ -602,9 +645,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _type_of(val: Any, ndims: int):
-    from monarch_dsl.compiler.plan import Replicate, TensorType
-
+def _type_of(val: Any, ndims: int) -> TensorType:
     rep = (Replicate(),) * ndims
     if isinstance(val, torch.Tensor):
         return TensorType(tuple(int(s) for s in val.shape), dtype_name(val.dtype), rep)
@@ -612,15 +653,14 @@ def _type_of(val: Any, ndims: int):
     return TensorType(None, kind, rep)
 
 
-def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
+def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str) -> Plan:
     """The captured graph as a plan over ``mesh`` with every placement Replicate (the
     ``propagate`` pass decides them); profiler markers are dropped."""
-    from monarch_dsl.compiler.plan import FreshNames, Input, Instr, Output, Plan, PlanError, Var
-
     gm = captured.graph
     nd = len(mesh)
     names: dict[Any, str] = {}
-    inputs, body = [], []
+    inputs: list[Input] = []
+    body: list[Instr] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, iname, kind, value in zip(
         placeholders, captured.input_names, captured.input_kinds, captured.input_values
@@ -687,6 +727,8 @@ def to_plan(captured: Captured, mesh: tuple[tuple[str, int], ...], name: str):
             raise PlanError(f"cannot compile {node.op} {node.target}")
         val = node.meta.get("val")
         loc = user_location(node.meta.get("stack_trace"))
+        outs: list[str]
+        types: tuple[TensorType, ...]
         if isinstance(val, (list, tuple)):
             outs = []
             for i in range(len(val)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import product
-from typing import Any
+from typing import Any, TypeAlias
 
 from monarch_dsl.compiler.plan import (
     DTYPE_NAMES,
@@ -37,6 +37,13 @@ from monarch_dsl.compiler.plan import (
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 P2P = ("send", "recv")
+# A collective's signature: kind, dims, op, tensor dims, local inputs ((shape, dtype), ...).
+Signature: TypeAlias = tuple[
+    str, tuple[str, ...], Any, tuple[Any, ...], tuple[tuple[tuple[int, ...], str], ...]
+]
+# For communication over some dims: each rank's group id, and each group's ranks.
+Groups: TypeAlias = tuple[list[int], list[list[int]]]
+On: TypeAlias = tuple[tuple[str, int], ...]
 # Tensor-dim kwargs each collective takes.
 TENSOR_DIM_KWARGS = {
     "all_reduce": (),
@@ -146,8 +153,8 @@ class _Checker:
         for k in range(len(self.sizes) - 2, -1, -1):
             self.strides[k] = self.strides[k + 1] * self.sizes[k + 1]
         self.all_mask = (1 << len(self.coords)) - 1
-        self._on_cache: dict[tuple, tuple[list[int], int]] = {}
-        self._group_cache: dict[tuple[str, ...], tuple[list[int], list[list[int]]]] = {}
+        self._on_cache: dict[On, tuple[list[int], int]] = {}
+        self._group_cache: dict[tuple[str, ...], Groups] = {}
 
     def mesh_str(self) -> str:
         return ", ".join(f"{d}={n}" for d, n in self.plan.mesh) or "()"
@@ -386,14 +393,15 @@ class _Checker:
 
     # ---- pass 2: collectives ------------------------------------------------------------------
 
-    def groups(self, dims: tuple[str, ...]) -> tuple[list[int], list[list[int]]]:
+    def groups(self, dims: tuple[str, ...]) -> Groups:
         """For communication over ``dims``: each rank's group id, and each group's ranks."""
         hit = self._group_cache.get(dims)
         if hit is not None:
             return hit
         rest = [k for k in range(len(self.sizes)) if self.plan.dims[k] not in dims]
-        ids: dict[tuple, int] = {}
-        group_of, members = [], []
+        ids: dict[tuple[int, ...], int] = {}
+        group_of: list[int] = []
+        members: list[list[int]] = []
         for r, c in enumerate(self.coords):
             key = tuple(c[k] for k in rest)
             if key not in ids:
@@ -404,7 +412,7 @@ class _Checker:
         self._group_cache[dims] = (group_of, members)
         return group_of, members
 
-    def signature(self, i: int) -> tuple:
+    def signature(self, i: int) -> Signature:
         ins = self.body[i]
         ins_types = tuple(
             (self.types[v].local_shape(self.sizes), self.types[v].dtype) for v in self.uses[i]
@@ -419,15 +427,15 @@ class _Checker:
 
     def check_collectives(self) -> None:
         # (stream, dims) -> rank -> the collectives it issues there, in order.
-        seqs: dict[tuple, dict[int, list[int]]] = {}
+        seqs: dict[tuple[str, tuple[str, ...]], dict[int, list[int]]] = {}
         for i, ins in enumerate(self.body):
             if ins.op in COLLECTIVES:
                 per_rank = seqs.setdefault((ins.stream, tuple(ins.kw("dims"))), {})
                 for r in self.ranks_of[i]:
                     per_rank.setdefault(r, []).append(i)
-        sigs: dict[int, tuple] = {}
+        sigs: dict[int, Signature] = {}
 
-        def sig(i: int) -> tuple:
+        def sig(i: int) -> Signature:
             if i not in sigs:
                 sigs[i] = self.signature(i)
             return sigs[i]
@@ -457,7 +465,9 @@ class _Checker:
                         "instruction; expected an on filter over other dims only",
                     )
 
-    def collective_mismatch(self, stream, dims, k, r1, i1, r2, i2) -> PlanError:
+    def collective_mismatch(
+        self, stream: str, dims: tuple[str, ...], k: int, r1: int, i1: int, r2: int, i2: int
+    ) -> PlanError:
         s1, s2 = self.signature(i1), self.signature(i2)
         fields = ("kind", "dims", "op", "tensor dims", "local inputs")
         diff = ", ".join(
@@ -475,7 +485,9 @@ class _Checker:
             f"{self.own_dim_hint(i1, i2)}",
         )
 
-    def collective_missing(self, stream, dims, k, r1, seq1, r2) -> PlanError:
+    def collective_missing(
+        self, stream: str, dims: tuple[str, ...], k: int, r1: int, seq1: list[int], r2: int
+    ) -> PlanError:
         i = seq1[k]
         return self.fail(
             i,
@@ -500,8 +512,8 @@ class _Checker:
 
     def check_p2p(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Match sends with recvs; returns (rank, instr) -> the partner's (rank, instr)."""
-        sends: dict[tuple, list[int]] = {}
-        recvs: dict[tuple, list[int]] = {}
+        sends: dict[tuple[int, int, str], list[int]] = {}  # (from rank, to rank, stream)
+        recvs: dict[tuple[int, int, str], list[int]] = {}
         for i, ins in enumerate(self.body):
             if ins.op not in P2P:
                 continue
@@ -572,10 +584,9 @@ class _Checker:
                     s2 = sidx[body[j].stream]
                     latest[s2] = max(latest.get(s2, -1), j)
             xdeps.append(sorted(latest.items()))
-        groups = [
-            self.groups(tuple(ins.kw("dims"))) if kind[i] == 1 else None
-            for i, ins in enumerate(body)
-        ]
+        groups = {
+            i: self.groups(tuple(ins.kw("dims"))) for i, ins in enumerate(body) if kind[i] == 1
+        }
 
         pc = [0] * len(lists)
         arrived = [False] * len(lists)  # waiting at the communication at its pc
@@ -629,7 +640,17 @@ class _Checker:
         if stuck:
             raise self.deadlock(stuck, lists, pc, arrived, kind, xdeps, groups, pairs)
 
-    def deadlock(self, stuck, lists, pc, arrived, kind, xdeps, groups, pairs) -> PlanError:
+    def deadlock(
+        self,
+        stuck: list[int],
+        lists: list[list[int]],
+        pc: list[int],
+        arrived: list[bool],
+        kind: list[int],
+        xdeps: list[list[tuple[int, int]]],
+        groups: dict[int, Groups],
+        pairs: dict[tuple[int, int], tuple[int, int]],
+    ) -> PlanError:
         n_streams = len(STREAMS)
 
         def at(node: int) -> int:
@@ -672,7 +693,8 @@ class _Checker:
             )
 
         # Follow the waits from the first stuck node until one repeats: that is the cycle.
-        path, seen = [], {}
+        path: list[tuple[int, str]] = []
+        seen: dict[int, int] = {}
         node = stuck[0]
         while node not in seen:
             seen[node] = len(path)
@@ -719,7 +741,7 @@ def _fmt_sig(value: Any) -> str:
     return repr(value)
 
 
-def _fmt_on(on: tuple) -> str:
+def _fmt_on(on: On) -> str:
     return "on " + ", ".join(f"{d}={i}" for d, i in on) if on else "on every rank"
 
 

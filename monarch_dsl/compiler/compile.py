@@ -19,7 +19,9 @@ from monarch_dsl.compiler.propagate import propagate
 R = Replicate()
 
 
-def arg_leaf_names(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+def arg_leaf_names(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor leaf of the arguments, named as the plan names its
     inputs: the parameter's name, or ``name.i`` for the i-th leaf of a pytree."""
     import inspect
@@ -27,7 +29,7 @@ def arg_leaf_names(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, A
     import torch.utils._pytree as pytree
 
     bound = inspect.signature(fn).bind(*args, **kwargs)
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     for pname, value in bound.arguments.items():
         for i, leaf in enumerate(pytree.tree_flatten(value)[0]):
             if isinstance(leaf, torch.Tensor):
@@ -109,7 +111,7 @@ FULLY_SHARD = "_md_fully_shard"  # the mesh dim md.fully_shard set on a paramete
 
 
 def fully_sharded(
-    fn: Callable,
+    fn: Callable[..., Any],
     captured: Captured,
     given: dict[str, tuple[Placement, ...]],
     mesh: tuple[tuple[str, int], ...],
@@ -146,9 +148,9 @@ def fully_sharded(
 
 
 def compile_step(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     mesh: tuple[tuple[str, int], ...],
     placements: dict[str, Any] | None = None,
     data_parallel: str | None = None,

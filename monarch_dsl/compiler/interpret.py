@@ -23,7 +23,9 @@ def coords_of(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(n) for n in sizes)))
 
 
-def local_value(value: torch.Tensor, t: TensorType, coords: tuple[int, ...], sizes) -> Any:
+def local_value(
+    value: torch.Tensor, t: TensorType, coords: tuple[int, ...], sizes: tuple[int, ...]
+) -> Any:
     """Rank ``coords``'s part of the whole ``value`` laid out as ``t.placements``."""
     out = value
     for m, p in enumerate(t.placements):
@@ -34,14 +36,14 @@ def local_value(value: torch.Tensor, t: TensorType, coords: tuple[int, ...], siz
     return out.clone() if isinstance(out, torch.Tensor) else out
 
 
-def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes) -> Any:
+def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes: tuple[int, ...]) -> Any:
     """The whole value from every rank's part (shards joined, partials reduced)."""
     if t.shape is None:
         return parts[next(iter(parts))]
     cur = dict(parts)
     for m in reversed(range(len(sizes))):
         p = t.placements[m]
-        merged = {}
+        merged: dict[tuple[int, ...], Any] = {}
         for c in {k[:m] + k[m + 1 :] for k in cur}:
             group = [cur[c[:m] + (i,) + c[m:]] for i in range(sizes[m])]
             if isinstance(p, Shard):
@@ -58,13 +60,16 @@ def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
     """The whole value of a ``Partial(op)`` from its parts."""
     if op == "avg":
         return torch.stack(values).mean(0)
-    return collectives.combine([collectives.Exchange("all_reduce", v, op) for v in values])[0]
+    whole: torch.Tensor = collectives.combine(
+        [collectives.Exchange("all_reduce", v, op) for v in values]
+    )[0]
+    return whole
 
 
 @torch.no_grad()  # (as on workers: a bucket of gradients must not join an autograd graph)
 def run_program(
-    program: Program, inputs: dict[tuple[int, ...], list], core: Any = None
-) -> dict[tuple[int, ...], list]:
+    program: Program, inputs: dict[tuple[int, ...], list[Any]], core: Any = None
+) -> dict[tuple[int, ...], list[Any]]:
     """Run ``program`` on every rank: ``inputs[coords]`` are that rank's input values; returns
     each rank's output values. ``core``: the C++ runtime module, to run the compute steps in
     its ``Program`` (as workers do) instead of in Python."""
@@ -78,7 +83,8 @@ def run_program(
     for c in ranks:
         for slot, v in zip(program.inputs, inputs[c]):
             envs[c][slot] = v
-    mail: dict[tuple, deque] = defaultdict(deque)
+    # (sender, receiver) -> the values sent, in order
+    mail: dict[tuple[tuple[int, ...], tuple[int, ...]], deque[torch.Tensor]] = defaultdict(deque)
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
         if isinstance(step, isa.COLLECTIVES):
@@ -130,7 +136,7 @@ def run_program(
 
 
 def _groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
-    by_rest: dict[tuple, list] = defaultdict(list)
+    by_rest: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
     for c in active:
         rest = tuple(x for i, x in enumerate(c) if i not in dims)
         by_rest[rest].append(c)
@@ -138,8 +144,8 @@ def _groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[t
 
 
 def simulate_values(
-    plan: Plan, program: Program, values: list, core: Any = None
-) -> tuple[list, list]:
+    plan: Plan, program: Program, values: list[Any], core: Any = None
+) -> tuple[list[Any], list[Any]]:
     """Run ``plan`` on whole input ``values`` (in input order): shards each input by its
     placement, runs every rank, and joins each output by its placement. Returns the whole
     outputs and the whole inputs after the run (a training step updates them in place)."""
@@ -154,7 +160,7 @@ def simulate_values(
     for k, o in enumerate(plan.outputs):
         result.append(whole_value({c: outs[c][k] for c in ranks}, types[o.var], sizes))
     # An input updated in place by a pipeline stage: that stage's copy is the new value.
-    home: dict[str, tuple] = {}
+    home: dict[str, tuple[tuple[str, int], ...]] = {}  # value -> its first on-filtered use's on
     for ins in plan.body:
         for u in ins.uses():
             if u not in home and ins.on:

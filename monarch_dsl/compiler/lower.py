@@ -12,13 +12,13 @@ communication steps are run by the back end (``isa/collectives.py`` says what ea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 import torch
 
 from monarch_dsl import isa
-from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Shard, Var
-from monarch_dsl.isa import Compute, Program, Slot, Step
+from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Instr, Plan, PlanError, Shard, Var
+from monarch_dsl.isa import Compute, On, Program, Slot, Step
 
 # Ops whose argument ``index`` is a size: rewritten to the output's local shape.
 _SIZE_ARG = {
@@ -39,6 +39,25 @@ _SIZE_ARG = {
     "rand": 0,
     "randn": 0,
 }
+
+
+class _StepFields(TypedDict):
+    """What every step has (``isa.Step``'s fields)."""
+
+    args: tuple[Any, ...]
+    outs: tuple[int, ...]
+    on: On
+    stream: str
+    loc: str
+    frees: tuple[int, ...]
+
+
+class _CommFields(_StepFields):
+    """What every communication step has (``isa.Comm``'s fields)."""
+
+    dims: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
 
 
 def lower(plan: Plan) -> Program:
@@ -67,7 +86,7 @@ def lower(plan: Plan) -> Program:
         # Values defined but never used: free right after.
         dead = [o for o in ins.outs if o not in last_use and o not in keep]
 
-        def conv(value: Any, ins=ins) -> Any:
+        def conv(value: Any, ins: Instr = ins) -> Any:
             if isinstance(value, Var):
                 if value.name not in slots:
                     raise PlanError(f"%{value.name} is used before it is defined", ins.loc)
@@ -78,28 +97,30 @@ def lower(plan: Plan) -> Program:
 
         args = list(conv(ins.args))
         kwargs = {k2: conv(v) for k2, v in ins.kwargs}
-        common = dict(
-            args=tuple(args),
-            outs=tuple(slots[o] for o in ins.outs),
-            on=tuple((dim_index[d], i) for d, i in ins.on),
-            stream=ins.stream,
-            loc=ins.loc,
-            frees=tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead),
-        )
+        common: _StepFields = {
+            "args": tuple(args),
+            "outs": tuple(slots[o] for o in ins.outs),
+            "on": tuple((dim_index[d], i) for d, i in ins.on),
+            "stream": ins.stream,
+            "loc": ins.loc,
+            "frees": tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead),
+        }
         if ins.op in COMM_OPS or ins.op in LOCAL_OPS:
             ts = ins.types if ins.types else tuple(types[u] for u in ins.uses())
-            common.update(
-                dims=tuple(dim_index[d] for d in kwargs.get("dims", ())),
-                shapes=tuple(t.local_shape(sizes) for t in ts),
-                dtype=ts[0].dtype,
-            )
-            steps.append(_comm_step(ins.op, kwargs, common))
+            comm: _CommFields = {
+                **common,
+                "dims": tuple(dim_index[d] for d in kwargs.get("dims", ())),
+                "shapes": tuple(t.local_shape(sizes) for t in ts),
+                "dtype": ts[0].dtype,
+            }
+            steps.append(_comm_step(ins.op, kwargs, comm))
             continue
         name = ins.op.split(".")[1]
         if name == "slice" and len(args) >= 4 and ins.reason.startswith("micro-batch"):
             # A slice along a sharded dim (a micro-batch of a data-parallel shard): the same
             # fraction of this rank's part.
             src = types[ins.uses()[0]]
+            assert src.shape is not None  # (a slice is of a tensor)
             d = args[1] % len(src.shape)
             f = 1
             for p, n in zip(src.placements, sizes):
@@ -131,7 +152,7 @@ def lower(plan: Plan) -> Program:
     )
 
 
-def _comm_step(op: str, kw: dict, common: dict) -> Step:
+def _comm_step(op: str, kw: dict[str, Any], common: _CommFields) -> Step:
     """The typed step of a communication or local redistribution ``op`` with the plan's
     options ``kw`` (plan.Instr's kwargs)."""
     if op == "all_reduce":
@@ -156,7 +177,7 @@ def _comm_step(op: str, kw: dict, common: dict) -> Step:
 _OPS: dict[str, Any] = {}
 
 
-def op_of(name: str):
+def op_of(name: str) -> Any:
     fn = _OPS.get(name)
     if fn is None:
         from monarch_dsl.compiler.capture import resolve_op
@@ -165,7 +186,14 @@ def op_of(name: str):
     return fn
 
 
-def resolve(value: Any, env: list) -> Any:
+class Env(Protocol):
+    """A rank's value slots: a list, or the C++ runtime's ``_core.Env``."""
+
+    def __getitem__(self, slot: int, /) -> Any: ...
+    def __setitem__(self, slot: int, value: Any, /) -> None: ...
+
+
+def resolve(value: Any, env: Env) -> Any:
     if isinstance(value, Slot):
         return env[value.index]
     if isinstance(value, (list, tuple)) and value and not isinstance(value, torch.Size):
@@ -173,7 +201,7 @@ def resolve(value: Any, env: list) -> Any:
     return value
 
 
-def run_step(step: Compute, env: list, device: Any = None) -> None:
+def run_step(step: Compute, env: Env, device: Any = None) -> None:
     """Run a compute step on this rank's slots ``env`` (results written into ``env``)."""
     args = resolve(step.args, env)
     kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}

@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from collections.abc import Callable
+from typing import Any
 
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name, written
 from monarch_dsl.compiler.plan import (
@@ -75,6 +77,7 @@ def microbatch(plan: Plan) -> Plan:
     def copy_type(t: TensorType) -> TensorType:
         p = t.placements[m_index]
         if isinstance(p, Shard):
+            assert t.shape is not None  # (a sharded value is a tensor)
             shape = list(t.shape)
             shape[p.dim] //= M
             t = t._replace(shape=tuple(shape))
@@ -100,6 +103,7 @@ def microbatch(plan: Plan) -> Plan:
     for i in plan.inputs:
         p = i.type.placements[m_index]
         if isinstance(p, Shard):
+            assert i.type.shape is not None  # (a sharded value is a tensor)
             split[i.name] = True
             length = i.type.shape[p.dim] // M
             t = copy_type(i.type)
@@ -178,13 +182,13 @@ def microbatch(plan: Plan) -> Plan:
                 body.extend(copies)
     body = _order_by_dependencies(body, {i.name for i in inputs}, prologue + program)
     outputs = []
-    for o in plan.outputs:
-        if split.get(o.var, False):
+    for output in plan.outputs:
+        if split.get(output.var, False):
             raise PlanError(
-                f"the result {o.name!r} differs per micro-batch; return a value combined over "
-                "the batch (a loss's mean) or a parameter's state"
+                f"the result {output.name!r} differs per micro-batch; return a value combined "
+                "over the batch (a loss's mean) or a parameter's state"
             )
-        outputs.append(o)
+        outputs.append(output)
     mesh = tuple(x for x in plan.mesh if x[0] != MB)
     notes = {**notes, "stage": stage_notes}
     out = plan.replace(
@@ -198,7 +202,16 @@ def microbatch(plan: Plan) -> Plan:
     return record_pass(out, "microbatch", t0)
 
 
-def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
+def _combine(
+    ins: Instr,
+    uses: list[str],
+    M: int,
+    split: dict[str, bool],
+    types: dict[str, TensorType],
+    name: Callable[[str, int], str],
+    drop: Callable[[TensorType], TensorType],
+    copy_type: Callable[[TensorType], TensorType],
+) -> list[Instr]:
     """A communication over ``mb`` as local ops on the micro-batch copies: a reduction over
     the micro-batches is the sum (or mean) of the copies, a gather their ``cat``, a local
     chunk one slice per copy; a reduce-scatter or an all-to-all is the reduction or the
@@ -210,10 +223,13 @@ def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
     op = ins.op
     why = f"micro-batches of %{src} combined" + (f" ({ins.reason})" if ins.reason else "")
 
-    def instr(outs, aten, args, t, reason=why) -> Instr:
+    def instr(
+        outs: tuple[str, ...], aten: str, args: tuple[Any, ...], t: TensorType, reason: str = why
+    ) -> Instr:
         return Instr(outs, aten, args, (), (t,), ins.stream, ins.on, ins.loc, reason)
 
     def reduced(out: str, how: str, t: TensorType) -> list[Instr]:
+        assert t.shape is not None  # (a reduction over micro-batches is of a tensor)
         stacked = TensorType((M, *t.shape), t.dtype, t.placements)
         tmp = f"{out}.mbs"
         aten = "aten.sum.dim_IntList" if how == "sum" else "aten.mean.dim"
@@ -226,6 +242,7 @@ def _combine(ins, uses, M, split, types, name, drop, copy_type) -> list[Instr]:
         # One slice per micro-batch, in global sizes: ``lower`` rescales a micro-batch slice
         # to this rank's part of a tensor dim other mesh dims shard too.
         t = copy_type(ins.types[0])
+        assert t_out.shape is not None  # (a slice is of a tensor)
         length = t_out.shape[dim] // M
         return [
             instr(
@@ -363,7 +380,8 @@ def _order_by_dependencies(
                 heapq.heappush(sweep if w > k else following, w)
 
     def run(first: int) -> None:
-        sweep, following = [first], []
+        sweep: list[int] = [first]
+        following: list[int] = []
         while sweep:
             while sweep:
                 k = heapq.heappop(sweep)
@@ -594,9 +612,10 @@ def _infer_stages(plan: Plan, tagged: dict[str, int]) -> list[int]:
         kinds = {i.name: i.kind for i in plan.inputs}
         home: dict[str, int] = {}  # input -> the stage of its first staged reader
         for k, ins in enumerate(body):
+            s = stage[k]
             for u in ins.uses():
-                if u in kinds and stage[k] is not None:
-                    home.setdefault(u, stage[k])
+                if u in kinds and s is not None:
+                    home.setdefault(u, s)
 
         def home_of(name: str, state: bool) -> int | None:
             if name in home:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 from monarch_dsl.errors import PlanError as PlanError  # re-exported: the compiler raises it
 from monarch_dsl.isa import leaves
@@ -143,10 +143,11 @@ class TensorType(NamedTuple):
 def _itemsize(dtype: str) -> int:
     import torch
 
-    return getattr(torch, dtype).itemsize
+    dt: torch.dtype = getattr(torch, dtype)
+    return dt.itemsize
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if n < 1024 or unit == "MiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -298,7 +299,23 @@ class Collective(NamedTuple):
 # The text form of a plan and its checker build on this module (compiler/text.py,
 # compiler/check.py), so they register themselves here -- "format", "parse", "check" -- rather
 # than being imported by it; compiler/__init__.py imports both, so they are always there.
-IMPLEMENTATIONS: dict[str, Any] = {}
+class Implementations(TypedDict, total=False):
+    format: Callable[[Plan], str]
+    parse: Callable[[str], Plan]
+    check: Callable[[Plan], None]
+
+
+IMPLEMENTATIONS: Implementations = {}
+
+
+class PlanNotes(TypedDict, total=False):
+    """What ``Plan.notes`` holds: the ``phase`` (forward / backward / update) and pipeline
+    ``stage`` of each instruction, by its first out's name (``capture``'s), and the stage of
+    each output, by its name (``split_stages``'; None: no instruction makes it)."""
+
+    phase: dict[str, str]
+    stage: dict[str, int]
+    output_stage: dict[str, int | None]
 
 
 @dataclass(frozen=True)
@@ -324,9 +341,8 @@ class Plan:
     # function's result from the flat outputs.
     passes: tuple[PassRecord, ...] = field(default=(), compare=False, repr=False)
     out_spec: Any = field(default=None, compare=False, repr=False)
-    # Facts passes hand on to later passes (not part of the plan): "phase" and "stage" of
-    # each instruction, by its first out's name.
-    notes: Any = field(default=None, compare=False, repr=False)
+    # Facts passes hand on to later passes (not part of the plan): ``PlanNotes``.
+    notes: PlanNotes | None = field(default=None, compare=False, repr=False)
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -361,7 +377,9 @@ class Plan:
         )
         if self.micro_batches > 1:
             head += f", {self.micro_batches} micro-batches"
-        rows = [("#", "kind", "dims", "stream", "moves (per rank)", "why", "where")]
+        rows: list[tuple[str, ...]] = [
+            ("#", "kind", "dims", "stream", "moves (per rank)", "why", "where")
+        ]
         comm_instrs = [ins for ins in self.body if ins.is_comm]
         for i, (c, ins) in enumerate(zip(comms, comm_instrs)):
             values = ins.uses() if ins.op == "send" else list(ins.outs)
@@ -379,14 +397,12 @@ class Plan:
             where = c.loc.rsplit("/", 1)[-1]
             rows.append((str(i), c.kind, ",".join(c.dims), c.stream, moves, c.reason, where))
         why = 5  # the reason column, wrapped: bucket reasons list every gradient
-        wrapped = [r[:why] + (textwrap.wrap(r[why], 60) or [""],) + r[why + 1 :] for r in rows]
-        widths = [
-            max(max(map(len, c)) if isinstance(c, list) else len(c) for c in col)
-            for col in zip(*wrapped)
-        ]
+        wrapped = [textwrap.wrap(r[why], 60) or [""] for r in rows]
+        widths = [max(map(len, col)) for col in zip(*rows)]
+        widths[why] = max(len(part) for parts in wrapped for part in parts)
         lines = [head, ""]
-        for k, r in enumerate(wrapped):
-            for n, part in enumerate(r[why]):
+        for k, (r, parts) in enumerate(zip(rows, wrapped)):
+            for n, part in enumerate(parts):
                 cells = [c if n == 0 else "" for c in r]
                 cells[why] = part
                 lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())

@@ -22,10 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from monarch_dsl.compiler.cost import nbytes
 from monarch_dsl.compiler.ops import ALIASING, base_name, written
-from monarch_dsl.compiler.plan import Instr, Plan, Var, format_placements, record_pass
+from monarch_dsl.compiler.plan import (
+    Instr,
+    Plan,
+    TensorType,
+    Var,
+    format_placements,
+    record_pass,
+)
 
 
 def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
@@ -51,8 +59,10 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         for w in written(ins):
             writes.setdefault(root.get(w, w), []).append(k)
 
-    candidates = []
-    scatters = []  # reduce-scatters of gradients (fully sharded parameters): moved one by one
+    candidates: list[tuple[int, int]] = []  # (ready, index)
+    scatters: list[
+        tuple[int, int]
+    ] = []  # reduce-scatters of gradients (fully sharded parameters): moved one by one
     sources: dict[int, str] = {}
     for k, ins in enumerate(body):
         if ins.op not in ("all_reduce", "reduce_scatter") or ins.stream != "main":
@@ -83,7 +93,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
         sources[k] = src
 
     # Per group of ranks and kind of reduction (``_key``), in the order the gradients are ready.
-    groups: dict[tuple, list[tuple[int, int]]] = {}
+    groups: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
     for ready, k in sorted(candidates):
         groups.setdefault(_key(body[k]), []).append((ready, k))
     cap = bucket_cap_mb * 2**20
@@ -171,7 +181,11 @@ _RENAMES = ("aten.detach.default", "aten.alias.default")
 
 
 def _why(
-    members: list[Instr], srcs: list[str], readers: dict, types: dict, dims: tuple[str, ...]
+    members: list[Instr],
+    srcs: list[str],
+    readers: dict[str, dict[str, None]],
+    types: dict[str, TensorType],
+    dims: tuple[str, ...],
 ) -> str:
     """The placement change and the ops that read the results, as ``propagate`` words a
     collective's reason, for each group of a bucket's gradients that share both:
@@ -205,7 +219,7 @@ def _buckets(
     return buckets
 
 
-def _key(ins: Instr) -> tuple:
+def _key(ins: Instr) -> tuple[Any, ...]:
     """What the all-reduces of one bucket share: the ranks that issue it (a pipeline stage's,
     by ``on``), the group, the reduction and the dtype."""
     return (ins.on, ins.kw("dims"), ins.kw("op"), ins.types[0].dtype)

@@ -22,11 +22,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
 
 _tls = threading.local()
 
@@ -78,7 +80,7 @@ def tracing_stages() -> Iterator[_Tracing]:
     real_backward = torch.autograd.backward
     real_grad = torch.autograd.grad
 
-    def run_backward(real, tensors, *args, **kwargs):
+    def run_backward(real: Callable[..., Any], tensors: Any, *args: Any, **kwargs: Any) -> Any:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         handles = _hook_graph(tracing, [t.grad_fn for t in roots if t.grad_fn is not None])
         tracing.phase = "backward"
@@ -90,10 +92,10 @@ def tracing_stages() -> Iterator[_Tracing]:
             tracing.phase = "update"  # what follows the backward is the optimizer's
             tracing.tag(None)
 
-    def backward(tensors, *args, **kwargs):
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         return run_backward(real_backward, tensors, *args, **kwargs)
 
-    def grad(outputs, *args, **kwargs):
+    def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
         return run_backward(real_grad, outputs, *args, **kwargs)
 
     with fx_traceback.preserve_node_meta():
@@ -109,14 +111,14 @@ def tracing_stages() -> Iterator[_Tracing]:
             _tls.tracing = None
 
 
-def _hook_graph(tracing: _Tracing, roots: list) -> list:
+def _hook_graph(tracing: _Tracing, roots: list[Node]) -> list[RemovableHandle]:
     """Pre-hooks on every autograd node reachable from ``roots``: each switches the current
     stage to its node's before the node's backward ops are recorded."""
     if not tracing.used:
         return []
-    handles = []
+    handles: list[RemovableHandle] = []
     seen: set[int] = set()
-    todo = [(r, None) for r in roots]
+    todo: list[tuple[Node | None, int | None]] = [(r, None) for r in roots]
     while todo:
         node, parent_stage = todo.pop()
         if node is None or id(node) in seen:
@@ -127,7 +129,7 @@ def _hook_graph(tracing: _Tracing, roots: list) -> list:
         is_leaf = type(node).__name__ == "AccumulateGrad"
         stage = parent_stage if is_leaf and parent_stage is not None else tracing.stage_of_seq(seq)
 
-        def hook(grad_outputs, stage=stage):
+        def hook(grad_outputs: Any, stage: int = stage) -> None:
             tracing.tag(stage)
 
         handles.append(node.register_prehook(hook))

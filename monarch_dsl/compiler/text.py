@@ -227,7 +227,9 @@ class _Reader:
         outs: tuple[str, ...] = ()
         on: tuple[tuple[str, int], ...] = ()
         types, loc, reason = [], "", ""
-        op = stream = op_token = None
+        op: str | None = None
+        stream: str | None = None
+        op_token: Any = None
         args: list[Any] = []
         kwargs: list[tuple[str, Any]] = []
         for child in tree.children:
@@ -257,6 +259,7 @@ class _Reader:
                 loc = self.string(child.children[0])
             else:  # reason
                 reason = self.string(child.children[0])
+        assert op is not None and stream is not None  # (the grammar's plan_instr has both)
         return Instr(outs, op, tuple(args), tuple(kwargs), tuple(types), stream, on, loc, reason)
 
     def type(self, tree: Any) -> TensorType:
@@ -349,7 +352,7 @@ class _Reader:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # an unknown escape such as \q
-                value = ast.literal_eval(text)
+                value: str = ast.literal_eval(text)  # (a STRING token: a str literal)
         except (SyntaxError, ValueError, Warning) as e:
             raise self.error(token, f"bad string {text}: {e}") from None
         return value
@@ -361,4 +364,5 @@ def _first_token(tree: Any, default: Any) -> Any:
     return next(iter(tree.scan_values(lambda v: True)), default)
 
 
-IMPLEMENTATIONS.update(format=format_plan, parse=parse_plan)
+IMPLEMENTATIONS["format"] = format_plan
+IMPLEMENTATIONS["parse"] = parse_plan

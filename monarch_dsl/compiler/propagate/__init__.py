@@ -12,13 +12,14 @@ The cost model is ``compiler.cost``; facts about ops by name (aliasing, writes i
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, written
 from monarch_dsl.compiler.plan import MB
 from monarch_dsl.compiler.propagate.propagation import propagate
-from monarch_dsl.compiler.propagate.registry import Ctx, Strategy, rule, strategies
+from monarch_dsl.compiler.propagate.registry import Ctx, DimType, Strategy, rule, strategies
 
 __all__ = [
     "ALIASING",
     "FOREACH",
     "MB",
     "Ctx",
+    "DimType",
     "Strategy",
     "propagate",
     "rule",

@@ -98,8 +98,8 @@ def propagate(
         elif o.kind == "grad" and t.shape is not None:
             # Laid out like its parameter (DDP's grads are whole and averaged): usually the
             # optimizer already made it so, and this costs nothing.
-            param = types.get(o.name.removesuffix(".grad"))
-            want = param.placements if param is not None else (R,) * len(plan.sizes)
+            param_type = types.get(o.name.removesuffix(".grad"))
+            want = param_type.placements if param_type is not None else (R,) * len(plan.sizes)
             if tuple(want) != t.placements:
                 var = st.redistribute(
                     var,
@@ -113,23 +113,24 @@ def propagate(
 
 def _check_input(name: str, t: TensorType, plan: Plan) -> None:
     product: dict[int, int] = {}  # tensor dim -> the product of the mesh dims sharding it
+    shape = t.shape or ()  # (a scalar: no dim to shard)
     for (dim, n), p in zip(plan.mesh, t.placements):
         if isinstance(p, Shard):
-            nd = len(t.shape or ())
+            nd = len(shape)
             if not 0 <= p.dim < nd:
                 raise PlanError(
                     f"placement of {name!r} on {dim!r}: Shard({p.dim}) but the tensor has "
-                    f"{nd} dims (shape {list(t.shape or ())})"
+                    f"{nd} dims (shape {list(shape)})"
                 )
-            if t.shape[p.dim] % n:
+            if shape[p.dim] % n:
                 raise PlanError(
                     f"placement of {name!r} on {dim!r}: Shard({p.dim}) needs dim {p.dim} "
-                    f"(size {t.shape[p.dim]}) divisible by the mesh dim's size {n}"
+                    f"(size {shape[p.dim]}) divisible by the mesh dim's size {n}"
                 )
             product[p.dim] = product.get(p.dim, 1) * n
-            if t.shape[p.dim] % product[p.dim]:
+            if shape[p.dim] % product[p.dim]:
                 raise PlanError(
-                    f"placement of {name!r}: dim {p.dim} (size {t.shape[p.dim]}) is sharded "
+                    f"placement of {name!r}: dim {p.dim} (size {shape[p.dim]}) is sharded "
                     f"over several mesh dims, up to {dim!r}, and needs to be divisible by the "
                     f"product of their sizes ({product[p.dim]})"
                 )

@@ -11,11 +11,15 @@ all_gather, all_to_all, or a local chunk). Inserting them is the pass's
 from __future__ import annotations
 
 import heapq
+from typing import Any, TypeAlias
 
 from monarch_dsl.compiler.cost import redistribute_cost
 from monarch_dsl.compiler.plan import MB, Partial, Placement, Replicate, Shard, TensorType
 
 R = Replicate()
+
+# One instruction of a redistribution: (op, kwargs, the placement it makes).
+RedistStep: TypeAlias = tuple[str, tuple[tuple[str, Any], ...], Placement]
 
 
 def redistribution(
@@ -39,8 +43,10 @@ def _reduced_first(
     if MB not in dims:
         return None
     mb = dims.index(MB)
-    reduced = [m for m, (p, w) in enumerate(zip(cur, want)) if p.is_partial() and p != w]
-    if mb not in reduced or any(cur[m].op not in ("sum", "avg") for m in reduced):
+    reduced = {
+        m: p.op for m, (p, w) in enumerate(zip(cur, want)) if isinstance(p, Partial) and p != w
+    }
+    if mb not in reduced or any(op not in ("sum", "avg") for op in reduced.values()):
         return None
     return mb
 
@@ -96,8 +102,8 @@ def _nests(
 
     def inner(d: int) -> bool:  # a mesh dim right of m already shards tensor dim d
         return any(
-            isinstance(pl[k], Shard) and pl[k].dim == d and sizes[k] > 1
-            for k in range(m + 1, len(pl))
+            isinstance(p, Shard) and p.dim == d and sizes[k] > 1
+            for k, p in enumerate(pl[m + 1 :], m + 1)
         )
 
     if isinstance(src, Shard) and inner(src.dim):
@@ -134,7 +140,11 @@ def _moves(
     if t.shape is None:
         return direct
     rank = {m: k for k, m in enumerate(order)}
-    heap: list[tuple[float, int, tuple, int, tuple[Placement, ...]]] = [(0.0, 0, (), 0, cur)]
+    # (cost, steps, path: (rank in order, a detour, mesh dim, placement) per step, push count,
+    # placements)
+    heap: list[
+        tuple[float, int, tuple[tuple[int, bool, int, Placement], ...], int, tuple[Placement, ...]]
+    ] = [(0.0, 0, (), 0, cur)]
     done: set[tuple[Placement, ...]] = set()
     pushed = 0
     while heap:
@@ -162,14 +172,14 @@ def _moves(
     return None
 
 
-def steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, Placement]]:
+def steps(src: Placement, dst: Placement, dim: str) -> list[RedistStep]:
     """The instructions (op, kwargs, resulting placement) from ``src`` to ``dst`` on the mesh
     dim named ``dim``."""
     dims = ("dims", (dim,))
     if isinstance(src, Partial):
         if isinstance(dst, Shard) and src.op in ("sum", "avg"):
             return [("reduce_scatter", (dims, ("op", src.op), ("dim", dst.dim)), dst)]
-        first = ("all_reduce", (dims, ("op", src.op)), R)
+        first: RedistStep = ("all_reduce", (dims, ("op", src.op)), R)
         return [first] + ([] if dst == R else steps(R, dst, dim))
     if isinstance(src, Shard):
         if isinstance(dst, Shard):
@@ -179,4 +189,5 @@ def steps(src: Placement, dst: Placement, dim: str) -> list[tuple[str, tuple, Pl
     # Replicate
     if isinstance(dst, Shard):
         return [("shard_local", (dims, ("dim", dst.dim)), dst)]
+    assert isinstance(dst, Partial)  # (a change: not Replicate again)
     return [("partial_local", (dims, ("op", dst.op)), dst)]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from monarch_dsl.compiler.ops import base_name
-from monarch_dsl.compiler.plan import Instr, Placement, Replicate, Shard, TensorType
+from monarch_dsl.compiler.plan import Instr, Placement, Replicate, Shard
 
 R = Replicate()
 
@@ -27,12 +27,21 @@ class Strategy(NamedTuple):
     outs: tuple[Placement, ...]
 
 
+class DimType(NamedTuple):
+    """A value's type as a rule sees it on one mesh dim: its whole shape and dtype (as its
+    ``TensorType`` has them) and its placement on that dim."""
+
+    shape: tuple[int, ...] | None
+    dtype: str
+    placement: Placement
+
+
 class Ctx(NamedTuple):
     """What a rule sees of an instruction on one mesh dim: its tensor inputs' types (with
     their placements on that dim), its outputs' types and the dim's size."""
 
-    ins: list[TensorType]  # types of the tensor inputs, Instr.uses() order
-    outs: tuple[TensorType, ...]
+    ins: list[DimType]  # types of the tensor inputs, Instr.uses() order
+    outs: tuple[DimType, ...]  # (placed Replicate: the rule decides)
     n: int  # size of the mesh dim
 
 
@@ -90,7 +99,7 @@ def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def divisible(t: TensorType, d: int, n: int) -> bool:
+def divisible(t: DimType, d: int, n: int) -> bool:
     """Whether ``t``'s dim ``d`` exists and ``n`` ranks can shard it evenly."""
     return t.shape is not None and 0 <= d < len(t.shape) and t.shape[d] % n == 0 and t.shape[d] > 0
 
@@ -109,4 +118,4 @@ def valid(s: Strategy, c: Ctx) -> bool:
 def first_input_as_is(cands: list[Strategy], c: Ctx) -> list[Strategy]:
     """``cands`` with those that take the first input as it is laid out first (a stable
     sort: ties in cost go to them)."""
-    return sorted(cands, key=lambda s: 0 if s.ins[0] == c.ins[0].placements else 1)
+    return sorted(cands, key=lambda s: 0 if s.ins[0] == c.ins[0].placement else 1)

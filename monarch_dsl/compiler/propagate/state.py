@@ -27,7 +27,7 @@ from monarch_dsl.compiler.plan import (
     format_placements,
 )
 from monarch_dsl.compiler.propagate.redistribute import redistribution, steps
-from monarch_dsl.compiler.propagate.registry import Ctx, R, Strategy, strategies
+from monarch_dsl.compiler.propagate.registry import Ctx, DimType, R, Strategy, strategies
 
 
 class State:
@@ -64,10 +64,11 @@ class State:
         fallback = False
         for m, n in enumerate(sizes):
             ctx = Ctx(
-                [t._replace(placements=t.placements[m]) for t in in_types],  # type: ignore[arg-type]
-                tuple(t._replace(placements=R) for t in ins.types),  # type: ignore[arg-type]
+                [DimType(t.shape, t.dtype, t.placements[m]) for t in in_types],
+                tuple(DimType(t.shape, t.dtype, R) for t in ins.types),
                 n,
             )
+            cands: list[Strategy] | None
             if n == 1 or m in self.flat_dims:
                 cands = [Strategy(tuple(R for _ in current), tuple(R for _ in ins.outs))]
             else:
@@ -80,9 +81,9 @@ class State:
                 if not self._fits(s, m, in_types, required, ins.types, out_pl):
                     continue  # nested shards that do not divide: infinite cost
                 c = 0.0
-                for t, want in zip(in_types, s.ins):
-                    if want is not None:
-                        c += redistribute_cost(t.placements[m], want, t, n)
+                for t, w in zip(in_types, s.ins):
+                    if w is not None:
+                        c += redistribute_cost(t.placements[m], w, t, n)
                 if best_cost is None or c < best_cost:
                     best, best_cost = s, c
             if best is None and inplace:
@@ -98,9 +99,9 @@ class State:
                     f"as {', '.join(self._layout(r) for r in required)})",
                     ins.loc,
                 )
-            for i, want in enumerate(best.ins):
-                if want is not None:
-                    required[i][m] = want
+            for i, w in enumerate(best.ins):
+                if w is not None:
+                    required[i][m] = w
             for j, p in enumerate(best.outs):
                 out_pl[j].append(p)
         if fallback:

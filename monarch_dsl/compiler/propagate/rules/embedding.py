@@ -26,6 +26,7 @@ def rule_embedding(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strateg
             if divisible(idx, d, c.n):
                 cands.append(Strategy((R, Shard(d)), (Shard(d),)))
         if divisible(w, 1, c.n):
+            assert out.shape is not None  # (an embedding is a tensor)
             cands.append(Strategy((Shard(1), R), (Shard(len(out.shape) - 1),)))
     else:  # (grad[..., D], indices, num_weights, ...) -> grad_weight[V, D]
         g, idx = c.ins
@@ -34,6 +35,7 @@ def rule_embedding(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strateg
         for d in range(len(idx.shape or ())):
             if divisible(idx, d, c.n) and not by_freq:
                 cands.append(Strategy((Shard(d), Shard(d)), (Partial("sum"),)))
+        assert g.shape is not None  # (a gradient is a tensor)
         if divisible(g, len(g.shape) - 1, c.n):
             cands.append(Strategy((Shard(len(g.shape) - 1), R), (Shard(1),)))
     return [s for s in first_input_as_is(cands, c) if valid(s, c)]

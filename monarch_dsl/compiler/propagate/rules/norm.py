@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from monarch_dsl.compiler.plan import Instr, Partial, Shard
+from monarch_dsl.compiler.plan import Instr, Partial, Placement, Shard
 from monarch_dsl.compiler.propagate.registry import (
     Ctx,
     R,
@@ -25,6 +25,7 @@ def rule_layer_norm(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strate
     normalized = len(ins.args[2] if backward else ins.args[1])
     k = len(c.ins)
     cands = [Strategy((R,) * k, (R,) * len(c.outs))]
+    req: tuple[Placement, ...]
     for d in range(nd - normalized):
         if not divisible(x, d, c.n):
             continue

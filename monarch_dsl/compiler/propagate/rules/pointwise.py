@@ -3,7 +3,7 @@ the ops that are linear in it."""
 
 from __future__ import annotations
 
-from monarch_dsl.compiler.plan import Instr, Partial, Shard, Var
+from monarch_dsl.compiler.plan import Instr, Partial, Placement, Shard, Var
 from monarch_dsl.compiler.propagate.registry import Ctx, R, Strategy, aten, divisible, rule
 
 POINTWISE = set(
@@ -29,7 +29,8 @@ PRIMS_POINTWISE = ("div", "mul", "add", "sub", "neg", "convert_element_type", "s
 def rule_pointwise(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
     outs = c.outs
     out = outs[0]
-    ond = len(out.shape or ())
+    out_shape = out.shape or ()
+    ond = len(out_shape)
     k = len(c.ins)
     cands: list[Strategy] = []
     # Shard along an output dim: inputs that have the dim (not broadcast) are sharded too.
@@ -37,11 +38,11 @@ def rule_pointwise(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strateg
     for od in range(ond):
         if not divisible(out, od, c.n):
             continue
-        req = []
+        req: list[Placement] = []
         for t in c.ins:
-            tnd = len(t.shape or ())
-            d = od - (ond - tnd)
-            if d >= 0 and t.shape[d] == out.shape[od]:
+            shape = t.shape or ()
+            d = od - (ond - len(shape))
+            if d >= 0 and shape[d] == out_shape[od]:
                 req.append(Shard(d))
             else:
                 req.append(R)
@@ -63,7 +64,7 @@ def rule_pointwise(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strateg
             for i in positions:
                 partial.append(Strategy(tuple(p if j == i else R for j in range(k)), (p,)))
     # Ties go to the candidate that follows the first input, then to replicating.
-    first = c.ins[0].placements if c.ins else None
+    first = c.ins[0].placement if c.ins else None
     ordered = shard_cands + partial + [rep]
     if first is not None:
         ordered.sort(key=lambda s: 0 if s.ins and s.ins[0] == first else 1 if s is rep else 2)

@@ -31,7 +31,9 @@ def rule_prims_sum(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strateg
 
 @rule("prims.var")
 def rule_prims_var(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
-    return [s for s in _reduce(ins, c, "prims_var") if not any(p.is_partial() for p in s.ins)]
+    return [
+        s for s in _reduce(ins, c, "prims_var") if not any(isinstance(p, Partial) for p in s.ins)
+    ]
 
 
 def _reduce(ins: Instr, c: Ctx, name: str) -> list[Strategy]:

@@ -63,7 +63,9 @@ def _view_map(src: tuple[int, ...], dst: tuple[int, ...], d: int, n: int) -> int
     return None
 
 
-def _map_dim(ins: Instr, name: str, src, dst, d: int, n: int) -> int | None:
+def _map_dim(
+    ins: Instr, name: str, src: tuple[int, ...], dst: tuple[int, ...], d: int, n: int
+) -> int | None:
     """The output dim that input dim ``d``'s shard becomes, or None if it cannot stay one."""
     nd = len(src)
     args = ins.args
@@ -79,7 +81,8 @@ def _map_dim(ins: Instr, name: str, src, dst, d: int, n: int) -> int | None:
         od = d + len(dst) - nd
         return od if src[d] == dst[od] else None
     if name == "broadcast_in_dim":
-        return list(args[2])[d]
+        broadcast_dims: list[int] = list(args[2])
+        return broadcast_dims[d]
     if name == "unsqueeze":
         u = norm_dim(args[1], nd + 1)
         return d if d < u else d + 1
