@@ -18,6 +18,7 @@ import torch
 from monarch_dsl import isa
 from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Plan, PlanError, Shard, Var
 from monarch_dsl.isa import Compute, Program, Slot, Step
+from monarch_dsl.isa.opnames import resolve_op
 
 # Ops whose argument ``index`` is a size: rewritten to the output's local shape.
 _SIZE_ARG = {
@@ -152,18 +153,6 @@ def _comm_step(op: str, kw: dict, common: dict) -> Step:
     raise PlanError(f"unknown communication {op!r}", common["loc"])
 
 
-_OPS: dict[str, Any] = {}
-
-
-def op_of(name: str):
-    fn = _OPS.get(name)
-    if fn is None:
-        from monarch_dsl.compiler.capture import resolve_op
-
-        fn = _OPS[name] = resolve_op(name)
-    return fn
-
-
 def resolve(value: Any, env: list) -> Any:
     if isinstance(value, Slot):
         return env[value.index]
@@ -178,7 +167,7 @@ def run_step(step: Compute, env: list, device: Any = None) -> None:
     kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
     if device is not None and "device" in kwargs:
         kwargs["device"] = device
-    result = op_of(step.name)(*args, **kwargs)
+    result = resolve_op(step.name)(*args, **kwargs)
     if len(step.outs) == 1:
         env[step.outs[0]] = result
     else:

@@ -16,7 +16,7 @@ Back ends: the Python reference executor and plan runner (``runtime/executor.py`
 ``runtime/plan_runner.py``), the C++ executor and program (``cpp/``), and the in-process
 interpreter (``compiler/interpret.py``). ``tests/test_isa.py`` fails when a kind has no
 handler in one of them. The semantics of each collective, for every Python back end, are
-``isa/collectives.py``.
+``isa/collectives.py``; the torch op a ``CallOp`` or a ``Compute`` names, ``isa/opnames.py``.
 
 Every instruction and step carries the stream it runs on and the user's ``file:line`` that
 made it (``line`` on instructions, ``loc`` on steps), so a runtime error points back at the

@@ -24,24 +24,11 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl import isa
 from monarch_dsl.isa import collectives
+from monarch_dsl.isa.opnames import resolve_op
 from monarch_dsl.runtime import context, exchange
 from monarch_dsl.runtime.failure import Failure, coords_of
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
-
-
-_ops: dict[str, Callable] = {}
-
-
-def resolve_op(name: str) -> Callable:
-    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor``."""
-    fn = _ops.get(name)
-    if fn is None:
-        ns, _, rest = name.partition("::")
-        base, _, overload = rest.partition(".")
-        packet = getattr(getattr(torch.ops, ns), base)
-        fn = _ops[name] = getattr(packet, overload or "default")
-    return fn
 
 
 class ReferenceExecutor:
