@@ -25,8 +25,9 @@ from torch.utils import _pytree as pytree
 from monarch_dsl import isa
 from monarch_dsl.isa import collectives
 from monarch_dsl.isa.opnames import resolve_op
+from monarch_dsl.mesh import coords_of_index, index_of_coords
 from monarch_dsl.runtime import context, exchange
-from monarch_dsl.runtime.failure import Failure, coords_of
+from monarch_dsl.runtime.failure import Failure
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -195,11 +196,9 @@ class ReferenceExecutor:
             return self.device
         if isinstance(x, isa.MeshCoord):
             mesh = self.meshes[x.mesh]
-            coords = coords_of(mesh, mesh.ranks.index(self.rank))
-            flat = 0
-            for d in x.dims:
-                flat = flat * mesh.sizes[mesh.dims.index(d)] + coords[d]
-            return flat
+            coords = coords_of_index(mesh.ranks.index(self.rank), mesh.sizes)
+            picked = [mesh.dims.index(d) for d in x.dims]
+            return index_of_coords([coords[k] for k in picked], [mesh.sizes[k] for k in picked])
         if isinstance(x, tuple):
             return tuple(self._value(v) for v in x)
         if isinstance(x, list):
@@ -401,11 +400,12 @@ class ReferenceExecutor:
     def _group(self, ins: isa.Reduce) -> tuple[Any, int, int]:
         """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
         mesh = self.meshes[ins.mesh]
-        coords = coords_of(mesh, mesh.ranks.index(self.rank))
+        coords = coords_of_index(mesh.ranks.index(self.rank), mesh.sizes)
+        kept = [k for k, d in enumerate(mesh.dims) if d not in ins.dims]
         members = [
             r
             for i, r in enumerate(mesh.ranks)
-            if all(c == coords[d] for d, c in coords_of(mesh, i).items() if d not in ins.dims)
+            if all(coords_of_index(i, mesh.sizes)[k] == coords[k] for k in kept)
         ]
         return self._pg(members, ins.stream), members.index(self.rank), len(members)
 

@@ -22,8 +22,9 @@ from monarch_dsl.compiler.interpret import local_value
 from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
 from monarch_dsl.compiler.plan import TensorType
 from monarch_dsl.isa import Program, Slot, collectives
+from monarch_dsl.mesh import coords_of_index, index_of_coords
 from monarch_dsl.runtime import exchange
-from monarch_dsl.runtime.failure import Failure, coords_of
+from monarch_dsl.runtime.failure import Failure
 
 
 def step_uses(program: Program) -> list[tuple[int, ...]]:
@@ -90,8 +91,8 @@ class PlanRunner:
 
         members = []
         for i, r in enumerate(mesh.ranks):
-            c = coords_of(mesh, i)
-            if all(c[d] == coords[k] for k, d in enumerate(mesh.dims) if k not in dims):
+            c = coords_of_index(i, mesh.sizes)
+            if all(c[k] == coords[k] for k in range(len(mesh.dims)) if k not in dims):
                 members.append(r)
         return members
 
@@ -99,8 +100,8 @@ class PlanRunner:
         """The group of this rank and the peer of send/recv ``step``, and the peer's index in
         it."""
         d = step.dims[0]
-        mine = self._rank_at(mesh, coords)
-        other = self._rank_at(mesh, coords[:d] + (step.peer,) + coords[d + 1 :])
+        mine = mesh.ranks[index_of_coords(coords, mesh.sizes)]
+        other = mesh.ranks[index_of_coords(coords[:d] + (step.peer,) + coords[d + 1 :], mesh.sizes)]
         members = sorted((mine, other))
         return self.ex._pg(members, _groups_of(on, step)), members.index(other)
 
@@ -114,8 +115,7 @@ class PlanRunner:
         ex = self.ex
         program, uses = self.programs[ins.plan]
         mesh = ex.meshes[ins.mesh]
-        c = coords_of(mesh, mesh.ranks.index(ex.rank))
-        coords = tuple(c[d] for d in mesh.dims)
+        coords = coords_of_index(mesh.ranks.index(ex.rank), mesh.sizes)
         sizes = program.sizes
         failure: Failure | None = None
         for whole, local, i in ins.split:
@@ -233,13 +233,6 @@ class PlanRunner:
             once = _Once(finish)  # one for all of a bucket's results
             for slot in step.outs:
                 pending[slot] = once
-
-    @staticmethod
-    def _rank_at(mesh, coords) -> int:
-        index = 0
-        for c, n in zip(coords, mesh.sizes):
-            index = index * n + c
-        return mesh.ranks[index]
 
 
 def _groups_of(on: str, step) -> str:
