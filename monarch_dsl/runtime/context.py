@@ -65,6 +65,16 @@ def set_process_point(point: Point) -> None:
     _process_point = point
 
 
+def set_current_point(point: Point) -> contextvars.Token[Point | None]:
+    """Make ``point`` what ``current_rank()`` gives in this context (while an actor's
+    endpoint or a remote function runs); ``reset_current_point(token)`` undoes it."""
+    return _current.set(point)
+
+
+def reset_current_point(token: contextvars.Token[Point | None]) -> None:
+    _current.reset(token)
+
+
 def current_rank() -> Point:
     """The coordinates of the running actor in its actor mesh (or of this worker process in its
     process mesh, outside an endpoint). Only meaningful inside a worker."""
