@@ -45,7 +45,7 @@ class CoreExecutor(ReferenceExecutor):
             group = self._group_key(ins)
             core.reduce(
                 ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
-                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
                 f"reduce over {ins.dims}", f"reduce {ins.dims}",
             )  # fmt: skip
         elif kind is isa.Transfer:
@@ -56,7 +56,7 @@ class CoreExecutor(ReferenceExecutor):
             ]
             core.transfer(
                 ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
-                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
             )  # fmt: skip
         elif kind is isa.Delete:
             core.delete(ins.stream, list(ins.refs))

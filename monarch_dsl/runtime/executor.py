@@ -231,10 +231,10 @@ class ReferenceExecutor:
         if root:
             self.report(failure)
 
-    def root_failure(self, line: str, op: str, e: BaseException) -> Failure:
-        """The failure of ``op`` (the user's ``line``) on this rank, raising ``e``."""
+    def root_failure(self, loc: str, op: str, e: BaseException) -> Failure:
+        """The failure of ``op`` (made at the user's ``loc``) on this rank, raising ``e``."""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return Failure(self.rank, line, op, f"{type(e).__name__}: {e}", tb)
+        return Failure(self.rank, loc, op, f"{type(e).__name__}: {e}", tb)
 
     def coords_in(self, mesh: isa.DefineMesh) -> tuple[int, ...]:
         """This rank's coordinates in ``mesh`` (one per dim, row-major)."""
@@ -267,7 +267,7 @@ class ReferenceExecutor:
         try:
             result = resolve_op(ins.op)(*self._value(ins.args), **self._value(ins.kwargs))
         except Exception as e:  # noqa: BLE001 - the failure is the value now
-            self.fail(ins.outs, self.root_failure(ins.line, ins.op, e), root=True)
+            self.fail(ins.outs, self.root_failure(ins.loc, ins.op, e), root=True)
             return
         leaves = pytree.tree_leaves(result)
         for rid, leaf in zip(ins.outs, (x for x in leaves if isinstance(x, torch.Tensor))):
@@ -290,7 +290,7 @@ class ReferenceExecutor:
                 finally:
                     context.reset_current_point(token)
             except Exception as e:  # noqa: BLE001
-                failed = self.root_failure(ins.line, getattr(fn, "__qualname__", "remote"), e)
+                failed = self.root_failure(ins.loc, getattr(fn, "__qualname__", "remote"), e)
                 self.fail(ins.outs, failed, root=True)
         else:
             self.fail(ins.outs, failed, root=False)
@@ -321,7 +321,7 @@ class ReferenceExecutor:
         if value is None:
             self.reply_failure(
                 ins.call_id,
-                Failure(self.rank, ins.line, "fetch", f"%{ins.ref} was deleted", ""),
+                Failure(self.rank, ins.loc, "fetch", f"%{ins.ref} was deleted", ""),
             )
             return
         self.reply(ins.call_id, value.detach().to("cpu", copy=True))
@@ -406,7 +406,7 @@ class ReferenceExecutor:
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001
-            failure = self.root_failure(ins.line, "to_mesh", e)
+            failure = self.root_failure(ins.loc, "to_mesh", e)
         if failure is not None:
             self.fail((ins.out,), failure, root=True)
         elif isinstance(received, tuple):
@@ -416,7 +416,7 @@ class ReferenceExecutor:
             else:
                 self.fail(
                     (ins.out,),
-                    Failure(self.rank, ins.line, "to_mesh", "the source value had failed", ""),
+                    Failure(self.rank, ins.loc, "to_mesh", "the source value had failed", ""),
                     root=False,
                 )
         elif received is not None:
@@ -437,7 +437,7 @@ class ReferenceExecutor:
         if failed is None and isinstance(src, torch.Tensor) and src.device != self.device:
             # (a remote function's CPU tensor on a GPU worker): this rank alone would fail in
             # the collective while the others wait in it; it is a failed input instead.
-            failed = Failure(self.rank, ins.line, f"reduce {ins.dims}", _elsewhere(src), "")
+            failed = Failure(self.rank, ins.loc, f"reduce {ins.dims}", _elsewhere(src), "")
         try:
             group, index, size = self.reduce_group(ins)
             # Whether any rank of the group lost its input: then every rank's result is failed
@@ -445,7 +445,7 @@ class ReferenceExecutor:
             if exchange.any_failed(group, failed is not None, self.device) and failed is None:
                 failed = Failure(
                     self.rank,
-                    ins.line,
+                    ins.loc,
                     f"reduce over {ins.dims}",
                     "the input of another rank of the group had failed",
                     "",
@@ -458,7 +458,7 @@ class ReferenceExecutor:
             if failed is not None and not isinstance(self.refs.get(ins.src), Failure):
                 self.report(failed)  # this rank's own input was fine: a root cause here
         except Exception as e:  # noqa: BLE001
-            self.fail((ins.out,), self.root_failure(ins.line, f"reduce {ins.dims}", e), True)
+            self.fail((ins.out,), self.root_failure(ins.loc, f"reduce {ins.dims}", e), True)
             return
         if failed is not None:
             self.fail((ins.out,), failed, root=False)

@@ -133,9 +133,9 @@ class PlanRunner:
             failed = compiled.run_plan(env, ex.device, failure is not None)
             if failed >= 0 and failure is None:
                 bad = program.steps[failed] if failed < len(program.steps) else None
-                line = (bad.loc if bad is not None else "") or ins.line
+                loc = (bad.loc if bad is not None else "") or ins.loc
                 op = bad.op if bad is not None else "plan"
-                failure, own = Failure(ex.rank, line, op, compiled.last_error(), ""), True
+                failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
         else:
             failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
         failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
@@ -165,7 +165,7 @@ class PlanRunner:
                     run_step(step, env, ex.device)
             except Exception as e:  # noqa: BLE001 - the user's op failed on this rank
                 if failure is None:
-                    failure = ex.root_failure(step.loc or ins.line, step.op, e)
+                    failure = ex.root_failure(step.loc or ins.loc, step.op, e)
                     own = True
             for s in step.frees:
                 if s in pending:
@@ -177,7 +177,7 @@ class PlanRunner:
 
     def _agree(self, group, failure, ins, why):
         if exchange.any_failed(group, failure is not None, self.ex.device) and failure is None:
-            return Failure(self.ex.rank, ins.line, "plan", why, "")
+            return Failure(self.ex.rank, ins.loc, "plan", why, "")
         return failure
 
     def _comm(self, step: isa.Comm, env, mesh, coords, pending, failed: bool, on: str) -> None:
