@@ -271,7 +271,7 @@ class RawAllReduce(md.Actor):
         from monarch_dsl.runtime import worker
 
         ex = worker.current._executor
-        group = ex._pg(list(range(WORLD)), "bench-floor")  # made by both ranks at once
+        group = ex.process_group(list(range(WORLD)), "bench-floor")  # made by both ranks at once
         t = torch.ones(numel)
         group.shm.all_reduce(t, "sum")  # warm: pages touched
         times = []

@@ -10,6 +10,7 @@ the same algebra gives meshes over the same processes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,34 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "all_coords", "coords_of_index", "index_of_coords"]
+
+
+# ---- row-major coordinates over a tuple of sizes (the one place this arithmetic lives) ------
+
+
+def coords_of_index(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """The coordinates of flat row-major position ``index`` in a grid of ``sizes`` (the last
+    dim varies fastest): ``(1, 2)`` for 5 in ``(2, 3)``."""
+    coords: list[int] = []
+    for size in reversed(sizes):
+        index, coord = divmod(index, size)
+        coords.append(coord)
+    return tuple(reversed(coords))
+
+
+def index_of_coords(coords: Sequence[int], sizes: Sequence[int]) -> int:
+    """The flat row-major position of ``coords`` in a grid of ``sizes``: 5 for ``(1, 2)`` in
+    ``(2, 3)``."""
+    index = 0
+    for coord, size in zip(coords, sizes):
+        index = index * size + coord
+    return index
+
+
+def all_coords(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every coordinate tuple of a grid of ``sizes``, in row-major order."""
+    return list(itertools.product(*(range(n) for n in sizes)))
 
 
 def _check_name(name: object, what: str = "a dim name") -> str:
@@ -286,18 +314,12 @@ class Mesh:
 
     def points(self) -> list[dict[str, int]]:
         """The coordinates of every position, row-major: ``[{"host": 0, "gpu": 0}, ...]``."""
-        return [
-            dict(zip(self._dims, map(int, c), strict=True)) for c in np.ndindex(self._ranks.shape)
-        ]
+        return [dict(zip(self._dims, c, strict=True)) for c in all_coords(self._ranks.shape)]
 
     def coords_of(self, index: int) -> dict[str, int]:
         """The coordinates of flat row-major position ``index`` (negative counts from the end)."""
         flat = _check_index(index, len(self), f"the {len(self)} positions of mesh {self}")
-        coords: list[int] = []
-        for size in reversed(self._ranks.shape):
-            flat, coord = divmod(flat, size)
-            coords.append(coord)
-        return dict(zip(self._dims, reversed(coords), strict=True))
+        return dict(zip(self._dims, coords_of_index(flat, self._ranks.shape), strict=True))
 
     def index_of(self, **coords: int) -> int:
         """The flat row-major position of ``coords``, which must name every dim."""
@@ -308,10 +330,11 @@ class Mesh:
             raise ValueError(
                 f"index_of() needs a coordinate for every dim of {self._dims}, missing {missing}"
             )
-        flat = 0
-        for dim, size in zip(self._dims, self._ranks.shape, strict=True):
-            flat = flat * size + _check_index(coords[dim], size, f"dim {dim!r} of size {size}")
-        return flat
+        checked = [
+            _check_index(coords[dim], size, f"dim {dim!r} of size {size}")
+            for dim, size in zip(self._dims, self._ranks.shape, strict=True)
+        ]
+        return index_of_coords(checked, self._ranks.shape)
 
     # ---- text -------------------------------------------------------------------------------
 
@@ -331,7 +354,7 @@ class Mesh:
         rows = self._ranks.reshape(-1, self._ranks.shape[-1]).tolist()
         labels = [
             ",".join(f"{d}={int(c)}" for d, c in zip(lead, point, strict=True))
-            for point in np.ndindex(self._ranks.shape[:-1])
+            for point in all_coords(self._ranks.shape[:-1])
         ]
         label_width = max(map(len, labels)) if lead else 0
         widths = [max(len(h), *(len(str(r[j])) for r in rows)) for j, h in enumerate(header)]

@@ -44,7 +44,7 @@ from monarch_dsl.compiler.plan import (
     format_placements,
 )
 from monarch_dsl.frames import user_line
-from monarch_dsl.mesh import Mesh
+from monarch_dsl.mesh import Mesh, all_coords
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 
 _plan_ids = iter(range(1, 1 << 62))
@@ -337,12 +337,12 @@ def _local_state_key(fn) -> tuple:
 def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
     """The whole value of a state tensor from its shards (partials reduced); ``home``: the
     pipeline stage ((dim, index),) whose ranks hold it (the others' copies are stale)."""
-    from monarch_dsl.compiler.interpret import coords_of, whole_value
+    from monarch_dsl.compiler.interpret import whole_value
 
     sizes = tuple(pm.sizes.values())
     dims = tuple(pm.sizes)
-    ranks = [c for c in coords_of(sizes) if all(c[dims.index(d)] == i for d, i in home)]
-    parts = {c: None for c in coords_of(sizes)}
+    ranks = [c for c in all_coords(sizes) if all(c[dims.index(d)] == i for d, i in home)]
+    parts = {c: None for c in all_coords(sizes)}
     own = handle.mesh.sizes  # a stage's value lives on a slice of the mesh
     futures = {c: fetch(handle, **{d: x for d, x in zip(dims, c) if d in own}) for c in ranks}
     for c, f in futures.items():

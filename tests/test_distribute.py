@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import monarch_dsl as md
+from monarch_dsl.mesh import all_coords
 
 pytestmark = pytest.mark.procs
 
@@ -23,12 +24,9 @@ def ab():
 
 def _held(t, mesh):
     """{coords: what that rank holds}."""
-    import itertools
-
     dims = mesh.dims
     return {
-        c: md.inspect(t, **dict(zip(dims, c)))
-        for c in itertools.product(*(range(mesh.size(d)) for d in dims))
+        c: md.inspect(t, **dict(zip(dims, c))) for c in all_coords([mesh.size(d) for d in dims])
     }
 
 

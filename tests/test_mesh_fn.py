@@ -182,7 +182,7 @@ class PlanRuntime(md.Actor):
 
     @md.endpoint
     def compiled(self) -> tuple[str | None, int]:
-        runner = worker.current._executor.plan_runner
+        runner = worker.current.executor().plan_runner
         if runner is None or runner.core is None:
             return None, 0
         core = runner.core

@@ -635,12 +635,6 @@ _DROPPED = {
 }
 
 
-def resolve_op(name: str) -> Any:
-    """The torch op overload named ``name`` (``"aten.mm.default"``)."""
-    ns, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), op), overload)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

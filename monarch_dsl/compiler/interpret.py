@@ -7,7 +7,6 @@ computes on one device; the multi-process runtime runs the very same ``Program``
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict, deque
 from typing import Any
 
@@ -17,10 +16,7 @@ from monarch_dsl import isa
 from monarch_dsl.compiler.lower import core_steps, resolve, run_step, shard_local
 from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
 from monarch_dsl.isa import Program, Slot, collectives
-
-
-def coords_of(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(n) for n in sizes)))
+from monarch_dsl.mesh import all_coords
 
 
 def local_value(
@@ -74,7 +70,7 @@ def run_program(
     each rank's output values. ``core``: the C++ runtime module, to run the compute steps in
     its ``Program`` (as workers do) instead of in Python."""
     sizes = program.sizes
-    ranks = coords_of(sizes)
+    ranks = all_coords(sizes)
     if core is not None:
         compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
         envs = {c: core.Env(program.n_slots) for c in ranks}
@@ -150,7 +146,7 @@ def simulate_values(
     placement, runs every rank, and joins each output by its placement. Returns the whole
     outputs and the whole inputs after the run (a training step updates them in place)."""
     sizes = plan.sizes
-    ranks = coords_of(sizes)
+    ranks = all_coords(sizes)
     inputs = {
         c: [local_value(v, i.type, c, sizes) for v, i in zip(values, plan.inputs)] for c in ranks
     }

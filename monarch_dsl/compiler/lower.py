@@ -19,6 +19,7 @@ import torch
 from monarch_dsl import isa
 from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Instr, Plan, PlanError, Shard, Var
 from monarch_dsl.isa import Compute, On, Program, Slot, Step
+from monarch_dsl.isa.opnames import resolve_op
 
 # Ops whose argument ``index`` is a size: rewritten to the output's local shape.
 _SIZE_ARG = {
@@ -174,18 +175,6 @@ def _comm_step(op: str, kw: dict[str, Any], common: _CommFields) -> Step:
     raise PlanError(f"unknown communication {op!r}", common["loc"])
 
 
-_OPS: dict[str, Any] = {}
-
-
-def op_of(name: str) -> Any:
-    fn = _OPS.get(name)
-    if fn is None:
-        from monarch_dsl.compiler.capture import resolve_op
-
-        fn = _OPS[name] = resolve_op(name)
-    return fn
-
-
 class Env(Protocol):
     """A rank's value slots: a list, or the C++ runtime's ``_core.Env``."""
 
@@ -207,7 +196,7 @@ def run_step(step: Compute, env: Env, device: Any = None) -> None:
     kwargs = {k: resolve(v, env) for k, v in step.kwargs.items()}
     if device is not None and "device" in kwargs:
         kwargs["device"] = device
-    result = op_of(step.name)(*args, **kwargs)
+    result = resolve_op(step.name)(*args, **kwargs)
     if len(step.outs) == 1:
         env[step.outs[0]] = result
     else:

@@ -16,10 +16,10 @@ Back ends: the Python reference executor and plan runner (``runtime/executor.py`
 ``runtime/plan_runner.py``), the C++ executor and program (``cpp/``), and the in-process
 interpreter (``compiler/interpret.py``). ``tests/test_isa.py`` fails when a kind has no
 handler in one of them. The semantics of each collective, for every Python back end, are
-``isa/collectives.py``.
+``isa/collectives.py``; the torch op a ``CallOp`` or a ``Compute`` names, ``isa/opnames.py``.
 
 Every instruction and step carries the stream it runs on and the user's ``file:line`` that
-made it (``line`` on instructions, ``loc`` on steps), so a runtime error points back at the
+made it (``loc``, on instructions and steps alike), so a runtime error points back at the
 user's code. Arguments are pytrees of plain values, ``Ref``s / ``Slot``s; ``WORKER_DEVICE``
 stands for the worker's device (``cuda:<local index>`` or ``cpu``).
 """
@@ -70,7 +70,7 @@ class CallOp(NamedTuple):
     kwargs: dict[str, Any]
     outs: tuple[int | None, ...]
     stream: str
-    line: str
+    loc: str
 
 
 class CallFunction(NamedTuple):
@@ -87,7 +87,7 @@ class CallFunction(NamedTuple):
     shapes_rank: int
     mesh: int  # md.current_rank() inside fn is the point in this mesh
     stream: str
-    line: str
+    loc: str
 
 
 class Reduce(NamedTuple):
@@ -105,7 +105,7 @@ class Reduce(NamedTuple):
     shape: tuple[int, ...]  # of src: a rank whose src failed takes part with zeros of it
     dtype: str
     stream: str
-    line: str
+    loc: str
 
 
 class Transfer(NamedTuple):
@@ -118,7 +118,7 @@ class Transfer(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     stream: str
-    line: str
+    loc: str
 
 
 class Fetch(NamedTuple):
@@ -128,7 +128,7 @@ class Fetch(NamedTuple):
     call_id: int
     ref: int
     stream: str
-    line: str
+    loc: str
 
 
 class Delete(NamedTuple):
@@ -148,7 +148,7 @@ class BorrowBegin(NamedTuple):
     origin: str
     stream: str
     event: int
-    line: str
+    loc: str
 
 
 class BorrowEnd(NamedTuple):
@@ -159,14 +159,14 @@ class BorrowEnd(NamedTuple):
     origin: str
     stream: str
     event: int
-    line: str
+    loc: str
 
 
 class Seed(NamedTuple):
     """``torch.manual_seed(seed)`` on the worker."""
 
     seed: int
-    line: str
+    loc: str
 
 
 class DefineMesh(NamedTuple):
@@ -199,7 +199,7 @@ class RunPlan(NamedTuple):
     split: tuple[tuple[int, int, int], ...]
     placements: tuple[Any, ...]  # per input: its placements (for split)
     stream: str
-    line: str
+    loc: str
 
 
 INSTRUCTIONS: tuple[type, ...] = (

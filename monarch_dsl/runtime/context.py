@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator, Mapping
 
+from monarch_dsl.mesh import coords_of_index, index_of_coords
+
 
 class Point(Mapping[str, int]):
     """Coordinates in a mesh: ``p["gpu"]``, ``p.rank`` (flat, row-major), ``p.sizes``."""
@@ -14,17 +16,11 @@ class Point(Mapping[str, int]):
     def __init__(self, coords: dict[str, int], sizes: dict[str, int]):
         self._coords = coords
         self._sizes = sizes
-        rank = 0
-        for dim, size in sizes.items():
-            rank = rank * size + coords[dim]
-        self.rank = rank
+        self.rank = index_of_coords([coords[dim] for dim in sizes], tuple(sizes.values()))
 
     @classmethod
     def of_index(cls, index: int, dims: tuple[str, ...], sizes: tuple[int, ...]) -> Point:
-        coords = {}
-        for dim, size in reversed(list(zip(dims, sizes))):
-            index, coords[dim] = divmod(index, size)
-        return cls({d: coords[d] for d in dims}, dict(zip(dims, sizes)))
+        return cls(dict(zip(dims, coords_of_index(index, sizes))), dict(zip(dims, sizes)))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -67,6 +63,16 @@ _process_point: Point | None = None
 def set_process_point(point: Point) -> None:
     global _process_point
     _process_point = point
+
+
+def set_current_point(point: Point) -> contextvars.Token[Point | None]:
+    """Make ``point`` what ``current_rank()`` gives in this context (while an actor's
+    endpoint or a remote function runs); ``reset_current_point(token)`` undoes it."""
+    return _current.set(point)
+
+
+def reset_current_point(token: contextvars.Token[Point | None]) -> None:
+    _current.reset(token)
 
 
 def current_rank() -> Point:

@@ -45,7 +45,7 @@ class CoreExecutor(ReferenceExecutor):
             group = self._group_key(ins)
             core.reduce(
                 ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
-                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
                 f"reduce over {ins.dims}", f"reduce {ins.dims}",
             )  # fmt: skip
         elif kind is isa.Transfer:
@@ -56,14 +56,14 @@ class CoreExecutor(ReferenceExecutor):
             ]
             core.transfer(
                 ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
-                list(ins.shape), getattr(torch, ins.dtype), ins.line,
+                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
             )  # fmt: skip
         elif kind is isa.Delete:
             core.delete(ins.stream, list(ins.refs))
         elif kind is isa.DefineMesh:
             self.define_mesh(ins)
         elif kind is isa.DefinePlan:
-            self._plans().define(ins)
+            self.plans().define(ins)
         elif kind is isa.Seed:
             core.python("main", partial(self.seed, ins))
         elif kind is isa.Fetch and ins.ref < 0:
@@ -80,7 +80,7 @@ class CoreExecutor(ReferenceExecutor):
     def _group_key(self, ins: isa.Reduce) -> str:
         """The C++ side's name for the group of ``ins`` (mesh slice and stream)."""
         return self._named_group(
-            f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}", partial(self._group, ins)
+            f"{ins.mesh}/{','.join(ins.dims)}/{ins.stream}", partial(self.reduce_group, ins)
         )
 
     def _pair_group(self, a: int, b: int, stream: str) -> str:
@@ -99,7 +99,7 @@ class CoreExecutor(ReferenceExecutor):
         return name
 
     def _pair(self, members: list[int], stream: str) -> tuple:
-        return self._pg(members, stream), members.index(self.rank), 2
+        return self.process_group(members, stream), members.index(self.rank), 2
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the stream threads once they ran what they were given; free every ref and

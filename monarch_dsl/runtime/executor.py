@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,24 +24,15 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl import isa
 from monarch_dsl.isa import collectives
+from monarch_dsl.isa.opnames import resolve_op
+from monarch_dsl.mesh import coords_of_index, index_of_coords
 from monarch_dsl.runtime import context, exchange
-from monarch_dsl.runtime.failure import Failure, coords_of
+from monarch_dsl.runtime.failure import Failure
+
+if TYPE_CHECKING:
+    from monarch_dsl.runtime.plan_runner import PlanRunner
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
-
-
-_ops: dict[str, Callable] = {}
-
-
-def resolve_op(name: str) -> Callable:
-    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor``."""
-    fn = _ops.get(name)
-    if fn is None:
-        ns, _, rest = name.partition("::")
-        base, _, overload = rest.partition(".")
-        packet = getattr(getattr(torch.ops, ns), base)
-        fn = _ops[name] = getattr(packet, overload or "default")
-    return fn
 
 
 class ReferenceExecutor:
@@ -77,7 +68,7 @@ class ReferenceExecutor:
             isa.BorrowEnd: self.borrow_end,
             isa.RunPlan: self.run_plan,
         }
-        self.plan_runner = None
+        self.plan_runner: PlanRunner | None = None
         self.streams: dict[str, queue.SimpleQueue] = {}
         self.threads: list[threading.Thread] = []
         self.events: dict[int, threading.Event] = {}
@@ -95,7 +86,7 @@ class ReferenceExecutor:
             if kind is isa.DefineMesh:
                 self.define_mesh(ins)
             elif kind is isa.DefinePlan:
-                self._plans().define(ins)
+                self.plans().define(ins)
             elif kind is isa.Seed:
                 self._queue("main").put(ins)
             elif kind is isa.Fetch and ins.ref < 0:
@@ -208,11 +199,9 @@ class ReferenceExecutor:
             return self.device
         if isinstance(x, isa.MeshCoord):
             mesh = self.meshes[x.mesh]
-            coords = coords_of(mesh, mesh.ranks.index(self.rank))
-            flat = 0
-            for d in x.dims:
-                flat = flat * mesh.sizes[mesh.dims.index(d)] + coords[d]
-            return flat
+            coords = self.coords_in(mesh)
+            picked = [mesh.dims.index(d) for d in x.dims]
+            return index_of_coords([coords[k] for k in picked], [mesh.sizes[k] for k in picked])
         if isinstance(x, tuple):
             return tuple(self._value(v) for v in x)
         if isinstance(x, list):
@@ -230,16 +219,40 @@ class ReferenceExecutor:
                 return Failure(self.rank, "", "", f"internal error: no value for %{rid}", "")
         return None
 
-    def _fail(self, outs, failure: Failure, root: bool) -> None:
+    # ------------------------------------------------------------------ for the plan runner
+    # (and the C++ executor's Python side): failures, coordinates, process groups
+
+    def fail(self, outs, failure: Failure, root: bool) -> None:
+        """Store ``failure`` as the value of the refs ``outs`` (None entries are skipped);
+        ``root``: it happened here (not an input's), so report it to the controller."""
         for rid in outs:
             if rid is not None:
                 self.refs[rid] = failure
         if root:
             self.report(failure)
 
-    def _root_failure(self, line: str, op: str, e: BaseException) -> Failure:
+    def root_failure(self, loc: str, op: str, e: BaseException) -> Failure:
+        """The failure of ``op`` (made at the user's ``loc``) on this rank, raising ``e``."""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return Failure(self.rank, line, op, f"{type(e).__name__}: {e}", tb)
+        return Failure(self.rank, loc, op, f"{type(e).__name__}: {e}", tb)
+
+    def coords_in(self, mesh: isa.DefineMesh) -> tuple[int, ...]:
+        """This rank's coordinates in ``mesh`` (one per dim, row-major)."""
+        return coords_of_index(mesh.ranks.index(self.rank), mesh.sizes)
+
+    def group_along(
+        self, mesh: isa.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...], stream: str
+    ) -> tuple[Any, int, int]:
+        """The process group (for ``stream``) of the ranks of ``mesh`` that share this rank's
+        ``coords`` on every dim but ``dims`` (indices): (group, this rank's index in it, its
+        size)."""
+        kept = [k for k in range(len(coords)) if k not in dims]
+        members = [
+            r
+            for i, r in enumerate(mesh.ranks)
+            if all(coords_of_index(i, mesh.sizes)[k] == coords[k] for k in kept)
+        ]
+        return self.process_group(members, stream), members.index(self.rank), len(members)
 
     # ------------------------------------------------------------------ instructions
     def define_mesh(self, ins: isa.DefineMesh) -> None:
@@ -249,12 +262,12 @@ class ReferenceExecutor:
     def call_op(self, ins: isa.CallOp) -> None:
         failed = self._failed_input(ins.args, ins.kwargs)
         if failed is not None:
-            self._fail(ins.outs, failed, root=False)
+            self.fail(ins.outs, failed, root=False)
             return
         try:
             result = resolve_op(ins.op)(*self._value(ins.args), **self._value(ins.kwargs))
         except Exception as e:  # noqa: BLE001 - the failure is the value now
-            self._fail(ins.outs, self._root_failure(ins.line, ins.op, e), root=True)
+            self.fail(ins.outs, self.root_failure(ins.loc, ins.op, e), root=True)
             return
         leaves = pytree.tree_leaves(result)
         for rid, leaf in zip(ins.outs, (x for x in leaves if isinstance(x, torch.Tensor))):
@@ -271,16 +284,16 @@ class ReferenceExecutor:
                     fn = self.functions[ins.fn] = pickle.loads(ins.fn)
                 mesh = self.meshes[ins.mesh]
                 point = context.Point.of_index(mesh.ranks.index(self.rank), mesh.dims, mesh.sizes)
-                token = context._current.set(point)
+                token = context.set_current_point(point)
                 try:
                     result = fn(*self._value(ins.args), **self._value(ins.kwargs))
                 finally:
-                    context._current.reset(token)
+                    context.reset_current_point(token)
             except Exception as e:  # noqa: BLE001
-                failed = self._root_failure(ins.line, getattr(fn, "__qualname__", "remote"), e)
-                self._fail(ins.outs, failed, root=True)
+                failed = self.root_failure(ins.loc, getattr(fn, "__qualname__", "remote"), e)
+                self.fail(ins.outs, failed, root=True)
         else:
-            self._fail(ins.outs, failed, root=False)
+            self.fail(ins.outs, failed, root=False)
         tensors = [x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
         if failed is None:
             for rid, leaf in zip(ins.outs, tensors):
@@ -308,7 +321,7 @@ class ReferenceExecutor:
         if value is None:
             self.reply_failure(
                 ins.call_id,
-                Failure(self.rank, ins.line, "fetch", f"%{ins.ref} was deleted", ""),
+                Failure(self.rank, ins.loc, "fetch", f"%{ins.ref} was deleted", ""),
             )
             return
         self.reply(ins.call_id, value.detach().to("cpu", copy=True))
@@ -317,7 +330,8 @@ class ReferenceExecutor:
         for rid in ins.refs:
             self.refs.pop(rid, None)
 
-    def _plans(self):
+    def plans(self) -> PlanRunner:
+        """The plan runner (``DefinePlan``, ``RunPlan``), made at first use."""
         if self.plan_runner is None:
             from monarch_dsl.runtime.plan_runner import PlanRunner
 
@@ -325,7 +339,7 @@ class ReferenceExecutor:
         return self.plan_runner
 
     def run_plan(self, ins: isa.RunPlan) -> None:
-        self._plans().run(ins)
+        self.plans().run(ins)
 
     def seed(self, ins: isa.Seed) -> None:
         torch.manual_seed(ins.seed)
@@ -334,7 +348,7 @@ class ReferenceExecutor:
     def use_store(self, host: str, port: int) -> None:
         self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
-    def _pg(self, members: list[int], stream: str = "main") -> Any:
+    def process_group(self, members: list[int], stream: str = "main") -> Any:
         """The gloo group of ``members`` for ``stream``: streams run concurrently, so each has
         its own groups (two streams' collectives must never interleave on one group)."""
         key = (stream, *members)
@@ -367,7 +381,7 @@ class ReferenceExecutor:
                 if self.rank not in (a, b):
                     continue
                 members = sorted((a, b))
-                group = self._pg(members, ins.stream)
+                group = self.process_group(members, ins.stream)
                 peer = members.index(b if self.rank == a else a)
                 if self.rank == a:
                     ok = not isinstance(src, Failure)
@@ -392,17 +406,17 @@ class ReferenceExecutor:
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001
-            failure = self._root_failure(ins.line, "to_mesh", e)
+            failure = self.root_failure(ins.loc, "to_mesh", e)
         if failure is not None:
-            self._fail((ins.out,), failure, root=True)
+            self.fail((ins.out,), failure, root=True)
         elif isinstance(received, tuple):
             flag, buf = received
             if int(flag.item()) == 1:
                 self.refs[ins.out] = buf
             else:
-                self._fail(
+                self.fail(
                     (ins.out,),
-                    Failure(self.rank, ins.line, "to_mesh", "the source value had failed", ""),
+                    Failure(self.rank, ins.loc, "to_mesh", "the source value had failed", ""),
                     root=False,
                 )
         elif received is not None:
@@ -411,16 +425,11 @@ class ReferenceExecutor:
     def _local_copy(self, src: Any) -> Any:
         return src if isinstance(src, Failure) else src.detach().clone()
 
-    def _group(self, ins: isa.Reduce) -> tuple[Any, int, int]:
+    def reduce_group(self, ins: isa.Reduce) -> tuple[Any, int, int]:
         """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""
         mesh = self.meshes[ins.mesh]
-        coords = coords_of(mesh, mesh.ranks.index(self.rank))
-        members = [
-            r
-            for i, r in enumerate(mesh.ranks)
-            if all(c == coords[d] for d, c in coords_of(mesh, i).items() if d not in ins.dims)
-        ]
-        return self._pg(members, ins.stream), members.index(self.rank), len(members)
+        dims = tuple(k for k, d in enumerate(mesh.dims) if d in ins.dims)
+        return self.group_along(mesh, self.coords_in(mesh), dims, ins.stream)
 
     def reduce(self, ins: isa.Reduce) -> None:
         src = self.refs.get(ins.src)
@@ -428,15 +437,15 @@ class ReferenceExecutor:
         if failed is None and isinstance(src, torch.Tensor) and src.device != self.device:
             # (a remote function's CPU tensor on a GPU worker): this rank alone would fail in
             # the collective while the others wait in it; it is a failed input instead.
-            failed = Failure(self.rank, ins.line, f"reduce {ins.dims}", _elsewhere(src), "")
+            failed = Failure(self.rank, ins.loc, f"reduce {ins.dims}", _elsewhere(src), "")
         try:
-            group, index, size = self._group(ins)
+            group, index, size = self.reduce_group(ins)
             # Whether any rank of the group lost its input: then every rank's result is failed
             # (it would mix in a placeholder), and all still take part, so none waits forever.
             if exchange.any_failed(group, failed is not None, self.device) and failed is None:
                 failed = Failure(
                     self.rank,
-                    ins.line,
+                    ins.loc,
                     f"reduce over {ins.dims}",
                     "the input of another rank of the group had failed",
                     "",
@@ -449,10 +458,10 @@ class ReferenceExecutor:
             if failed is not None and not isinstance(self.refs.get(ins.src), Failure):
                 self.report(failed)  # this rank's own input was fine: a root cause here
         except Exception as e:  # noqa: BLE001
-            self._fail((ins.out,), self._root_failure(ins.line, f"reduce {ins.dims}", e), True)
+            self.fail((ins.out,), self.root_failure(ins.loc, f"reduce {ins.dims}", e), True)
             return
         if failed is not None:
-            self._fail((ins.out,), failed, root=False)
+            self.fail((ins.out,), failed, root=False)
         elif ins.out == ins.src:
             if out is not src:
                 src.copy_(out)

@@ -1,10 +1,8 @@
-"""What a worker's executors and plan runner share about failures and coordinates: the
-``Failure`` a failed ref holds, and a rank's coordinates in a mesh. (A module of its own so
-that the executor and the plan runner, which the executor drives, do not import each other.)"""
+"""What a worker's executors and plan runner share about failures: the ``Failure`` a failed
+ref holds. (A module of its own so that the executor and the plan runner, which the executor
+drives, do not import each other.)"""
 
 from __future__ import annotations
-
-from typing import Any
 
 
 class Failure:
@@ -21,11 +19,3 @@ class Failure:
 
     def as_tuple(self) -> tuple:
         return (self.rank, self.line, self.op, self.error, self.traceback)
-
-
-def coords_of(mesh: Any, index: int) -> dict[str, int]:
-    """The coordinates of the ``index``-th rank (row-major) of ``mesh`` (an ``isa.DefineMesh``)."""
-    coords = {}
-    for dim, size in reversed(list(zip(mesh.dims, mesh.sizes))):
-        index, coords[dim] = divmod(index, size)
-    return coords

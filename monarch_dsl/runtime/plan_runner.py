@@ -13,7 +13,7 @@ failed input is rare, and the flag costs every step a round of the group.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,8 +22,12 @@ from monarch_dsl.compiler.interpret import local_value
 from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
 from monarch_dsl.compiler.plan import TensorType
 from monarch_dsl.isa import Program, Slot, collectives
+from monarch_dsl.mesh import index_of_coords
 from monarch_dsl.runtime import exchange
-from monarch_dsl.runtime.failure import Failure, coords_of
+from monarch_dsl.runtime.failure import Failure
+
+if TYPE_CHECKING:
+    from monarch_dsl.runtime.executor import ReferenceExecutor
 
 
 def step_uses(program: Program) -> list[tuple[int, ...]]:
@@ -33,8 +37,8 @@ def step_uses(program: Program) -> list[tuple[int, ...]]:
 class PlanRunner:
     """One per worker; ``run`` executes a RunPlan on the calling stream thread."""
 
-    def __init__(self, executor: Any) -> None:
-        self.ex = executor
+    def __init__(self, executor: ReferenceExecutor) -> None:
+        self.ex = executor  # through its public interface: refs, failures, groups
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.CompiledPlan
@@ -78,27 +82,18 @@ class PlanRunner:
         )
 
     # ---- groups --------------------------------------------------------------------------
-    def _members(self, mesh: isa.DefineMesh, coords: tuple[int, ...], dims: tuple[int, ...]):
-
-        members = []
-        for i, r in enumerate(mesh.ranks):
-            c = coords_of(mesh, i)
-            if all(c[d] == coords[k] for k, d in enumerate(mesh.dims) if k not in dims):
-                members.append(r)
-        return members
-
     def _pair(self, step, mesh, coords, on: str) -> tuple[Any, int]:
         """The group of this rank and the peer of send/recv ``step``, and the peer's index in
         it."""
         d = step.dims[0]
-        mine = self._rank_at(mesh, coords)
-        other = self._rank_at(mesh, coords[:d] + (step.peer,) + coords[d + 1 :])
+        mine = mesh.ranks[index_of_coords(coords, mesh.sizes)]
+        other = mesh.ranks[index_of_coords(coords[:d] + (step.peer,) + coords[d + 1 :], mesh.sizes)]
         members = sorted((mine, other))
-        return self.ex._pg(members, _groups_of(on, step)), members.index(other)
+        return self.ex.process_group(members, _groups_of(on, step)), members.index(other)
 
     def _group(self, mesh, coords, dims, stream):
-        members = self._members(mesh, coords, dims)
-        return self.ex._pg(members, stream), members.index(self.ex.rank), len(members)
+        """The group along mesh dims ``dims`` through this rank (at ``coords``)."""
+        return self.ex.group_along(mesh, coords, dims, stream)
 
     # ---- the run -------------------------------------------------------------------------
     def run(self, ins: isa.RunPlan) -> None:
@@ -106,8 +101,7 @@ class PlanRunner:
         ex = self.ex
         program, uses = self.programs[ins.plan]
         mesh = ex.meshes[ins.mesh]
-        c = coords_of(mesh, mesh.ranks.index(ex.rank))
-        coords = tuple(c[d] for d in mesh.dims)
+        coords = ex.coords_in(mesh)
         sizes = program.sizes
         failure: Failure | None = None
         for whole, local, i in ins.split:
@@ -131,14 +125,14 @@ class PlanRunner:
             failed = compiled.run_plan(env, ex.device, failure is not None)
             if failed >= 0 and failure is None:
                 bad = program.steps[failed] if failed < len(program.steps) else None
-                line = (bad.loc if bad is not None else "") or ins.line
+                loc = (bad.loc if bad is not None else "") or ins.loc
                 op = bad.op if bad is not None else "plan"
-                failure, own = Failure(ex.rank, line, op, compiled.last_error(), ""), True
+                failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
         else:
             failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
         failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
         if failure is not None:
-            ex._fail([r for r in ins.outputs if r >= 0], failure, root=own)
+            ex.fail([r for r in ins.outputs if r >= 0], failure, root=own)
             return
         for slot, ref in zip(program.outputs, ins.outputs):
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
@@ -163,7 +157,7 @@ class PlanRunner:
                     run_step(step, env, ex.device)
             except Exception as e:  # noqa: BLE001 - the user's op failed on this rank
                 if failure is None:
-                    failure = ex._root_failure(step.loc or ins.line, step.op, e)
+                    failure = ex.root_failure(step.loc or ins.loc, step.op, e)
                     own = True
             for s in step.frees:
                 if s in pending:
@@ -175,7 +169,7 @@ class PlanRunner:
 
     def _agree(self, group, failure, ins, why):
         if exchange.any_failed(group, failure is not None, self.ex.device) and failure is None:
-            return Failure(self.ex.rank, ins.line, "plan", why, "")
+            return Failure(self.ex.rank, ins.loc, "plan", why, "")
         return failure
 
     def _comm(self, step: isa.Comm, env, mesh, coords, pending, failed: bool, on: str) -> None:
@@ -225,13 +219,6 @@ class PlanRunner:
             once = _Once(finish)  # one for all of a bucket's results
             for slot in step.outs:
                 pending[slot] = once
-
-    @staticmethod
-    def _rank_at(mesh, coords) -> int:
-        index = 0
-        for c, n in zip(coords, mesh.sizes):
-            index = index * n + c
-        return mesh.ranks[index]
 
 
 def _groups_of(on: str, step) -> str:

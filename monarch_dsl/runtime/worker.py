@@ -135,14 +135,14 @@ class Worker:
     def spawn_actor(self, msg: SpawnActor) -> None:
         index = msg.ranks.index(self.rank)
         point = context.Point.of_index(index, msg.dims, msg.sizes)
-        token = context._current.set(point)
+        token = context.set_current_point(point)
         try:
             instance = msg.cls(*msg.args, **msg.kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             self.error(msg.call_id, e)
             return
         finally:
-            context._current.reset(token)
+            context.reset_current_point(token)
         self.actors[msg.actor_id] = (instance, point)
         self.reply(Reply(msg.call_id, self.rank, None))
 
@@ -167,19 +167,19 @@ class Worker:
         if is_async:
             asyncio.run_coroutine_threadsafe(self._run_async(msg, fn, instance, point), self.loop())
             return
-        token = context._current.set(point)
+        token = context.set_current_point(point)
         try:
             value = fn(instance, *msg.args, **msg.kwargs)
         except BaseException as e:  # noqa: BLE001
             self.error(msg.call_id, e)
             return
         finally:
-            context._current.reset(token)
+            context.reset_current_point(token)
         if msg.call_id >= 0:
             self.reply(Reply(msg.call_id, self.rank, value))
 
     async def _run_async(self, msg: CallEndpoint, fn, instance, point) -> None:
-        context._current.set(point)
+        context.set_current_point(point)
         try:
             value = await fn(instance, *msg.args, **msg.kwargs)
         except BaseException as e:  # noqa: BLE001

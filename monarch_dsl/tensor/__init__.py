@@ -9,15 +9,19 @@ op. The workers run the instructions (``runtime/executor.py``).
 The modules, bottom up: ``engine`` (batches, refs, deletes, flushes), ``active`` (each
 thread's active mesh and stream; the borrow rules), ``handle`` (``md.Tensor``, its reduce and
 to_mesh), ``streams`` (``md.Stream``, borrows), ``meta`` (output shapes, cached),
-``collectives`` (to_mesh and reduce of pytrees, per-rank placement), ``dispatch`` (torch ops
-on mesh tensors), ``activation`` (``pm.activate()``), ``fetching`` (fetch, inspect, sync).
+``movement`` (data onto and across meshes: to_mesh and reduce of pytrees, per-rank
+placement), ``dispatch`` (torch ops on mesh tensors), ``activation`` (``pm.activate()``),
+``fetching`` (fetch, inspect, sync).
 """
 
 from monarch_dsl.errors import RemoteError
 from monarch_dsl.tensor import dispatch as _dispatch  # noqa: F401 - gives md.Tensor its torch ops
 from monarch_dsl.tensor.activation import activate, mesh_rank
 from monarch_dsl.tensor.active import active_mesh, check_usable, current_stream
-from monarch_dsl.tensor.collectives import (
+from monarch_dsl.tensor.engine import Engine
+from monarch_dsl.tensor.fetching import fetch, inspect, show, sync
+from monarch_dsl.tensor.handle import Tensor
+from monarch_dsl.tensor.movement import (
     from_local_per_rank,
     lift,
     narrow_per_rank,
@@ -25,9 +29,6 @@ from monarch_dsl.tensor.collectives import (
     reduce_,
     to_mesh,
 )
-from monarch_dsl.tensor.engine import Engine
-from monarch_dsl.tensor.fetching import fetch, inspect, show, sync
-from monarch_dsl.tensor.handle import Tensor
 from monarch_dsl.tensor.streams import Borrow, Stream, get_active_stream
 
 __all__ = [

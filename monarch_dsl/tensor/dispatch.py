@@ -18,7 +18,6 @@ from monarch_dsl import isa
 from monarch_dsl.frames import user_line
 from monarch_dsl.tensor import active as _active
 from monarch_dsl.tensor.active import check_usable, current_stream
-from monarch_dsl.tensor.collectives import lift
 from monarch_dsl.tensor.engine import Engine
 from monarch_dsl.tensor.handle import (
     KNOWN_MAX_NUMEL,
@@ -29,6 +28,7 @@ from monarch_dsl.tensor.handle import (
     maker,
 )
 from monarch_dsl.tensor.meta import Alias, output_meta, written_args
+from monarch_dsl.tensor.movement import lift
 
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 # Ops that turn a tensor into a Python value (t.item(), bool(t), ...): not on a mesh tensor.
