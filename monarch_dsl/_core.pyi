@@ -145,24 +145,16 @@ class Executor:
         """Name a process group: ``get()`` returns (group, this rank's index, size), a c10d
         backend (gloo, NCCL) or a ``runtime/shm.py`` ShmProcessGroup; called under the GIL on
         the stream thread of the first collective that uses it."""
-    def reduce(
-        self,
-        stream: str,
-        group: str,
-        src: int,
-        out: int,
-        reduction: str,
-        scatter: bool,
-        shape: Sequence[int],
-        dtype: Any,
-        line: str,
-        what: str,
-        what_error: str,
-    ) -> None:
-        """``isa.Reduce`` without Python: a flag all-reduce first (did any rank's input fail?),
-        zeros in place of a failed input, then the collective (sum avg min max prod; stack =
-        all-gather; ``scatter``: reduce-scatter, or all-to-all with stack). ``out == src``: in
-        place."""
+    def reduce(self, ins: Any, group: str, what: str, what_error: str) -> None:
+        """``isa.Reduce`` ``ins`` (read by field name) over the group named ``group``, without
+        Python: a flag all-reduce first (did any rank's input fail?), zeros in place of a
+        failed input, then the collective (sum avg min max prod; stack = all-gather;
+        ``scatter``: reduce-scatter, or all-to-all with stack). ``out == src``: in place.
+        ``what`` / ``what_error``: its name in a failure's op and in a peer's error."""
+    def transfer(self, ins: Any, groups: Sequence[str]) -> None:
+        """``isa.Transfer`` ``ins`` (read by field name): per pair, the group named
+        ``groups[i]`` ("" where this rank is not in the pair); a failed source sends a flag
+        and zeros, so the receiver fails with the sender's root cause."""
     def delete(self, stream: str, refs: Sequence[int]) -> None: ...
     def signal(self, stream: str, event: int) -> None: ...
     def wait(self, stream: str, event: int) -> None: ...

@@ -133,3 +133,40 @@ def test_the_executors_run_every_step_kind(executor, plans, executors, monkeypat
     for g, w in zip(got, _want(), strict=True):
         torch.testing.assert_close(g, w)
     assert (ex.plan_runner.core is None) == (plans == "python")
+
+
+def test_the_cpp_executor_reads_an_eager_op_by_field_name(executors):
+    """run_batch finds CallOp's fields by name: a field added (or moved) in isa.CallOp still
+    runs in C++, not silently in Python."""
+    from typing import NamedTuple
+
+    class MovedCallOp(NamedTuple):  # isa.CallOp's fields, reordered, plus one
+        loc: str
+        extra: int
+        stream: str
+        outs: tuple
+        kwargs: dict
+        args: tuple
+        op: str
+
+    ex = CoreExecutor(core, 0, torch.device("cpu"), reply=None, reply_failure=None, report=None)
+    executors.append(ex)
+    others, done = [], threading.Event()
+    ins = MovedCallOp("t.py:1", 0, "main", (1,), {}, ((2, 3),), "aten::ones")
+    ex.core.run_batch(((0, ins),), {0: True}, MovedCallOp, lambda m, i: others.append(i))
+    ex.core.barrier(done.set)
+    assert done.wait(30) and others == []
+    assert torch.equal(ex.refs.get(1), torch.ones(2, 3))
+
+    class NoLoc(NamedTuple):
+        op: str
+        args: tuple
+        kwargs: dict
+        outs: tuple
+        stream: str
+
+    executors.append(ex2 := CoreExecutor(core, 0, torch.device("cpu"), reply=None,
+                                         reply_failure=None, report=None))  # fmt: skip
+    with pytest.raises(TypeError, match="no field loc"):
+        ex2.core.run_batch(((0, NoLoc("aten::ones", ((1,),), {}, (1,), "main")),), {0: True},
+                           NoLoc, lambda m, i: None)  # fmt: skip

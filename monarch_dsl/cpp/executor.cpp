@@ -128,9 +128,30 @@ class Executor {
     push(stream, op_item(op, args, kwargs, std::move(outs), std::move(line)));
   }
 
+  // Where isa.CallOp (a named tuple) keeps each field: read from its `_fields` once, so a
+  // field added or moved there is found by name here (a missing one is an error, not a
+  // silent fall back to Python).
+  struct CallOpFields {
+    int op, args, kwargs, outs, stream, loc;
+  };
+  const CallOpFields& callop_fields(py::handle callop_type) {
+    if (!callop_fields_) {
+      auto names = callop_type.attr("_fields").cast<std::vector<std::string>>();
+      auto index = [&](const char* name) {
+        auto it = std::find(names.begin(), names.end(), name);
+        if (it == names.end())
+          throw py::type_error(std::string("run_batch: isa.CallOp has no field ") + name);
+        return static_cast<int>(it - names.begin());
+      };
+      callop_fields_ = CallOpFields{index("op"),  index("args"),   index("kwargs"),
+                                    index("outs"), index("stream"), index("loc")};
+    }
+    return *callop_fields_;
+  }
+
   // A message's (mesh, instruction) pairs, in order: those of meshes this rank is not in
   // (`member[mesh]` false or missing; mesh < 0: every rank) are skipped; eager ops
-  // (`callop_type`: op, args, kwargs, outs, stream, line) are prepared here and queued with
+  // (`callop_type`, isa.CallOp, its fields found by name) are prepared here and queued with
   // one lock and one wake-up per stream for a run of them; every other instruction, and an op
   // C++ cannot prepare, goes to `other(mesh, instruction)` in its place (what that queues comes
   // after the ops before it).
@@ -160,18 +181,20 @@ class Executor {
         if (yes < 0) throw py::error_already_set();
         if (!yes) continue;
       }
-      if (Py_TYPE(ins) == callop && PyTuple_GET_SIZE(ins) == 6) {
+      if (Py_TYPE(ins) == callop) {
+        const auto& at = callop_fields(callop_type);
         std::optional<Item> item;
         std::string stream;
         try {
           auto field = [&](int i) { return py::handle(PyTuple_GET_ITEM(ins, i)); };
-          stream = field(4).cast<std::string>();
+          stream = field(at.stream).cast<std::string>();
           std::vector<int64_t> outs;
-          for (auto o : py::reinterpret_borrow<py::tuple>(field(3)))
+          for (auto o : py::reinterpret_borrow<py::tuple>(field(at.outs)))
             outs.push_back(o.is_none() ? -1 : o.cast<int64_t>());
-          item = op_item(field(0).cast<std::string>(), py::reinterpret_borrow<py::tuple>(field(1)),
-                         py::reinterpret_borrow<py::dict>(field(2)), std::move(outs),
-                         field(5).cast<std::string>());
+          item = op_item(field(at.op).cast<std::string>(),
+                         py::reinterpret_borrow<py::tuple>(field(at.args)),
+                         py::reinterpret_borrow<py::dict>(field(at.kwargs)), std::move(outs),
+                         field(at.loc).cast<std::string>());
         } catch (const std::exception&) {  // (py::error_already_set too: a mesh coordinate...)
         }
         if (item) {
@@ -197,27 +220,38 @@ class Executor {
     getters_[key] = std::move(get);
   }
 
-  void reduce(const std::string& stream, const std::string& group, int64_t src, int64_t out,
-              const std::string& reduction, bool scatter, std::vector<int64_t> shape,
-              py::handle dtype, std::string line, std::string what, std::string what_error) {
-    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("reduce: dtype must be a torch.dtype");
+  // isa.Reduce `ins` (read by field name: stream, src, out, reduction, scatter, shape, dtype,
+  // loc) over the process group named `group` (set_group); `what` / `what_error` name it in a
+  // failure's op and in the error of a rank whose peer's input failed.
+  void reduce(py::handle ins, const std::string& group, std::string what,
+              std::string what_error) {
     Item item{Kind::Reduce};
     item.reduce = std::make_shared<ReduceCall>(ReduceCall{
-        group, src, out, reduction, scatter, std::move(shape),
-        reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, std::move(line), std::move(what),
-        std::move(what_error)});
-    push(stream, std::move(item));
+        group, ins.attr("src").cast<int64_t>(), ins.attr("out").cast<int64_t>(),
+        ins.attr("reduction").cast<std::string>(), ins.attr("scatter").cast<bool>(),
+        ins.attr("shape").cast<std::vector<int64_t>>(), scalar_type(ins.attr("dtype")),
+        ins.attr("loc").cast<std::string>(), std::move(what), std::move(what_error)});
+    push(ins.attr("stream").cast<std::string>(), std::move(item));
   }
 
-  void transfer(const std::string& stream, int64_t src, int64_t out,
-                std::vector<std::pair<int64_t, int64_t>> pairs, std::vector<std::string> groups,
-                std::vector<int64_t> shape, py::handle dtype, std::string line) {
-    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("transfer: dtype must be a torch.dtype");
+  // isa.Transfer `ins` (read by field name: stream, src, out, pairs, shape, dtype, loc); per
+  // pair, the process group named `groups[i]` ("" for a pair this rank is not in).
+  void transfer(py::handle ins, std::vector<std::string> groups) {
     Item item{Kind::Transfer};
     item.transfer = std::make_shared<TransferCall>(TransferCall{
-        src, out, std::move(pairs), std::move(groups), std::move(shape),
-        reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, std::move(line)});
-    push(stream, std::move(item));
+        ins.attr("src").cast<int64_t>(), ins.attr("out").cast<int64_t>(),
+        ins.attr("pairs").cast<std::vector<std::pair<int64_t, int64_t>>>(), std::move(groups),
+        ins.attr("shape").cast<std::vector<int64_t>>(), scalar_type(ins.attr("dtype")),
+        ins.attr("loc").cast<std::string>()});
+    push(ins.attr("stream").cast<std::string>(), std::move(item));
+  }
+
+  // A dtype's name ("float32") as a ScalarType.
+  static at::ScalarType scalar_type(py::handle name) {
+    py::object dtype = py::module_::import("torch").attr(name);
+    if (!THPDtype_Check(dtype.ptr()))
+      throw py::type_error("not a torch dtype: " + py::repr(name).cast<std::string>());
+    return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
   }
 
   void delete_refs(const std::string& stream, std::vector<int64_t> refs) {
@@ -290,6 +324,7 @@ class Executor {
   }
 
  private:
+  std::optional<CallOpFields> callop_fields_;  // (callop_fields)
   using Streams = md::exec::Streams<Item>;
   using Stream = Streams::Stream;
 
@@ -710,8 +745,9 @@ void bind_executor(py::module& m) {
       .def("call_op", &Executor::call_op)
       .def("run_batch", &Executor::run_batch)
       .def("set_group", &Executor::set_group)
-      .def("reduce", &Executor::reduce)
-      .def("transfer", &Executor::transfer)
+      .def("reduce", &Executor::reduce, py::arg("ins"), py::arg("group"), py::arg("what"),
+           py::arg("what_error"))
+      .def("transfer", &Executor::transfer, py::arg("ins"), py::arg("groups"))
       .def("delete", &Executor::delete_refs)
       .def("signal", &Executor::signal)
       .def("wait", &Executor::wait)

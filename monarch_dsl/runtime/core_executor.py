@@ -16,8 +16,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
-
 from monarch_dsl import isa
 from monarch_dsl.runtime.executor import ReferenceExecutor
 from monarch_dsl.runtime.failure import Failure
@@ -43,21 +41,14 @@ class CoreExecutor(ReferenceExecutor):
             core.python(ins.stream, partial(self.call_op, ins))
         elif kind is isa.Reduce:
             group = self._group_key(ins)
-            core.reduce(
-                ins.stream, group, ins.src, ins.out, ins.reduction, ins.scatter,
-                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
-                f"reduce over {ins.dims}", f"reduce {ins.dims}",
-            )  # fmt: skip
+            core.reduce(ins, group, what=f"reduce over {ins.dims}", what_error=f"reduce {ins.dims}")
         elif kind is isa.Transfer:
             rank = self.rank
             groups = [
                 self._pair_group(a, b, ins.stream) if rank in (a, b) and a != b else ""
                 for a, b in ins.pairs
             ]
-            core.transfer(
-                ins.stream, ins.src, ins.out, [tuple(p) for p in ins.pairs], groups,
-                list(ins.shape), getattr(torch, ins.dtype), ins.loc,
-            )  # fmt: skip
+            core.transfer(ins, groups)
         elif kind is isa.Delete:
             core.delete(ins.stream, list(ins.refs))
         elif kind is isa.DefineMesh:
