@@ -46,30 +46,32 @@ class PlanRunner:
     def define(self, ins: isa.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
 
-    def _compiled(self, plan: int, program: Program, mesh, coords: tuple[int, ...], on: str) -> Any:
+    def _compiled(
+        self, plan: int, program: Program, mesh, coords: tuple[int, ...], run_stream: str
+    ) -> Any:
         """The C++ program of ``plan`` for the rank at ``coords``: its compute steps, and its
         communication with the groups it uses (made here, in step order, as the Python path
         makes them at first use; every member makes them in the same order)."""
-        key = (plan, coords, on)
+        key = (plan, coords, run_stream)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.core.CompiledPlan(core_steps(program, coords, self.ex.device), Slot)
             for k, step in enumerate(program.steps):
                 if isinstance(step, isa.Comm) and step.runs_on(coords):
-                    self._set_comm(compiled, k, step, mesh, coords, on)
+                    self._set_comm(compiled, k, step, mesh, coords, run_stream)
             compiled.set_uses([list(u) for u in self.programs[plan][1]])
             self.compiled[key] = compiled
         return compiled
 
-    def _set_comm(self, compiled, k: int, step: isa.Comm, mesh, coords, on: str) -> None:
+    def _set_comm(self, compiled, k: int, step: isa.Comm, mesh, coords, run_stream: str) -> None:
         group, index, size, peer = None, 0, 1, -1
         if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
             d = step.dims[0]
             index, size = coords[d], mesh.sizes[d]
         elif isinstance(step, (isa.Send, isa.Recv)):
-            group, peer = self._pair(step, mesh, coords, on)
+            group, peer = self._pair(step, mesh, coords, run_stream)
         else:
-            group, index, size = self._group(mesh, coords, step.dims, _groups_of(on, step))
+            group, index, size = self._group(mesh, coords, step.dims, _groups_of(run_stream, step))
         compiled.set_comm(
             k,
             step,
@@ -82,14 +84,14 @@ class PlanRunner:
         )
 
     # ---- groups --------------------------------------------------------------------------
-    def _pair(self, step, mesh, coords, on: str) -> tuple[Any, int]:
+    def _pair(self, step, mesh, coords, run_stream: str) -> tuple[Any, int]:
         """The group of this rank and the peer of send/recv ``step``, and the peer's index in
         it."""
         d = step.dims[0]
         mine = mesh.ranks[index_of_coords(coords, mesh.sizes)]
         other = mesh.ranks[index_of_coords(coords[:d] + (step.peer,) + coords[d + 1 :], mesh.sizes)]
         members = sorted((mine, other))
-        return self.ex.process_group(members, _groups_of(on, step)), members.index(other)
+        return self.ex.process_group(members, _groups_of(run_stream, step)), members.index(other)
 
     def _group(self, mesh, coords, dims, stream):
         """The group along mesh dims ``dims`` through this rank (at ``coords``)."""
@@ -172,7 +174,9 @@ class PlanRunner:
             return Failure(self.ex.rank, ins.loc, "plan", why, "")
         return failure
 
-    def _comm(self, step: isa.Comm, env, mesh, coords, pending, failed: bool, on: str) -> None:
+    def _comm(
+        self, step: isa.Comm, env, mesh, coords, pending, failed: bool, run_stream: str
+    ) -> None:
         dtype = getattr(torch, step.dtype)
 
         def value(i: int) -> torch.Tensor:
@@ -192,7 +196,7 @@ class PlanRunner:
             env[step.outs[0]] = v if step.reduce != "sum" or coords[d] == 0 else torch.zeros_like(v)
             return
         if isinstance(step, (isa.Send, isa.Recv)):
-            group, peer = self._pair(step, mesh, coords, on)
+            group, peer = self._pair(step, mesh, coords, run_stream)
             if isinstance(step, isa.Send):
                 group.send([value(0).contiguous()], peer, 0).wait()
             else:
@@ -200,7 +204,7 @@ class PlanRunner:
                 group.recv([buf], peer, 0).wait()
                 env[step.outs[0]] = buf
             return
-        group, index, n = self._group(mesh, coords, step.dims, _groups_of(on, step))
+        group, index, n = self._group(mesh, coords, step.dims, _groups_of(run_stream, step))
         c = collectives.of_step(step, [value(i) for i in range(len(step.args))], n)
         result = exchange.start(group, index, n, c)
 
@@ -221,14 +225,14 @@ class PlanRunner:
                 pending[slot] = once
 
 
-def _groups_of(on: str, step) -> str:
-    """The stream whose groups ``step`` of a plan run on stream ``on`` uses. The whole plan
-    runs on ``on``'s thread: its ``main`` steps take their place in that stream's order and
+def _groups_of(run_stream: str, step) -> str:
+    """The stream whose groups ``step`` of a plan run on stream ``run_stream`` uses. The whole plan
+    runs on ``run_stream``'s thread: its ``main`` steps take their place in that stream's order and
     use its groups; its other streams' steps (``comms``, started and waited for later) get
     groups of their own, never a user stream's -- a user's ``md.Stream("comms")`` runs its
     collectives on another thread at the same time, and two threads on one group mix up their
     messages."""
-    return on if step.stream == "main" else f"plan/{on}/{step.stream}"
+    return run_stream if step.stream == "main" else f"plan/{run_stream}/{step.stream}"
 
 
 class _Once:
