@@ -190,7 +190,7 @@ class EndpointRef:
 
     def _send(self, ranks, args, kwargs, finish, on_item=None) -> Future:
         self._check(args, kwargs)
-        job = self._am._procs._job
+        job = self._am._procs.job
         return job.request(ranks, self._msg(args, kwargs), finish, on_item, self._am._point_of)
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
@@ -211,7 +211,7 @@ class EndpointRef:
     def choose(self, *args: Any, **kwargs: Any) -> Future:
         """Call one actor of the mesh (round robin over the live ones)."""
         am = self._am
-        job = am._procs._job
+        job = am._procs.job
         ranks = am._job_ranks
         alive = [r for r in ranks if r not in job.dead] or list(ranks)
         rank = alive[next(am._rr) % len(alive)]
@@ -220,7 +220,7 @@ class EndpointRef:
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Call on every actor without waiting; errors are printed by the workers."""
         self._check(args, kwargs)
-        self._am._procs._job.post(self._am._job_ranks, self._msg(args, kwargs)(-1))
+        self._am._procs.job.post(self._am._job_ranks, self._msg(args, kwargs)(-1))
 
     def stream(self, *args: Any, **kwargs: Any) -> ReplyStream:
         """Call on every actor; iterate (or ``async for``) the replies as they arrive."""
@@ -315,7 +315,7 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
         pass  # no signature available (builtin __init__): let the worker decide
     actor_id = next(_actor_ids)
     dims, sizes, ranks = procs.dims, tuple(procs.sizes.values()), tuple(procs.ranks)
-    fut = procs._job.request(
+    fut = procs.job.request(
         ranks,
         lambda call_id: SpawnActor(call_id, actor_id, name, cls, args, kwargs, dims, sizes, ranks),
     )

@@ -30,6 +30,12 @@ class ProcMesh(Mesh):
 
     _job: controller.Job
 
+    @property
+    def job(self) -> controller.Job:
+        """The controller's allocation these processes belong to (``runtime/controller.py``),
+        for the layers built on process meshes (the tensor engine, actors, parallel)."""
+        return self._job
+
     def _derive(self, dims: tuple[str, ...], ranks: np.ndarray) -> ProcMesh:
         pm = ProcMesh._from_array(dims, ranks)
         pm._job = self._job

@@ -316,7 +316,7 @@ def _check_on_mesh(named: list, buffers: list, mesh: Any) -> None:
                     f"{kind} {name!r} is a local tensor: create the model under "
                     "`with pm.activate():` or put it on the mesh with md.to_mesh(model, pm)"
                 )
-            if t.mesh._job is not mesh._job or tuple(t.mesh.ranks) != tuple(mesh.ranks):
+            if t.mesh.job is not mesh.job or tuple(t.mesh.ranks) != tuple(mesh.ranks):
                 raise ValueError(
                     f"{kind} {name!r} lives on mesh {t.mesh}, not on the DDP mesh {mesh}"
                 )

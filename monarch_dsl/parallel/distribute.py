@@ -34,7 +34,7 @@ def distribute(obj: Any, placements: Any, mesh: Any = None) -> Any:
     leaves, spec = pytree.tree_flatten(obj)
     for leaf in leaves:
         if isinstance(leaf, _tensor.Tensor) and (
-            leaf.mesh._job is not mesh._job or tuple(leaf.mesh.ranks) != tuple(mesh.ranks)
+            leaf.mesh.job is not mesh.job or tuple(leaf.mesh.ranks) != tuple(mesh.ranks)
         ):
             raise ValueError(f"md.distribute: a tensor on mesh {leaf.mesh}, not on {mesh}")
         if isinstance(leaf, torch.Tensor):

@@ -101,7 +101,7 @@ def run_spmd(
     """Run ``script`` with ``args`` once per worker of ``pm`` (a ProcMesh); see the module
     docstring. Returns each rank's exit code (all 0) as a ValueMesh shaped like ``pm``."""
     path, args, env = check_arguments(script, args, env, timeout)
-    job = pm._job
+    job = pm.job
     ranks = pm.ranks
     job.check_alive(ranks)
     if not job.pids:

@@ -356,7 +356,7 @@ class Job:
         result is in, then hands reading back. With another waiter already reading, or from
         the reader thread itself, it just waits for the future."""
         if threading.get_ident() == self._thread.ident or self.stopped:
-            fut._wait(timeout)
+            fut.wait_until_done(timeout)
             return
         with self._handoff_lock:
             if self._callers_reading:
@@ -365,7 +365,7 @@ class Job:
                 solo = True
                 self._callers_reading = 1
         if not solo:
-            fut._wait(timeout)
+            fut.wait_until_done(timeout)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         try:

@@ -61,7 +61,9 @@ class Future(Generic[T]):
     def done(self) -> bool:
         return self._value is not _PENDING or self._exc is not None
 
-    def _wait(self, timeout: float | None) -> None:
+    def wait_until_done(self, timeout: float | None) -> None:
+        """Block until the result (or error) is in, or ``timeout`` passes, without reading
+        replies or raising (the reply reader's wait; users call ``get``)."""
         if self._waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._waiter.release()
 
@@ -71,7 +73,7 @@ class Future(Generic[T]):
             if self._reader is not None:
                 self._reader.read_until(self, timeout)
             else:
-                self._wait(timeout)
+                self.wait_until_done(timeout)
             if not self.done():
                 raise TimeoutError(f"no result within {timeout} s (the call is still pending)")
         if self._exc is not None:

@@ -20,7 +20,7 @@ from monarch_dsl.tensor.handle import Tensor
 @contextlib.contextmanager
 def activate(mesh: Any) -> Iterator[Any]:
     """``with pm.activate():`` -- torch calls create and run on every rank of ``mesh``."""
-    if mesh._job.stopped:
+    if mesh.job.stopped:
         raise RuntimeError("this process mesh has been stopped")
     stack = mesh_stack()
     stack.append(mesh)
@@ -38,7 +38,7 @@ def activate(mesh: Any) -> Iterator[Any]:
     finally:
         torch.manual_seed = real_seed
         stack.pop()
-        engine = Engine.of_job(mesh._job)
+        engine = Engine.of_job(mesh.job)
         if engine is not None:
             engine.flush()
 

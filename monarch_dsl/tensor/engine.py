@@ -50,7 +50,7 @@ class Engine:
     def of(cls, mesh: Any) -> Engine:
         """The engine of ``mesh``'s allocation; made on first use, when it registers with
         the job: ``ProcMesh.stop`` then waits (``sync``) for what it sent."""
-        job = mesh._job
+        job = mesh.job
         engine = job.extensions.get(EXTENSION)
         if engine is None:
             engine = job.extensions[EXTENSION] = cls(job)

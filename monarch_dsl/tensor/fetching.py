@@ -84,7 +84,7 @@ def inspect(obj: Any, **coords: int) -> Any:
 def sync(mesh: Any, timeout: float | None = None) -> None:
     """Wait until every worker of ``mesh``'s allocation has run what was sent so far (their
     failure reports have then arrived); ``TimeoutError`` after ``timeout`` seconds."""
-    engine = Engine.of_job(mesh._job)
+    engine = Engine.of_job(mesh.job)
     if engine is not None:
         engine.sync(timeout)
 

@@ -249,7 +249,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     ``dest``."""
     check_usable(t, "to_mesh", 0, write=False)
     src = t._md_mesh
-    if dest._job is not src._job:
+    if dest.job is not src.job:
         raise TypeError("to_mesh between process meshes of different allocations is not supported")
     if dict(src.sizes) != dict(dest.sizes):
         raise ValueError(
@@ -257,8 +257,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
         )
     engine = t._md_engine
     engine.ensure_collectives()
-    order = [src.dims.index(d) for d in dest.dims]
-    src_ranks = src._ranks.transpose(order).reshape(-1).tolist()  # in dest's row-major order
+    src_ranks = [src.ranks[src.index_of(**p)] for p in dest.points()]  # in dest's order
     pairs = tuple(zip(src_ranks, dest.ranks))
     ref = engine.new_ref()
     meta = t._md_meta
