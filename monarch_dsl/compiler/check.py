@@ -17,7 +17,6 @@ instruction's ``loc``; the message names the instruction, what was expected and 
 from __future__ import annotations
 
 from collections import deque
-from itertools import product
 from typing import Any, TypeAlias
 
 from monarch_dsl.compiler.plan import (
@@ -34,6 +33,7 @@ from monarch_dsl.compiler.plan import (
     Shard,
     TensorType,
 )
+from monarch_dsl.mesh import all_coords, index_of_coords
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 P2P = ("send", "recv")
@@ -148,10 +148,7 @@ class _Checker:
             )
         self.dim_index = {d: k for k, d in enumerate(names)}
         self.sizes = plan.sizes
-        self.coords = list(product(*(range(n) for n in self.sizes)))
-        self.strides = [1] * len(self.sizes)
-        for k in range(len(self.sizes) - 2, -1, -1):
-            self.strides[k] = self.strides[k + 1] * self.sizes[k + 1]
+        self.coords = all_coords(self.sizes)
         self.all_mask = (1 << len(self.coords)) - 1
         self._on_cache: dict[On, tuple[list[int], int]] = {}
         self._group_cache: dict[tuple[str, ...], Groups] = {}
@@ -520,7 +517,8 @@ class _Checker:
             k = self.dim_index[ins.kw("dims")[0]]
             peer = ins.kw("peer")
             for r in self.ranks_of[i]:
-                other = r + (peer - self.coords[r][k]) * self.strides[k]
+                c = self.coords[r]
+                other = index_of_coords(c[:k] + (peer,) + c[k + 1 :], self.sizes)
                 if ins.op == "send":
                     sends.setdefault((r, other, ins.stream), []).append(i)
                 else:
