@@ -328,6 +328,7 @@ def test_every_pass_is_recorded_in_passes():
     assert [p.name for p in plan.passes] == ["capture", "propagate", "schedule", "check"]
     assert all(p.seconds >= 0 for p in plan.passes)
     assert plan.passes[-1].plan == plan
+    assert plan.stages == plan.passes  # SPEC §5's name
 
 
 def test_dropout_cat_chunk_amax_log_softmax_stay_sharded():

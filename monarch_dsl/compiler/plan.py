@@ -345,6 +345,12 @@ class Plan:
     notes: PlanNotes | None = field(default=None, compare=False, repr=False)
 
     @property
+    def stages(self) -> tuple[PassRecord, ...]:
+        """SPEC §5's name for :attr:`passes` (the plan after every pass). The compiler says
+        ``passes``: a stage there is a pipeline stage."""
+        return self.passes
+
+    @property
     def dims(self) -> tuple[str, ...]:
         return tuple(d for d, _ in self.mesh)
 
