@@ -61,6 +61,10 @@ def _run(args: argparse.Namespace) -> int:
         print("monarch-dsl run: -n/--nproc goes with --spmd", file=sys.stderr)
         return 2
     sys.argv = [args.script, *args.args]
+    if args.module:  # as python -m: the working directory first
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(args.script, run_name="__main__", alter_sys=True)
+        return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     runpy.run_path(args.script, run_name="__main__")
     return 0
@@ -76,8 +80,8 @@ def _run_spmd(args: argparse.Namespace) -> int:
         print(f"monarch-dsl run --spmd: -n must be at least 1, got {nproc}", file=sys.stderr)
         return 2
     try:  # before paying for a mesh
-        spmd.check_arguments(args.script, args.args, None, None)
-    except (OSError, TypeError, ValueError) as e:
+        spmd.check_arguments(args.script, args.args, None, None, args.module)
+    except (OSError, TypeError, ValueError, ImportError) as e:
         print(f"monarch-dsl run --spmd: {e}", file=sys.stderr)
         return 2
     import monarch_dsl as md
@@ -93,7 +97,7 @@ def _run_spmd(args: argparse.Namespace) -> int:
         {"rank": nproc}, env={"MD_DEVICE": "cpu", "MD_EXECUTOR": "python"}
     )
     try:
-        pm.run_spmd(args.script, *args.args)
+        pm.run_spmd(args.script, *args.args, module=args.module)
         return 0
     except SpmdError as e:
         print(f"monarch-dsl run --spmd: {e}", file=sys.stderr)
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="N",
         help="with --spmd: the number of ranks (default 1)",
+    )
+    r.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name, run as python -m (and torchrun -m) run it",
     )
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)

@@ -69,15 +69,17 @@ class ProcMesh(Mesh):
         *args: str,
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        module: bool = False,
     ) -> _actor.ValueMesh:
         """Run an unchanged ``torchrun`` script on every worker of this mesh: rank ``i`` is
         the ``i``-th worker, row-major, with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
         ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (``env`` adds variables),
         its output prefixed by the worker's coordinates. Returns each rank's exit code (0) as
         a ValueMesh. A rank that exits non-zero or is killed stops the others and raises
-        ``md.SpmdError`` naming it; so does ``timeout`` (seconds). The mesh outlives the run:
-        each rank is forked from the fork server, which has imported torch already."""
-        return _spmd.run_spmd(self, script, args, env, timeout)
+        ``md.SpmdError`` naming it; so does ``timeout`` (seconds). ``module=True``: ``script``
+        is a module name, run as ``python -m`` runs it. The mesh outlives the run: each rank is
+        forked from the fork server, which has imported torch already."""
+        return _spmd.run_spmd(self, script, args, env, timeout, module)
 
     def activate(self):
         """``with pm.activate():`` torch calls create and run on every rank of this mesh."""

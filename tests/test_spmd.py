@@ -287,3 +287,61 @@ def test_cli_refuses_bad_arguments_before_starting_a_mesh(tmp_path, monkeypatch,
     assert "-n must be at least 1" in capsys.readouterr().err
     assert main(["run", "-n", "2", RANKS]) == 2
     assert "goes with --spmd" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- -m module
+
+MODULE = """
+import json, os, sys
+out = sys.argv[-1]
+with open(os.path.join(out, os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+               "cwd": os.getcwd(), "pid": os.getpid()}, f)
+"""
+
+
+def _module_tree(tmp_path):
+    """``spmdpkg.train`` under ``tmp_path/src`` (the working directory the test runs in) and
+    an output directory."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    (src / "spmdpkg").mkdir(parents=True)
+    out.mkdir()
+    (src / "spmdpkg" / "__init__.py").write_text("")
+    (src / "spmdpkg" / "train.py").write_text(MODULE)
+    return src, out
+
+
+def test_a_module_runs_as_python_dash_m_runs_it(pm, tmp_path, monkeypatch):
+    src, out = _module_tree(tmp_path)
+    monkeypatch.chdir(src)
+    assert pm.run_spmd("spmdpkg.train", "--lr", "0.1", str(out), module=True).values() == [0, 0]
+    for r, s in enumerate(rank_files(out)):
+        assert s["name"] == "__main__" and s["path0"] == str(src) and s["cwd"] == str(src)
+        assert s["argv"] == [str(src / "spmdpkg" / "train.py"), "--lr", "0.1", str(out)], r
+
+
+def test_a_missing_or_malformed_module_is_refused_before_anything_starts(pm, tmp_path, monkeypatch):
+    src, _ = _module_tree(tmp_path)
+    monkeypatch.chdir(src)
+    forked = []
+    monkeypatch.setattr(spmd, "_Run", lambda *a, **k: forked.append(a))
+    with pytest.raises(ModuleNotFoundError, match="no module named 'spmdpkg.nope'"):
+        pm.run_spmd("spmdpkg.nope", module=True)
+    with pytest.raises(ValueError, match="dotted module name"):
+        pm.run_spmd("spmdpkg/train.py", module=True)
+    assert forked == []
+
+
+def test_cli_runs_a_module_on_n_ranks(tmp_path):
+    src, out = _module_tree(tmp_path)
+    proc = subprocess.run(
+        cli_command("--spmd", "-n", "2", "-m", "spmdpkg.train", str(out)),
+        capture_output=True, text=True, timeout=120, env=cli_env(), cwd=src,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [s["argv"][1:] for s in rank_files(out)] == [[str(out)], [str(out)]]
+    missing = subprocess.run(
+        cli_command("--spmd", "-n", "2", "-m", "spmdpkg.nope"),
+        capture_output=True, text=True, timeout=120, env=cli_env(), cwd=src,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no module named 'spmdpkg.nope'" in missing.stderr

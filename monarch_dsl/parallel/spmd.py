@@ -49,9 +49,14 @@ stopped and its ``md.SupervisionError`` raised, as for any call on the mesh) or 
 stopped, bounded waits for exit reports after the signals. Ctrl-C in the controller stops the
 ranks before it propagates. The mesh stays usable after any of these.
 
+``module=True`` (``monarch-dsl run --spmd -m pkg.train``) runs a module as ``python -m`` (and
+``torchrun -m``) do: the working directory first on ``sys.path``, ``argv[0]`` the module's file;
+a package runs its ``__main__``. The module is found on the controller (the working directory,
+then its ``sys.path``) without importing it, so a misspelled name fails before any process
+starts.
+
 Not yet: meshes of remote hosts (their workers have no fork server on this host; a per-host fork
-server started by ``monarch-dsl worker`` would take the same ``ForkScripts`` request), and
-``-m module`` instead of a script file.
+server started by ``monarch-dsl worker`` would take the same ``ForkScripts`` request).
 """
 
 from __future__ import annotations
@@ -97,10 +102,11 @@ def run_spmd(
     args: Sequence[str],
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    module: bool = False,
 ) -> ValueMesh:
     """Run ``script`` with ``args`` once per worker of ``pm`` (a ProcMesh); see the module
     docstring. Returns each rank's exit code (all 0) as a ValueMesh shaped like ``pm``."""
-    path, args, env = check_arguments(script, args, env, timeout)
+    path, args, env = check_arguments(script, args, env, timeout, module)
     job = pm.job
     ranks = pm.ranks
     job.check_alive(ranks)
@@ -110,18 +116,21 @@ def run_spmd(
             "workers of remote_hosts() have no fork server here: start the script there with "
             "torchrun"
         )
-    return _Run(job, pm, ranks, path, args, env).result(timeout)
+    return _Run(job, pm, ranks, path, args, env, module).result(timeout)
 
 
 def check_arguments(
-    script: Any, args: Sequence[Any], env: Any, timeout: Any
+    script: Any, args: Sequence[Any], env: Any, timeout: Any, module: bool = False
 ) -> tuple[str, tuple[str, ...], dict[str, str]]:
     """Everything is checked here, before any process is started."""
-    if not isinstance(script, (str, os.PathLike)) or not isinstance(os.fspath(script), str):
-        raise TypeError(f"run_spmd: script must be a path (str), got {type(script).__name__}")
-    path = os.path.abspath(os.fspath(script))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(errno.ENOENT, "run_spmd: no such script file", path)
+    if module:
+        path = _check_module(script)
+    else:
+        if not isinstance(script, (str, os.PathLike)) or not isinstance(os.fspath(script), str):
+            raise TypeError(f"run_spmd: script must be a path (str), got {type(script).__name__}")
+        path = os.path.abspath(os.fspath(script))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(errno.ENOENT, "run_spmd: no such script file", path)
     for a in args:
         if not isinstance(a, str):
             raise TypeError(
@@ -147,6 +156,25 @@ def check_arguments(
     ):
         raise ValueError(f"run_spmd: timeout must be a positive number of seconds, got {timeout!r}")
     return path, tuple(args), dict(env)
+
+
+def _check_module(name: Any) -> str:
+    """``name`` if it is a module ``python -m`` would find from here: a file ``a/b.py`` or a
+    package ``a/b/`` with ``__main__.py`` under the working directory or a ``sys.path`` entry.
+    Found by looking, not importing: nothing of the user's runs in the controller."""
+    if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"run_spmd: module must be a dotted module name, got {name!r}")
+    rel = os.path.join(*name.split("."))
+    for base in [os.getcwd(), *(p for p in sys.path if p)]:
+        if os.path.isfile(os.path.join(base, rel + ".py")) or os.path.isfile(
+            os.path.join(base, rel, "__main__.py")
+        ):
+            return name
+    raise ModuleNotFoundError(
+        f"run_spmd: no module named {name!r} (looked for {rel}.py or {rel}/__main__.py under "
+        f"the working directory and sys.path)",
+        name=name,
+    )
 
 
 def free_port(host: str = MASTER_ADDR) -> int:
@@ -201,6 +229,7 @@ class _Run:
         script: str,
         args: tuple[str, ...],
         env: dict[str, str],
+        module: bool = False,
     ):
         self.job, self.pm, self.ranks, self.script = job, pm, ranks, script
         self.labels = [",".join(f"{d}={c}" for d, c in job.coords(r).items()) for r in ranks]
@@ -220,7 +249,9 @@ class _Run:
                 err_r, err_w = os.pipe()
                 fds.append(err_w)
                 self.err.append(logs.forwarder().add(err_r, label, is_err=True))
-            request = ForkScripts(0, script, args, tuple(envs), tuple(sys.path), os.getcwd())
+            request = ForkScripts(
+                0, script, args, tuple(envs), tuple(sys.path), os.getcwd(), module
+            )
             self.pids: tuple[int, ...] = server.fork(request, fds, FORK_TIMEOUT)
         finally:
             for fd in fds:  # the children hold them now; our copies would hide their EOF

@@ -257,27 +257,38 @@ class ForkServer:
 
     @staticmethod
     def _script_body(msg: ForkScripts, env: dict[str, str]) -> Callable[[], int]:
-        return lambda: run_script(msg.script, msg.args, env, msg.sys_path, msg.cwd)
+        return lambda: run_script(msg.script, msg.args, env, msg.sys_path, msg.cwd, msg.module)
 
 
 # =============================================================================== scripts
 
 
 def run_script(
-    script: str, args: tuple[str, ...], env: dict[str, str], sys_path: tuple[str, ...], cwd: str
+    script: str,
+    args: tuple[str, ...],
+    env: dict[str, str],
+    sys_path: tuple[str, ...],
+    cwd: str,
+    module: bool = False,
 ) -> int:
     """In a process just forked from the fork server: run ``script`` as ``__main__`` as a fresh
-    ``python script ARGS`` would, with exactly ``env`` as its environment; returns its exit
-    code (SystemExit's, 1 for an uncaught exception, whose traceback goes to stderr)."""
+    ``python script ARGS`` would (``module``: as ``python -m script ARGS``: the working
+    directory first on sys.path, argv[0] the module's file), with exactly ``env`` as its
+    environment; returns its exit code (SystemExit's, 1 for an uncaught exception, whose
+    traceback goes to stderr)."""
     os.environ.clear()
     os.environ.update(env)
     _as_if_fresh(env)
     sys.argv[:] = [script, *args]
-    sys.path[:] = [os.path.dirname(script), *(p for p in sys_path if p)]
+    first = cwd if module else os.path.dirname(script)
+    sys.path[:] = [first, *(p for p in sys_path if p and p != first)]
     os.chdir(cwd)
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException as e:  # noqa: BLE001 - as the interpreter would: print it, exit 1
@@ -346,7 +357,8 @@ def _exit_code(code) -> int:
 def _print_script_traceback(exc: BaseException, script: str) -> None:
     """The traceback from the script's own frames on (not runpy's or ours)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+    main = sys.argv[0] if sys.argv else script  # (a module's file, once runpy set it)
+    while tb is not None and tb.tb_frame.f_code.co_filename not in (script, main):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 

@@ -156,11 +156,12 @@ class ForkScripts(NamedTuple):
     controller stops a rank and whatever it started with one ``killpg``."""
 
     request_id: int
-    script: str  # an absolute path
+    script: str  # an absolute path, or a module's name (``module``)
     args: tuple[str, ...]
     envs: tuple[dict[str, str], ...]  # the whole environment of each process, in rank order
-    sys_path: tuple[str, ...]  # sys.path after the script's directory
+    sys_path: tuple[str, ...]  # sys.path after the script's directory (the cwd for a module)
     cwd: str
+    module: bool = False  # ``script`` is a module, run as ``python -m script`` runs it
 
 
 class Forked(NamedTuple):
