@@ -9,7 +9,13 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from compiler_helpers import MEGATRON_MLP, mse_batches, mse_step, simulate_training
+from compiler_helpers import (
+    MEGATRON_MLP,
+    mse_batches,
+    mse_step,
+    simulate_training,
+    two_stages,
+)
 
 import monarch_dsl as md
 from monarch_dsl import isa
@@ -139,6 +145,20 @@ def test_megatron_all_reduce_is_one_event_on_both_ranks():
     assert comms[0].end > comms[0].start
     with pytest.raises(ValueError, match="compiled for mesh"):
         plan.simulate(mesh=md.Mesh.from_string("tp=4"))
+
+
+def test_a_pipeline_sends_between_stages_and_keeps_each_stage_s_parameters():
+    model, opt, step_of = two_stages()()
+    x, y = mse_batches(1, (8, 16))[0]
+    plan, _ = compile_step(step_of(model, opt), (x, y), {}, (("pp", 2),), micro_batches=2)
+    report = plan.simulate(profile="h100")
+    sends = [e for e in report.events if e.name == "send"]
+    recvs = [e for e in report.events if e.name == "recv"]
+    assert {e.rank for e in sends} == {0, 1} == {e.rank for e in recvs}  # forward and back
+    # each stage holds its own parameters (and not the other's: the stages' peaks differ)
+    stage = [sum(p.numel() * 4 for p in m.parameters()) for m in (model.first, model.second)]
+    peak = report.peak_memory
+    assert peak[0] >= stage[0] and peak[1] >= stage[1] and peak[0] != peak[1]
 
 
 # ---- profiles and traces -----------------------------------------------------------------------

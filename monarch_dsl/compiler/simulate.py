@@ -20,10 +20,10 @@ plan's types (``slot_types``: the slot numbering ``lower`` gives). The communica
 own ``shapes`` are not needed.
 
 Memory (per rank, in program order, as a caching allocator sees it): the inputs (parameters,
-optimizer state, batch) are resident; each step's outputs are allocated; views and in-place
-ops (``ops.ALIASING``, an in-place op's result) share their input's storage; a storage is
-released when the last slot on it is freed (``frees``); a bucketed all-reduce holds its flat
-buffer while it runs. The peak per rank is reported.
+optimizer state, batch) are resident on the ranks that use them; each step's outputs are
+allocated; views and in-place ops (``ops.ALIASING``, an in-place op's result) share their
+input's storage; a storage is released when the last slot on it is freed (``frees``); a
+bucketed all-reduce holds its flat buffer while it runs. The peak per rank is reported.
 """
 
 from __future__ import annotations
@@ -280,9 +280,17 @@ def simulate_program(
     free_at: dict[tuple[Coords, str], float] = defaultdict(float)
     ready: dict[Coords, list[float]] = {c: [0.0] * program.n_slots for c in ranks}
     mem: dict[Coords, _Memory] = {c: _Memory() for c in ranks}
+    # An input lives on the ranks whose steps use it (a pipeline stage's parameters on that
+    # stage), or everywhere if no step does.
+    homes: dict[int, set[Coords]] = {s: set() for s in program.inputs}
+    for step in program.steps:
+        for u in step.uses():
+            if u in homes:
+                homes[u].update(c for c in ranks if step.runs_on(c))
     for c in ranks:
         for s in program.inputs:
-            mem[c].new(s, nbytes(types[s]))
+            if c in homes[s] or not homes[s]:
+                mem[c].new(s, nbytes(types[s]))
         mem[c].mark()
     events: list[SimEvent] = []
     mail: dict[tuple[Coords, Coords], deque[float]] = defaultdict(deque)
