@@ -159,10 +159,9 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     seconds = moved / (profile.memory_bandwidth * eff)
     if fam == "matmul" and outs and outs[0][0] is not None:
         base, _ = base_name(step.name)
-        mats = [t for t in ins if t[0]]
-        first = mats[1] if base in ("addmm", "baddbmm", "addbmm") and len(mats) > 1 else mats[0]
-        assert first[0] is not None
-        k = first[0][-1] if first[0] else 1
+        at = 1 if base in ("addmm", "baddbmm", "addbmm") else 0  # (after the added term)
+        first = ins[at][0] if len(ins) > at else None
+        k = first[-1] if first else 1  # the contracted dim of the left matrix
         flops = 2 * math.prod(outs[0][0]) * k
         dtype = outs[0][1]
         seconds = max(seconds, flops / (profile.flops_per_second(dtype) * eff))
