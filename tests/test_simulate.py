@@ -63,6 +63,21 @@ def test_the_simulator_runs_every_step_kind():
     assert (send.rank, recv.rank) == (0, 1) and recv.end >= send.end
 
 
+def test_memory_views_share_storage_and_frees_release_it():
+    f = "float32"
+    steps = (
+        isa.Compute(name="aten.view.default", args=(Slot(0), [16]), outs=(1,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(1), Slot(1)), outs=(2,), frees=(1,)),
+        isa.Compute(name="aten.add.Tensor", args=(Slot(2), Slot(2)), outs=(3,), frees=(2,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(3), Slot(3)), outs=(4,), frees=(3,)),
+    )
+    program = isa.Program("mem", ("x",), (1,), steps, 5, (0,), (4,), ((16,),), (f,))
+    types = [((4, 4), f)] + [((16,), f)] * 4
+    report = simulate_program(program, types, "cpu-local")
+    # the input (64 B), never the view; at most two 64 B results alive at once
+    assert report.peak_memory == {0: 64 + 2 * 64}
+
+
 # ---- compiled plans ----------------------------------------------------------------------------
 
 
