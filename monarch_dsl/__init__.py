@@ -35,6 +35,8 @@ from monarch_dsl.tensor import (
 from monarch_dsl.remote import RemoteFunction, remote
 from monarch_dsl.grads import grad_generator
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard
+from monarch_dsl.compiler.profile import DeviceProfile
+from monarch_dsl.compiler.simulate import SimEvent, SimReport
 from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.parallel.ddp import DistributedDataParallel
@@ -49,6 +51,7 @@ __all__ = [
     "ActorError",
     "ActorMesh",
     "Borrow",
+    "DeviceProfile",
     "DistributedDataParallel",
     "EndpointRef",
     "Future",
@@ -61,6 +64,8 @@ __all__ = [
     "PlanError",
     "Replicate",
     "Shard",
+    "SimEvent",
+    "SimReport",
     "mesh_fn",
     "pipeline_stage",
     "MonarchError",

@@ -84,7 +84,7 @@ def run_program(
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
         if isinstance(step, isa.COLLECTIVES):
-            for group in _groups(active, step.dims):
+            for group in groups(active, step.dims):
                 made = [
                     collectives.of_step(step, [resolve(a, envs[c]) for a in step.args], len(group))
                     for c in group
@@ -131,7 +131,9 @@ def run_program(
     return {c: [envs[c][s] for s in program.outputs] for c in ranks}
 
 
-def _groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+def groups(active: list[tuple[int, ...]], dims: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+    """The groups a collective over mesh dims ``dims`` (indices) forms among the ranks
+    ``active`` that run it: those that agree on every other coordinate (each sorted)."""
     by_rest: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
     for c in active:
         rest = tuple(x for i, x in enumerate(c) if i not in dims)
@@ -170,4 +172,4 @@ def simulate_values(
     return result, after
 
 
-__all__ = ["run_program", "simulate_values", "local_value", "whole_value", "Replicate"]
+__all__ = ["run_program", "groups", "simulate_values", "local_value", "whole_value", "Replicate"]

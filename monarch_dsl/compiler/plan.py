@@ -297,12 +297,15 @@ class Collective(NamedTuple):
 
 
 # The text form of a plan and its checker build on this module (compiler/text.py,
-# compiler/check.py), so they register themselves here -- "format", "parse", "check" -- rather
-# than being imported by it; compiler/__init__.py imports both, so they are always there.
+# compiler/check.py), and so does the simulator (compiler/simulate.py), so they register
+# themselves here -- "format", "parse", "check", "simulate", "memory" -- rather than being
+# imported by it; compiler/__init__.py imports them all, so they are always there.
 class Implementations(TypedDict, total=False):
     format: Callable[[Plan], str]
     parse: Callable[[str], Plan]
     check: Callable[[Plan], None]
+    simulate: Callable[[Plan, Any, Any], Any]  # -> simulate.SimReport
+    memory: Callable[[Plan], dict[int, int]]
 
 
 IMPLEMENTATIONS: Implementations = {}
@@ -442,6 +445,19 @@ class Plan:
         ``PlanError`` pointing at the user's line, returns the plan."""
         IMPLEMENTATIONS["check"](self)
         return self
+
+    def simulate(self, mesh: Any = None, profile: Any = None) -> Any:
+        """Predict one call of the step without processes (``compiler/simulate.py``): an
+        ``md.SimReport`` with the step time, peak memory per rank and the timeline.
+        ``mesh``: the mesh it was compiled for (checked; None: that one); ``profile``: an
+        ``md.DeviceProfile``, a built-in's name (``"h100"``, ``"h200"``, ``"cpu-local"``,
+        the default) or a saved profile's path."""
+        return IMPLEMENTATIONS["simulate"](self, mesh, profile)
+
+    def memory(self) -> dict[int, int]:
+        """Peak bytes per rank (row-major index) of one call: parameters, gradients, optimizer
+        state, activations alive at once, buckets, pipeline buffers."""
+        return IMPLEMENTATIONS["memory"](self)
 
 
 def record_pass(plan: Plan, name: str, t0: float) -> Plan:

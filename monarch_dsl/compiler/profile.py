@@ -1,0 +1,180 @@
+"""Device profiles: what the simulator (``compiler/simulate.py``) charges for a step.
+
+Compute is a roofline per op family: ``max(flops / (peak[dtype] * efficiency), bytes /
+(memory_bandwidth * efficiency))`` plus a per-op dispatch overhead. Communication is an
+alpha-beta model per link kind: ``alpha * rounds + traffic / bandwidth``, where ``traffic`` is
+what the algorithm moves per rank (a ring all-reduce 2(n-1)/n of the bytes, in 2(n-1) rounds;
+all-gather, reduce-scatter and all-to-all (n-1)/n, in n-1 rounds; send/recv all of them, in
+one).
+
+Built-in profiles: ``"h100"``, ``"h200"`` (from NVIDIA's public datasheets; the efficiencies
+and latencies are assumptions, said so at each number) and ``"cpu-local"`` (a conservative
+placeholder for a 2-core CPU, until ``monarch-dsl calibrate`` measures this machine).
+``profile=`` anywhere takes a built-in name, a path to a saved profile, or a profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+# Link kinds (``DeviceProfile.links``' keys).
+LINK_KINDS = ("shm", "gloo", "nccl_intra", "inter_host")
+# Op families (``DeviceProfile.efficiency``' keys): ``compiler/simulate.py`` says which op is which.
+FAMILIES = ("matmul", "pointwise", "reduction", "other")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``latency`` (alpha, seconds per round of the algorithm) and
+    ``bandwidth`` (beta, bytes per second one rank sends)."""
+
+    latency: float
+    bandwidth: float
+
+    def time(self, traffic: float, rounds: int) -> float:
+        return self.latency * rounds + traffic / self.bandwidth
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The costs of one device and its links. ``peak_flops`` by torch dtype name (a dtype not
+    listed uses ``"float32"``'s), ``memory_bandwidth`` in bytes/s, ``efficiency`` per op family
+    (the fraction of the peak a real kernel reaches), ``dispatch_overhead`` seconds per op,
+    ``links`` by kind (``LINK_KINDS``); collectives within a host use ``intra_host``, across
+    hosts ``inter_host`` (a rank's host: its coordinate along a mesh dim named ``host``, else
+    its index // ``ranks_per_host``). ``memory_capacity``: bytes per device (0: unknown)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    efficiency: dict[str, float]
+    dispatch_overhead: float
+    links: dict[str, Link]
+    intra_host: str = "nccl_intra"
+    inter_host: str = "inter_host"
+    ranks_per_host: int = 8
+    memory_capacity: float = 0.0
+    notes: str = field(default="", compare=False)
+
+    def flops_per_second(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def link(self, cross_host: bool) -> Link:
+        return self.links[self.inter_host if cross_host else self.intra_host]
+
+    def with_link(self, kind: str, latency: float, bandwidth: float) -> DeviceProfile:
+        """This profile with link ``kind`` replaced."""
+        return dataclasses.replace(self, links={**self.links, kind: Link(latency, bandwidth)})
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DeviceProfile:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown device profile fields: {sorted(unknown)}")
+        links = {k: Link(**v) for k, v in data["links"].items()}
+        return cls(**{**data, "links": links})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> DeviceProfile:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    @classmethod
+    def get(cls, profile: ProfileLike) -> DeviceProfile:
+        """``profile`` as a ``DeviceProfile``: a built-in name (``BUILTIN``), a path to a
+        saved one, or a profile (returned as is); None is ``"cpu-local"``."""
+        if profile is None:
+            return BUILTIN["cpu-local"]
+        if isinstance(profile, DeviceProfile):
+            return profile
+        if isinstance(profile, str) and profile in BUILTIN:
+            return BUILTIN[profile]
+        if os.path.exists(profile):
+            return cls.load(profile)
+        raise ValueError(
+            f"unknown device profile {profile!r}: not a built-in ({', '.join(BUILTIN)}) nor a file"
+        )
+
+
+ProfileLike = Union[str, "os.PathLike[str]", DeviceProfile, None]
+
+# Assumed for the GPUs (not datasheet numbers): a large matmul reaches ~70% of the dense
+# tensor-core peak, memory-bound kernels ~80% of HBM bandwidth; each op costs ~5 us to launch.
+_GPU_EFFICIENCY = {"matmul": 0.7, "pointwise": 0.8, "reduction": 0.7, "other": 0.6}
+_GPU_LINKS = {
+    # NVLink 4: 900 GB/s per GPU total, both directions (H100/H200 SXM datasheets): 450 GB/s
+    # each way. Latency ~10 us per NCCL ring step: an assumption.
+    "nccl_intra": Link(latency=10e-6, bandwidth=450e9),
+    # 400 Gb/s NDR InfiniBand (ConnectX-7) per GPU, as in a DGX H100: 50 GB/s. Latency ~20 us
+    # per step: an assumption.
+    "inter_host": Link(latency=20e-6, bandwidth=50e9),
+    # Assumptions for the CPU back ends on a GPU host.
+    "shm": Link(latency=20e-6, bandwidth=10e9),
+    "gloo": Link(latency=100e-6, bandwidth=1e9),
+}
+
+H100 = DeviceProfile(
+    name="h100",
+    peak_flops={
+        "bfloat16": 989e12,  # H100 SXM datasheet: 989 TFLOP/s dense BF16 (1979 sparse)
+        "float16": 989e12,  # H100 SXM datasheet: 989 TFLOP/s dense FP16
+        "float32": 67e12,  # H100 SXM datasheet: 67 TFLOP/s FP32 (not TF32: torch's default)
+        "float64": 67e12,  # H100 SXM datasheet: 67 TFLOP/s FP64 tensor core
+        "int8": 1979e12,  # H100 SXM datasheet: 1979 TOPS dense INT8
+    },
+    memory_bandwidth=3.35e12,  # H100 SXM datasheet: 3.35 TB/s HBM3
+    memory_capacity=80e9,  # H100 SXM datasheet: 80 GB
+    efficiency=_GPU_EFFICIENCY,
+    dispatch_overhead=5e-6,  # assumption: a CUDA kernel launch through the dispatcher
+    links=_GPU_LINKS,
+    ranks_per_host=8,  # an HGX H100 board: 8 GPUs
+    notes="NVIDIA H100 SXM datasheet peaks; efficiencies and latencies are assumptions",
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="h200",
+    memory_bandwidth=4.8e12,  # H200 SXM datasheet: 4.8 TB/s HBM3e (compute as H100's)
+    memory_capacity=141e9,  # H200 SXM datasheet: 141 GB
+    notes="NVIDIA H200 SXM datasheet peaks; efficiencies and latencies are assumptions",
+)
+
+# A placeholder until ``monarch-dsl calibrate`` measures this machine: a conservative guess
+# for 2 CPU cores.
+CPU_LOCAL = DeviceProfile(
+    name="cpu-local",
+    peak_flops={
+        "float32": 50e9,  # placeholder: 2 AVX2 cores reach ~100-200 GFLOP/s at best
+        "float64": 25e9,  # placeholder: half of float32
+        "bfloat16": 25e9,  # placeholder: bf16 matmuls are slower than f32 on most CPUs
+        "float16": 10e9,  # placeholder
+    },
+    memory_bandwidth=10e9,  # placeholder: ~10 GB/s for 2 cores
+    efficiency={"matmul": 0.5, "pointwise": 0.5, "reduction": 0.5, "other": 0.5},
+    dispatch_overhead=10e-6,  # placeholder: torch's CPU dispatch is ~5-20 us an op
+    links={
+        "shm": Link(latency=20e-6, bandwidth=5e9),  # placeholder: a memcpy through /dev/shm
+        "gloo": Link(latency=100e-6, bandwidth=1e9),  # placeholder: TCP over loopback
+        "nccl_intra": Link(latency=20e-6, bandwidth=5e9),  # (no NCCL on a CPU: as shm)
+        "inter_host": Link(latency=200e-6, bandwidth=1.25e9),  # placeholder: 10 Gb/s Ethernet
+    },
+    intra_host="shm",
+    inter_host="gloo",
+    ranks_per_host=1 << 30,  # one host, unless the mesh has a "host" dim
+    notes="placeholder for a 2-core CPU until `monarch-dsl calibrate` exists",
+)
+
+BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (H100, H200, CPU_LOCAL)}

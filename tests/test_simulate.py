@@ -1,0 +1,209 @@
+"""The simulator (compiler/simulate.py): a back end of the instruction set that runs a lowered
+plan with costs instead of data, and device profiles (compiler/profile.py). Pure: no
+processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from compiler_helpers import (
+    MEGATRON_MLP,
+    mse_batches,
+    mse_step,
+    simulate_training,
+    two_stages,
+)
+
+import monarch_dsl as md
+from monarch_dsl import isa
+from monarch_dsl.compiler.compile import compile_step
+from monarch_dsl.compiler.profile import BUILTIN
+from monarch_dsl.compiler.simulate import simulate_program
+from monarch_dsl.isa import Slot
+
+# ---- every step kind ---------------------------------------------------------------------------
+
+
+def _every_kind() -> tuple[isa.Program, list]:
+    """A program with a step of every kind on a 2-rank mesh, and its slots' local types."""
+    c = dict(dims=(0,), shapes=((4, 4),), dtype="float32", loc="t.py:1")
+    steps = [
+        isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,), loc="t.py:1"),
+        isa.AllReduce(args=(Slot(2), Slot(1)), outs=(3, 4), **{**c, "shapes": ((4, 4),) * 2}),
+        isa.AllGather(args=(Slot(3),), outs=(5,), dim=0, **c),
+        isa.ReduceScatter(args=(Slot(5),), outs=(6,), dim=0, **c),
+        isa.AllToAll(args=(Slot(6),), outs=(7,), split_dim=0, cat_dim=1, **c),
+        isa.ShardLocal(args=(Slot(7),), outs=(8,), dim=0, **c),
+        isa.PartialLocal(args=(Slot(8),), outs=(9,), **c),
+        isa.Send(args=(Slot(9),), peer=1, on=((0, 0),), **c),
+        isa.Recv(outs=(10,), peer=0, on=((0, 1),), **c),
+    ]
+    assert {type(s) for s in steps} == set(isa.STEPS)
+    f = "float32"
+    types = [((4, 4), f)] * 5 + [((8, 4), f), ((4, 4), f), ((2, 8), f)] + [((1, 8), f)] * 3
+    program = isa.Program("every_kind", ("x",), (2,), tuple(steps), 11, (0, 1), (4,),
+                          ((4, 4),), ("float32",))  # fmt: skip
+    return program, types
+
+
+def test_the_simulator_runs_every_step_kind():
+    program, types = _every_kind()
+    report = simulate_program(program, types, "cpu-local")
+    ops = {(e.rank, e.name) for e in report.events if e.kind != "wait"}
+    for kind in isa.STEPS:
+        name = "aten.mm.default" if kind is isa.Compute else kind.kind
+        assert any(n == name for _, n in ops), kind
+    assert report.step_time > 0 and set(report.peak_memory) == {0, 1}
+    # the recv ends no earlier than the send it pairs with
+    send = next(e for e in report.events if e.name == "send")
+    recv = next(e for e in report.events if e.name == "recv")
+    assert (send.rank, recv.rank) == (0, 1) and recv.end >= send.end
+
+
+def test_memory_views_share_storage_and_frees_release_it():
+    f = "float32"
+    steps = (
+        isa.Compute(name="aten.view.default", args=(Slot(0), [16]), outs=(1,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(1), Slot(1)), outs=(2,), frees=(1,)),
+        isa.Compute(name="aten.add.Tensor", args=(Slot(2), Slot(2)), outs=(3,), frees=(2,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(3), Slot(3)), outs=(4,), frees=(3,)),
+    )
+    program = isa.Program("mem", ("x",), (1,), steps, 5, (0,), (4,), ((16,),), (f,))
+    types = [((4, 4), f)] + [((16,), f)] * 4
+    report = simulate_program(program, types, "cpu-local")
+    # the input (64 B), never the view; at most two 64 B results alive at once
+    assert report.peak_memory == {0: 64 + 2 * 64}
+
+
+# ---- compiled plans ----------------------------------------------------------------------------
+
+
+def _mlp_plan(bucket_cap_mb: float = 1):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 256)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    plan, _ = compile_step(
+        mse_step(model, opt), (x, y), {}, (("dp", 2),), data_parallel="dp",
+        bucket_cap_mb=bucket_cap_mb,
+    )  # fmt: skip
+    return plan
+
+
+def test_buckets_on_the_comms_stream_hide_communication():
+    """The default schedule (gradient buckets on the comms stream) against the same plan before
+    the schedule pass (every all-reduce on main, where nothing hides it)."""
+    plan = _mlp_plan()
+    assert any(c.stream == "comms" for c in plan.collectives)
+    names = [p.name for p in plan.passes]
+    unscheduled = plan.passes[names.index("schedule") - 1].plan
+    assert all(c.stream == "main" for c in unscheduled.collectives)
+    for profile in ("cpu-local", "h100"):
+        bucketed, serial = plan.simulate(profile=profile), unscheduled.simulate(profile=profile)
+        assert serial.exposed_comm_time == pytest.approx(serial.comm_time)
+        assert bucketed.exposed_comm_time < serial.exposed_comm_time
+        assert any(e.stream == "comms" and e.kind == "comm" for e in bucketed.events)
+        assert bucketed.per_stream[(0, "comms")] > 0
+        assert bucketed.step_time <= serial.step_time
+
+
+def test_a_slower_link_makes_a_longer_step():
+    plan = _mlp_plan()
+    fast = BUILTIN["h100"]
+    slow = fast.with_link("nccl_intra", latency=1e-3, bandwidth=1e9)
+    a, b = plan.simulate(profile=fast), plan.simulate(profile=slow)
+    assert b.step_time > a.step_time and b.comm_time > a.comm_time
+    assert a.compute_time == pytest.approx(b.compute_time)
+    # a faster memory makes memory-bound steps shorter: h200 has h100's compute, faster HBM
+    assert plan.simulate(profile="h200").compute_time < a.compute_time
+
+
+def test_fully_sharded_parameters_and_state_take_half_the_memory():
+    def make(shard):
+        def f():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+            if shard:
+                md.fully_shard(model)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.01), mse_step
+
+        return f
+
+    batches = mse_batches(2, (8, 64))
+    peaks = {}
+    for shard in (False, True):
+        *_, plans = simulate_training(make(shard), (("dp", 2),), batches, steps=2,
+                                      data_parallel="dp")  # fmt: skip
+        plan = plans[-1]  # (AdamW's state is an input from the second step on)
+        assert any(i.kind == "state" for i in plan.inputs)
+        peaks[shard] = plan.memory()
+        assert set(peaks[shard]) == {0, 1} and peaks[shard][0] == peaks[shard][1]
+    ratio = peaks[True][0] / peaks[False][0]
+    assert 0.4 < ratio < 0.65, peaks
+
+
+def test_megatron_all_reduce_is_one_event_on_both_ranks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = mse_batches(1, (8, 16))[0]
+    plan, _ = compile_step(mse_step(model, opt), (x, y), {}, (("tp", 2),), placements=MEGATRON_MLP)
+    report = plan.simulate(mesh=md.Mesh.from_string("tp=2"), profile="h100")
+    comms = [e for e in report.events if e.kind == "comm"]
+    assert sorted(e.rank for e in comms) == [0, 1] and comms[0].name == "all_reduce"
+    assert (comms[0].start, comms[0].end) == (comms[1].start, comms[1].end)
+    assert comms[0].end > comms[0].start
+    with pytest.raises(ValueError, match="compiled for mesh"):
+        plan.simulate(mesh=md.Mesh.from_string("tp=4"))
+
+
+def test_a_pipeline_sends_between_stages_and_keeps_each_stage_s_parameters():
+    model, opt, step_of = two_stages()()
+    x, y = mse_batches(1, (8, 16))[0]
+    plan, _ = compile_step(step_of(model, opt), (x, y), {}, (("pp", 2),), micro_batches=2)
+    report = plan.simulate(profile="h100")
+    sends = [e for e in report.events if e.name == "send"]
+    recvs = [e for e in report.events if e.name == "recv"]
+    assert {e.rank for e in sends} == {0, 1} == {e.rank for e in recvs}  # forward and back
+    # each stage holds its own parameters (and not the other's: the stages' peaks differ)
+    stage = [sum(p.numel() * 4 for p in m.parameters()) for m in (model.first, model.second)]
+    peak = report.peak_memory
+    assert peak[0] >= stage[0] and peak[1] >= stage[1] and peak[0] != peak[1]
+
+
+# ---- profiles and traces -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_profile_save_load_round_trip(name, tmp_path):
+    path = tmp_path / f"{name}.json"
+    BUILTIN[name].save(path)
+    loaded = md.DeviceProfile.load(path)
+    assert loaded == BUILTIN[name]
+    assert md.DeviceProfile.get(str(path)) == loaded and md.DeviceProfile.get(name) is BUILTIN[name]
+    with pytest.raises(ValueError, match="unknown device profile"):
+        md.DeviceProfile.get("no-such-device")
+
+
+def test_h100_h200_numbers():
+    h100, h200 = BUILTIN["h100"], BUILTIN["h200"]
+    assert h100.peak_flops["bfloat16"] == 989e12 and h100.memory_bandwidth == 3.35e12
+    assert h200.peak_flops == h100.peak_flops and h200.memory_bandwidth == 4.8e12
+
+
+def test_the_trace_has_one_event_per_sim_event(tmp_path):
+    report = _mlp_plan().simulate()
+    assert isinstance(report, md.SimReport) and all(
+        isinstance(e, md.SimEvent) for e in report.events
+    )
+    path = report.save_trace(tmp_path / "trace.json")
+    with open(path) as f:
+        trace = json.load(f)
+    assert len(trace["traceEvents"]) == len(report.events)
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
