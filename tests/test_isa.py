@@ -170,3 +170,21 @@ def test_the_cpp_executor_reads_an_eager_op_by_field_name(executors):
     with pytest.raises(TypeError, match="no field loc"):
         ex2.core.run_batch(((0, NoLoc("aten::ones", ((1,),), {}, (1,), "main")),), {0: True},
                            NoLoc, lambda m, i: None)  # fmt: skip
+
+
+def test_a_communication_step_carries_its_arguments_shapes():
+    """What a failed rank sends zeros of: an all-gather's argument is the shard, not the
+    gathered whole (the result's shape), so the group's sizes agree after a failure."""
+    import monarch_dsl as md
+    from monarch_dsl.compiler.lower import lower
+
+    model = torch.nn.Linear(16, 16)
+    md.fully_shard(model)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x):
+        return model(x).sum()
+
+    plan = step.compile(torch.ones(8, 16), mesh=md.Mesh.from_string("dp=2"))
+    gathers = [s for s in lower(plan).steps if isinstance(s, isa.AllGather)]
+    assert gathers and all(s.shapes[0][0] * 2 == 16 for s in gathers), gathers

@@ -132,9 +132,14 @@ def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
         assert md.inspect(out).shape == (8,)
 
 
-def test_an_input_failed_on_one_rank_fails_the_results_everywhere(pm):
-    """No rank hangs: the one whose input failed computes nothing but communicates zeros."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fully_shard"])
+def test_an_input_failed_on_one_rank_fails_the_results_everywhere(pm, sharded):
+    """No rank hangs: the one whose input failed computes nothing but communicates zeros of
+    each collective's argument shape (with fully_shard: a parameter's shard into the gather,
+    not the gathered whole)."""
     model = nn.Linear(16, 16)
+    if sharded:
+        md.fully_shard(model)
 
     @md.mesh_fn(data_parallel="dp")
     def step(x):

@@ -107,7 +107,10 @@ def lower(plan: Plan) -> Program:
             "frees": tuple(slots[n] for n in frees_at.get(k, [])) + tuple(slots[o] for o in dead),
         }
         if ins.op in COMM_OPS or ins.op in LOCAL_OPS:
-            ts = ins.types if ins.types else tuple(types[u] for u in ins.uses())
+            # The arguments' local shapes (a failed rank sends zeros of them, so the group's
+            # sizes agree); a recv has none: its result's.
+            uses = ins.uses()
+            ts = tuple(types[u] for u in uses) if uses else ins.types
             comm: _CommFields = {
                 **common,
                 "dims": tuple(dim_index[d] for d in kwargs.get("dims", ())),
