@@ -7,6 +7,7 @@ import os
 import runpy
 import signal
 import sys
+from typing import Any
 
 
 def _env_rank() -> int | None:
@@ -118,6 +119,103 @@ def _build(args: argparse.Namespace) -> int:
     return _build.main()
 
 
+_DTYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16",
+           "i64": "int64", "i32": "int32", "bool": "bool"}  # fmt: skip
+
+
+def _example(spec: str) -> Any:
+    """An example argument from ``f32[8,16]`` (the plan text's spelling of a tensor type)."""
+    import re
+
+    import torch
+
+    m = re.fullmatch(r"(\w+)\[([\d,\s]*)\]", spec.strip())
+    if m is None or m.group(1) not in _DTYPES:
+        raise ValueError(
+            f"--arg {spec!r}: expected a tensor type like f32[8,16] (dtypes: {', '.join(_DTYPES)})"
+        )
+    shape = [int(n) for n in m.group(2).replace(" ", "").split(",") if n]
+    dtype = getattr(torch, _DTYPES[m.group(1)])
+    return (
+        torch.randn(shape, dtype=dtype)
+        if dtype.is_floating_point
+        else torch.zeros(shape, dtype=dtype)
+    )
+
+
+def _load_step(target: str, data_parallel: str | None) -> Any:
+    """``FILE:FN``: the function ``FN`` of the file (run as a module named
+    ``__monarch_dsl_plan__``, so its ``if __name__ == "__main__":`` part does not run), as an
+    ``@md.mesh_fn`` (a plain function is wrapped, with ``data_parallel``)."""
+    import monarch_dsl as md
+    from monarch_dsl.mesh_fn import MeshFunction
+
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"{target!r}: expected FILE:FN, e.g. train.py:step")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    names = runpy.run_path(path, run_name="__monarch_dsl_plan__")
+    if name not in names:
+        raise ValueError(f"{path} defines no {name!r}")
+    fn = names[name]
+    if isinstance(fn, MeshFunction):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"{path}:{name} is a {type(fn).__name__}, not a function")
+    return md.mesh_fn(fn, data_parallel=data_parallel)
+
+
+def _plan_of(args: argparse.Namespace) -> Any:
+    import monarch_dsl as md
+
+    step = _load_step(args.target, args.data_parallel)
+    examples = [_example(a) for a in args.arg]
+    return step.compile(*examples, mesh=md.Mesh.from_string(args.mesh))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print a compiled step's plan, check it, print its summary."""
+    from monarch_dsl.errors import MonarchError
+
+    try:
+        plan = _plan_of(args)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"monarch-dsl {args.command}: {e}", file=sys.stderr)
+        return 2
+    print(plan)
+    try:
+        plan.check()
+    except MonarchError as e:
+        print(f"monarch-dsl plan: the plan does not check: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(plan.summary())
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """Simulate one call of a compiled step: the report, and a trace file."""
+    try:
+        plan = _plan_of(args)
+        report = plan.simulate(profile=args.profile)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"monarch-dsl simulate: {e}", file=sys.stderr)
+        return 2
+    ms = 1e3
+    print(f"plan {plan.name} on {args.mesh}, profile {report.profile}")
+    print(f"  step time          {report.step_time * ms:10.3f} ms")
+    print(f"  compute time       {report.compute_time * ms:10.3f} ms")
+    print(f"  communication      {report.comm_time * ms:10.3f} ms")
+    print(f"  exposed comm       {report.exposed_comm_time * ms:10.3f} ms")
+    for rank, peak in sorted(report.peak_memory.items()):
+        print(f"  peak memory rank {rank} {peak / 2**20:10.2f} MiB")
+    if args.trace:
+        print(f"  trace: {report.save_trace(args.trace)} (Perfetto / chrome://tracing)")
+    return 0
+
+
 # Every subcommand: (name, one line, an example). `monarch-dsl --help` lists them.
 COMMANDS = [
     (
@@ -139,6 +237,16 @@ COMMANDS = [
         "build",
         "compile the C++ runtime for the installed torch now (else: on first use)",
         "monarch-dsl build",
+    ),
+    (
+        "plan",
+        "print and check a compiled step's plan, for a mesh and example argument types",
+        "monarch-dsl plan train.py:step --mesh dp=2 --arg f32[64,1024] --arg f32[64,1024]",
+    ),
+    (
+        "simulate",
+        "predict one call of a compiled step: time, communication, memory, a trace file",
+        "monarch-dsl simulate train.py:step --mesh dp=2 --arg f32[64,1024] --profile h100",
     ),
     ("version", "print the version", "monarch-dsl version"),
 ]
@@ -193,6 +301,22 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(fn=_worker)
     b = sub.add_parser("build", description=helps["build"])
     b.set_defaults(fn=_build)
+    for name, fn in (("plan", _plan), ("simulate", _simulate)):
+        c = sub.add_parser(name, description=helps[name])
+        c.add_argument("target", metavar="FILE:FN", help="a file and its step function")
+        c.add_argument("--mesh", default="dp=2", help="the mesh, e.g. dp=2,tp=2 (default dp=2)")
+        c.add_argument(
+            "--arg", action="append", default=[], metavar="TYPE",
+            help="an example argument's type, e.g. f32[8,16]; once per tensor argument",
+        )  # fmt: skip
+        c.add_argument(
+            "--data-parallel", default=None, metavar="DIM",
+            help="for a plain function: shard its arguments over DIM (as mesh_fn's)",
+        )  # fmt: skip
+        if name == "simulate":
+            c.add_argument("--profile", default=None, help="h100, h200, cpu-local or a JSON path")
+            c.add_argument("--trace", default=None, metavar="PATH", help="write a trace JSON")
+        c.set_defaults(fn=fn)
     v = sub.add_parser("version", description=helps["version"])
     v.set_defaults(fn=lambda _: print(__import__("monarch_dsl").__version__) or 0)
     args = parser.parse_args(argv)
