@@ -61,6 +61,9 @@ def check_tutorial(text: str) -> None:
     assert "ddp step matches single-process training: True" in text
 
 
+_TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 def test_ddp_train_gives_the_same_weights_four_ways():
     """examples/ddp_train.py: torch DDP under torchrun, the unchanged script on a mesh
     (monarch-dsl run --spmd), md.DistributedDataParallel and the compiled loop body end with
@@ -69,9 +72,18 @@ def test_ddp_train_gives_the_same_weights_four_ways():
     env = dict(os.environ, MONARCH_DSL_QUIET="1", OMP_NUM_THREADS="1")
 
     def run(*cmd):
-        out = subprocess.run(
-            [sys.executable, *cmd], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT
-        )
+        for attempt in range(2):
+            out = subprocess.run(
+                [sys.executable, *cmd], capture_output=True, text=True, timeout=180, env=env,
+                cwd=ROOT,
+            )  # fmt: skip
+            # torch 2.13's gloo sometimes aborts a rank at exit, after the script finished
+            # and destroyed its process group ("terminate called without an active
+            # exception": ~1 torchrun run in 16 of this script, seen with plain torchrun too).
+            # That is the peer's bug, not a result: run once more, and only for that.
+            done = "weight checksum:" in out.stdout
+            if out.returncode == 0 or attempt or not done or _TORCH_EXIT_ABORT not in out.stderr:
+                break
         assert out.returncode == 0, out.stderr
         return out.stdout
 
