@@ -8,6 +8,7 @@
 
 #pragma once
 
+#include <torch/csrc/Dtype.h>
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -149,6 +150,14 @@ void fill_stack(const BoxedCall& call, torch::jit::Stack& stack, Value&& value) 
       stack[p.arg] = list;
     }
   }
+}
+
+// A dtype by its name in the instruction set ("float32") as a ScalarType.
+inline at::ScalarType dtype_named(py::handle name) {
+  py::object dtype = py::module_::import("torch").attr(name);
+  if (!THPDtype_Check(dtype.ptr()))
+    throw py::type_error("not a torch dtype: " + py::repr(name).cast<std::string>());
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
 }
 
 // Python error types of c10's exceptions, as torch's binding raises them.

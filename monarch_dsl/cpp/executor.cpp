@@ -229,7 +229,7 @@ class Executor {
     item.reduce = std::make_shared<ReduceCall>(ReduceCall{
         group, ins.attr("src").cast<int64_t>(), ins.attr("out").cast<int64_t>(),
         ins.attr("reduction").cast<std::string>(), ins.attr("scatter").cast<bool>(),
-        ins.attr("shape").cast<std::vector<int64_t>>(), scalar_type(ins.attr("dtype")),
+        ins.attr("shape").cast<std::vector<int64_t>>(), md::dtype_named(ins.attr("dtype")),
         ins.attr("loc").cast<std::string>(), std::move(what), std::move(what_error)});
     push(ins.attr("stream").cast<std::string>(), std::move(item));
   }
@@ -241,17 +241,9 @@ class Executor {
     item.transfer = std::make_shared<TransferCall>(TransferCall{
         ins.attr("src").cast<int64_t>(), ins.attr("out").cast<int64_t>(),
         ins.attr("pairs").cast<std::vector<std::pair<int64_t, int64_t>>>(), std::move(groups),
-        ins.attr("shape").cast<std::vector<int64_t>>(), scalar_type(ins.attr("dtype")),
+        ins.attr("shape").cast<std::vector<int64_t>>(), md::dtype_named(ins.attr("dtype")),
         ins.attr("loc").cast<std::string>()});
     push(ins.attr("stream").cast<std::string>(), std::move(item));
-  }
-
-  // A dtype's name ("float32") as a ScalarType.
-  static at::ScalarType scalar_type(py::handle name) {
-    py::object dtype = py::module_::import("torch").attr(name);
-    if (!THPDtype_Check(dtype.ptr()))
-      throw py::type_error("not a torch dtype: " + py::repr(name).cast<std::string>());
-    return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
   }
 
   void delete_refs(const std::string& stream, std::vector<int64_t> refs) {

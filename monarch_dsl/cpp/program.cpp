@@ -300,10 +300,7 @@ class CompiledPlan {
     c.split_dim = field("split_dim", py::int_(0)).cast<int64_t>();
     c.cat_dim = field("cat_dim", py::int_(0)).cast<int64_t>();
     for (auto shape : step.attr("shapes")) c.shapes.push_back(shape.cast<std::vector<int64_t>>());
-    py::object dtype = py::module_::import("torch").attr(step.attr("dtype"));
-    if (!THPDtype_Check(dtype.ptr()))
-      throw py::type_error("set_comm: not a torch dtype: " + py::repr(dtype).cast<std::string>());
-    c.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+    c.dtype = md::dtype_named(step.attr("dtype"));
     c.async = async;
     if (comms_.size() < steps_.size()) comms_.resize(steps_.size());
     comms_[k] = std::move(c);
