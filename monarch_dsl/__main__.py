@@ -119,23 +119,22 @@ def _build(args: argparse.Namespace) -> int:
     return _build.main()
 
 
-_DTYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16",
-           "i64": "int64", "i32": "int32", "bool": "bool"}  # fmt: skip
-
-
 def _example(spec: str) -> Any:
     """An example argument from ``f32[8,16]`` (the plan text's spelling of a tensor type)."""
     import re
 
     import torch
 
+    from monarch_dsl.compiler.plan import DTYPE_NAMES
+
+    names = {short: name for name, short in DTYPE_NAMES.items()}
     m = re.fullmatch(r"(\w+)\[([\d,\s]*)\]", spec.strip())
-    if m is None or m.group(1) not in _DTYPES:
+    if m is None or m.group(1) not in names:
         raise ValueError(
-            f"--arg {spec!r}: expected a tensor type like f32[8,16] (dtypes: {', '.join(_DTYPES)})"
+            f"--arg {spec!r}: expected a tensor type like f32[8,16] (dtypes: {', '.join(names)})"
         )
     shape = [int(n) for n in m.group(2).replace(" ", "").split(",") if n]
-    dtype = getattr(torch, _DTYPES[m.group(1)])
+    dtype = getattr(torch, names[m.group(1)])
     return (
         torch.randn(shape, dtype=dtype)
         if dtype.is_floating_point
