@@ -45,21 +45,11 @@ def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes: tuple[i
             if isinstance(p, Shard):
                 merged[c] = torch.cat(group, p.dim)
             elif isinstance(p, Partial):
-                merged[c] = _reduce(group, p.op)
+                merged[c] = collectives.reduce_values(group, p.op)
             else:  # whole everywhere; a pipeline stage's value exists on its stage only
                 merged[c] = next((g for g in group if g is not None), None)
         cur = merged
     return cur[()]
-
-
-def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
-    """The whole value of a ``Partial(op)`` from its parts."""
-    if op == "avg":
-        return torch.stack(values).mean(0)
-    whole: torch.Tensor = collectives.combine(
-        [collectives.Exchange("all_reduce", v, op) for v in values]
-    )[0]
-    return whole
 
 
 @torch.no_grad()  # (as on workers: a bucket of gradients must not join an autograd graph)

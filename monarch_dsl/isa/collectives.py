@@ -135,8 +135,11 @@ def start(collective: Collective) -> tuple[Exchange, Any]:
 # ---- the in-process primitives --------------------------------------------------------------
 
 
-def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
+def reduce_values(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The elementwise reduction ``op`` (sum avg max min prod) of same-shaped ``values``."""
     stacked = torch.stack(values)
+    if op == "avg":
+        return stacked.mean(0)
     if op == "sum":
         return stacked.sum(0)
     if op == "max":
@@ -153,12 +156,12 @@ def combine(exchanges: list[Exchange]) -> list[Any]:
     kind, op, n = exchanges[0].kind, exchanges[0].op, len(exchanges)
     payloads = [e.payload for e in exchanges]
     if kind == "all_reduce":
-        r = _reduce(payloads, op)
+        r = reduce_values(payloads, op)
         return [r.clone() for _ in range(n)]
     if kind == "all_gather":
         return [[p.clone() for p in payloads] for _ in range(n)]
     if kind == "reduce_scatter":
-        return [_reduce([p[i] for p in payloads], op) for i in range(n)]
+        return [reduce_values([p[i] for p in payloads], op) for i in range(n)]
     if kind == "all_to_all":
         return [torch.cat([p.chunk(n, 0)[i] for p in payloads]) for i in range(n)]
     raise ValueError(f"unknown exchange {kind!r}")
