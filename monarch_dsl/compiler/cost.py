@@ -7,19 +7,7 @@ gradient buckets with ``nbytes``. Nothing here depends on the passes.
 
 from __future__ import annotations
 
-from monarch_dsl.compiler.plan import Placement, Replicate, Shard, TensorType
-
-# Bytes per element, by torch dtype name; any other dtype counts 1.
-ITEMSIZE = {
-    "float64": 8,
-    "int64": 8,
-    "complex64": 8,
-    "float32": 4,
-    "int32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int16": 2,
-}
+from monarch_dsl.compiler.plan import Placement, Replicate, Shard, TensorType, itemsize
 
 
 def nbytes(t: TensorType) -> float:
@@ -27,7 +15,7 @@ def nbytes(t: TensorType) -> float:
     n = 1
     for s in t.shape or ():
         n *= s
-    return n * ITEMSIZE.get(t.dtype, 1)
+    return n * itemsize(t.dtype)
 
 
 def redistribute_cost(src: Placement, dst: Placement, t: TensorType, n: int) -> float:

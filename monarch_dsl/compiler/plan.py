@@ -15,6 +15,7 @@ Text form (``str(plan)`` / ``Plan.parse``) is in ``compiler/text.py``; the gramm
 
 from __future__ import annotations
 
+import functools
 import math
 import textwrap
 import time
@@ -140,11 +141,13 @@ class TensorType(NamedTuple):
         return tuple(shape)
 
 
-def _itemsize(dtype: str) -> int:
+@functools.cache
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the torch dtype named ``dtype`` (1 for a name torch lacks)."""
     import torch
 
-    dt: torch.dtype = getattr(torch, dtype)
-    return dt.itemsize
+    dt = getattr(torch, dtype, None)
+    return dt.itemsize if isinstance(dt, torch.dtype) else 1
 
 
 def _bytes(n: float) -> str:
@@ -399,7 +402,7 @@ class Plan:
                 shape = "x".join(map(str, t.local_shape(self.sizes)))
                 moves = f"{DTYPE_NAMES.get(t.dtype, t.dtype)}[{shape}]"
             elif moved:
-                size = sum(math.prod(t.local_shape(self.sizes)) * _itemsize(t.dtype) for t in moved)
+                size = sum(math.prod(t.local_shape(self.sizes)) * itemsize(t.dtype) for t in moved)
                 moves = f"{len(moved)} tensors, {_bytes(size)}"
             elif values and types.get(values[0]) is not None:
                 moves = f"{DTYPE_NAMES.get(types[values[0]].dtype, '?')} scalar"

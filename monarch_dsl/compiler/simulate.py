@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_dsl import isa
-from monarch_dsl.compiler.cost import ITEMSIZE
 from monarch_dsl.compiler.interpret import groups
 from monarch_dsl.compiler.lower import lower
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
-from monarch_dsl.compiler.plan import IMPLEMENTATIONS, Plan, PlanError
+from monarch_dsl.compiler.plan import IMPLEMENTATIONS, Plan, PlanError, itemsize
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
 from monarch_dsl.isa import Program, Slot
 from monarch_dsl.mesh import all_coords
@@ -128,7 +127,7 @@ def nbytes(t: SlotType) -> int:
     shape, dtype = t
     if shape is None:
         return 0
-    return math.prod(shape) * ITEMSIZE.get(dtype, 1)
+    return math.prod(shape) * itemsize(dtype)
 
 
 def family(name: str) -> str:
