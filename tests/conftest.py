@@ -1,3 +1,4 @@
+import gc
 import os
 import time
 
@@ -28,6 +29,17 @@ def pid_alive(pid: int) -> bool:
         return state != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def executors():
+    """Executors made in this process by a test, closed after it: their gloo groups and
+    threads must end in this process, not in the workers that later tests fork from it."""
+    made = []
+    yield made
+    for ex in made:
+        ex.close()
+    gc.collect()
 
 
 @pytest.fixture

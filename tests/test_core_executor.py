@@ -3,7 +3,6 @@ reference executor: the same eager instructions, run in this process by both, gi
 ref tables -- equal tensors bit for bit, the same failures -- and the same reported root causes.
 The process tests (test_tensor.py, the tutorial in test_examples.py) run on workers with each."""
 
-import gc
 import threading
 
 import pytest
@@ -87,17 +86,6 @@ def run(make):
     assert done.wait(30), "the barrier never replied"
     table = {k: ex.refs.get(k) for k in sorted(ex.refs.keys())}
     return ex, table, reports
-
-
-@pytest.fixture
-def executors():
-    """Executors made by a test, closed after it: their gloo groups and threads must end in
-    this process, not in the workers that later tests fork from it."""
-    made = []
-    yield made
-    for ex in made:
-        ex.close()
-    gc.collect()
 
 
 def test_both_executors_give_the_same_ref_table(executors):

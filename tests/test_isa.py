@@ -6,7 +6,6 @@ the in-process interpreter. A new kind without a handler somewhere fails here.""
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import pytest
@@ -87,15 +86,6 @@ def test_the_interpreter_runs_every_step_kind(compute, p2p):
     got = run_program(_program(p2p), {(0,): _inputs()}, core if compute == "cpp" else None)[(0,)]
     for g, w in zip(got, _want(), strict=True):
         torch.testing.assert_close(g, w)
-
-
-@pytest.fixture
-def executors():
-    made = []
-    yield made
-    for ex in made:
-        ex.close()
-    gc.collect()
 
 
 @pytest.mark.parametrize("plans", ["python", "cpp"])
