@@ -43,7 +43,10 @@ class Link:
 class DeviceProfile:
     """The costs of one device and its links. ``peak_flops`` by torch dtype name (a dtype not
     listed uses ``"float32"``'s), ``memory_bandwidth`` in bytes/s, ``efficiency`` per op family
-    (the fraction of the peak a real kernel reaches), ``dispatch_overhead`` seconds per op,
+    (the fraction of the peak a real kernel reaches), ``dispatch_overhead`` seconds per op a
+    worker runs, ``controller_overhead`` seconds the controller spends issuing one eager op
+    (the simulator of eager programs, ``md.Simulator``: a worker cannot start an op before the
+    controller has issued it),
     ``links`` by kind (``LINK_KINDS``); collectives within a host use ``intra_host``, across
     hosts ``inter_host`` (a rank's host: its coordinate along a mesh dim named ``host``, else
     its index // ``ranks_per_host``). ``memory_capacity``: bytes per device (0: unknown)."""
@@ -58,6 +61,7 @@ class DeviceProfile:
     inter_host: str = "inter_host"
     ranks_per_host: int = 8
     memory_capacity: float = 0.0
+    controller_overhead: float = 0.0
     notes: str = field(default="", compare=False)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -141,6 +145,9 @@ H100 = DeviceProfile(
     dispatch_overhead=5e-6,  # assumption: a CUDA kernel launch through the dispatcher
     links=_GPU_LINKS,
     ranks_per_host=8,  # an HGX H100 board: 8 GPUs
+    # the controller's Python issuing an eager op, as measured on a CPU host here
+    # (benchmarks/tensor_engine.py: ~7-9 us an op); a host CPU is a host CPU
+    controller_overhead=8e-6,
     notes="NVIDIA H100 SXM datasheet peaks; efficiencies and latencies are assumptions",
 )
 
@@ -174,6 +181,7 @@ CPU_LOCAL = DeviceProfile(
     intra_host="shm",
     inter_host="gloo",
     ranks_per_host=1 << 30,  # one host, unless the mesh has a "host" dim
+    controller_overhead=8e-6,  # benchmarks/tensor_engine.py: ~7-9 us an eager op
     notes="placeholder for a 2-core CPU until `monarch-dsl calibrate` exists",
 )
 
