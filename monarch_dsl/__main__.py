@@ -195,7 +195,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    """Simulate one call of a compiled step: the report, and a trace file."""
+    """Simulate one call of a compiled step: the report, the timeline, a trace file, a PNG."""
+    from monarch_dsl.compiler import timeline
+
+    if args.width < 8:
+        print(f"monarch-dsl simulate: --width must be 8 or more, not {args.width}", file=sys.stderr)
+        return 2
     try:
         plan = _plan_of(args)
         report = plan.simulate(profile=args.profile)
@@ -212,6 +217,14 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"  peak memory rank {rank} {peak / 2**20:10.2f} MiB")
     if args.trace:
         print(f"  trace: {report.save_trace(args.trace)} (Perfetto / chrome://tracing)")
+    if args.png:
+        try:
+            print(f"  timeline: {timeline.save_png(report.events, args.png, plan.name)}")
+        except ImportError as e:
+            print(f"monarch-dsl simulate: {e}", file=sys.stderr)
+            return 2
+    print()
+    print(report.timeline(args.width))
     return 0
 
 
@@ -315,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "simulate":
             c.add_argument("--profile", default=None, help="h100, h200, cpu-local or a JSON path")
             c.add_argument("--trace", default=None, metavar="PATH", help="write a trace JSON")
+            c.add_argument("--png", default=None, metavar="PATH", help="draw the timeline")
+            c.add_argument(
+                "--width", type=int, default=72, help="terminal timeline cells (default 72)"
+            )
         c.set_defaults(fn=fn)
     v = sub.add_parser("version", description=helps["version"])
     v.set_defaults(fn=lambda _: print(__import__("monarch_dsl").__version__) or 0)

@@ -61,13 +61,20 @@ def test_a_plain_function_is_compiled_with_data_parallel(tmp_path, capsys):
 
 
 def test_simulate_reports_and_writes_a_trace(tmp_path, capsys):
-    path, trace = _file(tmp_path), tmp_path / "t.json"
+    path, trace, png = _file(tmp_path), tmp_path / "t.json", tmp_path / "t.png"
     assert main(["simulate", f"{path}:step", "--arg", "f32[8,16]", "--arg", "f32[8,16]",
-                 "--profile", "h100", "--trace", str(trace)]) == 0  # fmt: skip
+                 "--profile", "h100", "--trace", str(trace), "--png", str(png),
+                 "--width", "30"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "profile h100" in out and "exposed comm" in out and "peak memory rank 1" in out
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
+    bars = [ln for ln in out.splitlines() if ln.startswith("rank ")]
+    assert {b.split("|")[0].strip() for b in bars} >= {"rank 0 main", "rank 1 main"}
+    assert all(len(b.split("|")[1]) == 30 for b in bars)
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"timeline: {png}" in out
+    assert main(["simulate", f"{path}:step", "--arg", "f32[8,16]", "--width", "2"]) == 2
+    assert "--width must be 8 or more" in capsys.readouterr().err
 
 
 def test_bad_targets_and_types_are_refused_clearly(tmp_path, capsys):

@@ -207,3 +207,25 @@ def test_the_trace_has_one_event_per_sim_event(tmp_path):
     assert len(trace["traceEvents"]) == len(report.events)
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+
+
+def test_display_prints_bars_per_rank_and_stream_and_writes_trace_and_png(tmp_path):
+    import io
+
+    report = _mlp_plan().simulate()
+    out = io.StringIO()
+    written = report.display(tmp_path / "run", width=40, file=out)
+    lines = out.getvalue().splitlines()
+    rows = {ln.split("|")[0].strip(): ln.split("|")[1] for ln in lines if ln.startswith("rank ")}
+    assert set(rows) == {"rank 0 main", "rank 0 comms", "rank 1 main", "rank 1 comms"}
+    assert all(len(r) == 40 for r in rows.values())
+    assert "#" in rows["rank 0 main"] and "=" in rows["rank 0 comms"]
+    assert "#" not in rows["rank 0 comms"]  # the comms stream only communicates
+    with open(written["trace"]) as f:
+        assert len(json.load(f)["traceEvents"]) == len(report.events)
+    pytest.importorskip("matplotlib")
+    with open(written["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert str(tmp_path / "run.png") in out.getvalue()
+    with pytest.raises(ValueError, match="width"):
+        report.timeline(width=3)

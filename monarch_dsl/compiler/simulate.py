@@ -31,12 +31,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_dsl import isa
+from monarch_dsl.compiler import timeline
 from monarch_dsl.compiler.interpret import groups
 from monarch_dsl.compiler.lower import lower
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
@@ -121,6 +123,39 @@ class SimReport:
         with open(path, "w") as f:
             json.dump(self.trace(), f)
         return os.fspath(path)
+
+    def timeline(self, width: int = 72) -> str:
+        """The terminal timeline: a row of ``width`` cells per rank and stream
+        (``compiler/timeline.py``)."""
+        return timeline.text(self.events, width)
+
+    def display(
+        self, path: str | os.PathLike[str] | None = "md-sim", width: int = 72, file: Any = None
+    ) -> dict[str, str]:
+        """Print the timeline and the totals, and write ``{path}.json`` (a Perfetto /
+        chrome://tracing trace) and ``{path}.png`` (a picture of the timeline; needs
+        matplotlib, else said and skipped). ``path=None`` writes no files. Returns the paths
+        written, by kind (``"trace"``, ``"png"``)."""
+        out = sys.stdout if file is None else file
+        ms = 1e3
+        print(self.timeline(width), file=out)
+        print(
+            f"step {self.step_time * ms:.3f} ms, compute {self.compute_time * ms:.3f} ms, "
+            f"comm {self.comm_time * ms:.3f} ms (exposed {self.exposed_comm_time * ms:.3f} ms), "
+            f"peak memory {max(self.peak_memory.values(), default=0) / 2**20:.2f} MiB"
+            + (f", profile {self.profile}" if self.profile else ""),
+            file=out,
+        )
+        if path is None:
+            return {}
+        written = {"trace": self.save_trace(f"{os.fspath(path)}.json")}
+        print(f"trace: {written['trace']} (open in ui.perfetto.dev or chrome://tracing)", file=out)
+        try:
+            written["png"] = timeline.save_png(self.events, f"{os.fspath(path)}.png", self.profile)
+            print(f"timeline: {written['png']}", file=out)
+        except ImportError as e:
+            print(f"timeline PNG skipped: {e}", file=out)
+        return written
 
 
 def nbytes(t: SlotType) -> int:
