@@ -76,8 +76,12 @@ class Flusher:
             for conn in held:
                 try:
                     conn.flush()
-                except OSError:
-                    pass  # a dead worker: the receiver thread reports it and fails its calls
+                except (OSError, SupervisionError):
+                    # A dead worker (a socket error, or a tensor batch for a job that lost
+                    # one): the receiver thread reports it and fails its calls. The flusher
+                    # thread runs this too and must not die of it: every later batch of the
+                    # process would then wait for a caller to block.
+                    pass
 
     def _run(self) -> None:
         while True:

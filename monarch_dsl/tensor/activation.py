@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from monarch_dsl import isa
+from monarch_dsl.errors import SupervisionError
 from monarch_dsl.frames import user_line
 from monarch_dsl.tensor.active import active_mesh, current_stream, mesh_stack
 from monarch_dsl.tensor.dispatch import MeshMode
@@ -32,15 +33,23 @@ def activate(mesh: Any) -> Iterator[Any]:
         return real_seed(seed)
 
     torch.manual_seed = manual_seed
+    failing = False
     try:
         with MeshMode(mesh):
             yield mesh
+    except BaseException:
+        failing = True
+        raise
     finally:
         torch.manual_seed = real_seed
         stack.pop()
         engine = Engine.of_job(mesh.job)
         if engine is not None:
-            engine.flush()
+            try:
+                engine.flush()
+            except SupervisionError:
+                if not failing:  # else the error leaving the block is the one to see
+                    raise
 
 
 def mesh_rank(mesh: Any, dims: Any) -> Tensor:
