@@ -37,6 +37,7 @@ from monarch_dsl.grads import grad_generator
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard
 from monarch_dsl.compiler.profile import DeviceProfile
 from monarch_dsl.compiler.simulate import SimEvent, SimReport
+from monarch_dsl.simulator import Simulator
 from monarch_dsl.compiler.stages import pipeline_stage
 from monarch_dsl.mesh_fn import MeshFunction, mesh_fn
 from monarch_dsl.parallel.ddp import DistributedDataParallel
@@ -66,6 +67,7 @@ __all__ = [
     "Shard",
     "SimEvent",
     "SimReport",
+    "Simulator",
     "mesh_fn",
     "pipeline_stage",
     "MonarchError",

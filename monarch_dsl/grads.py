@@ -33,9 +33,17 @@ def grad_generator(loss: Tensor, params: Iterable[torch.Tensor]) -> Iterator[Ten
             with cond:
                 grads[i] = grad
                 cond.notify_all()
-                # Pause while the caller has a gradient to take: what it issues with it goes
-                # out before the rest of the backward pass.
-                cond.wait_for(lambda: state["stop"] or state["next"] not in grads)
+                # Pause until the caller is done with this gradient (it asks for the next
+                # one): what it issues with it goes out before the rest of the backward pass,
+                # in that order every time. Go on at once while the caller waits for an
+                # earlier gradient backward has not produced (parameters out of order).
+                cond.wait_for(
+                    lambda: (
+                        state["stop"]
+                        or state["next"] > i
+                        or (state["next"] < i and state["next"] not in grads)
+                    )
+                )
 
         return hook
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,15 @@ from monarch_dsl.runtime import serialize
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, check_usable, current_stream
 
 MAX_LEARNT_OUTPUTS = 64  # tensor outputs a function without a propagator may return
+
+# The remote functions by their payload: the simulator (``md.Simulator``), which runs no
+# function, finds a ``CallFunction``'s propagator here.
+_by_payload: weakref.WeakValueDictionary[bytes, RemoteFunction] = weakref.WeakValueDictionary()
+
+
+def function_of(payload: bytes) -> RemoteFunction | None:
+    """The remote function whose ``CallFunction`` carries ``payload`` (None: unknown here)."""
+    return _by_payload.get(payload)
 
 
 class RemoteFunction:
@@ -40,6 +50,7 @@ class RemoteFunction:
             if buffers:
                 raise TypeError("a remote function must not close over tensors")
             self._pickled = payload
+            _by_payload[payload] = self
         return self._pickled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

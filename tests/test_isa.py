@@ -1,8 +1,9 @@
 """The instruction set (monarch_dsl.isa) against its back ends: every instruction kind and
 every plan step kind is handled by each of them, and they compute the same values.
 
-Back ends: the Python reference executor and plan runner, the C++ executor and program, and
-the in-process interpreter. A new kind without a handler somewhere fails here."""
+Back ends: the Python reference executor and plan runner, the C++ executor and program, the
+in-process interpreter and the eager simulator. A new kind without a handler somewhere fails
+here."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def test_every_instruction_kind_has_a_handler_in_both_executors():
     py = ReferenceExecutor(0, torch.device("cpu"), reply=None, reply_failure=None, report=None)
     handled = set(py.handlers) | {isa.DefinePlan}
     assert handled == set(isa.INSTRUCTIONS), set(isa.INSTRUCTIONS) ^ handled
+
+
+def test_every_instruction_kind_has_a_handler_in_the_simulator():
+    """``md.Simulator``'s back end (compiler/simulate_eager.py) executes every instruction
+    with costs; one it has no handler for is an error naming it."""
+    from monarch_dsl.compiler.profile import DeviceProfile
+    from monarch_dsl.compiler.simulate_eager import EagerSimulator
+
+    sim = EagerSimulator(("gpu",), (1,), DeviceProfile.get(None), None, None, None, None)
+    assert set(sim.handlers) == set(isa.INSTRUCTIONS), set(isa.INSTRUCTIONS) ^ set(sim.handlers)
+    with pytest.raises(TypeError, match="no handler for int"):
+        sim.run([0], [(-1, 3)])
 
 
 # ---- one program with a step of every kind ---------------------------------------------------

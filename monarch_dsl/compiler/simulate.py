@@ -310,8 +310,6 @@ def simulate_program(
         else:
             host_of = lambda c, r: r // prof.ranks_per_host  # noqa: E731
     hosts = {c: host_of(c, index[c]) for c in ranks}
-    free_at: dict[tuple[Coords, str], float] = defaultdict(float)
-    ready: dict[Coords, list[float]] = {c: [0.0] * program.n_slots for c in ranks}
     mem: dict[Coords, _Memory] = {c: _Memory() for c in ranks}
     # An input lives on the ranks whose steps use it (a pipeline stage's parameters on that
     # stage), or everywhere if no step does.
@@ -326,17 +324,42 @@ def simulate_program(
                 mem[c].new(s, nbytes(types[s]))
         mem[c].mark()
     events: list[SimEvent] = []
+    play_program(program, types, prof, index, hosts, {c: 0.0 for c in ranks}, events, mem)
+    return _report(events, {index[c]: mem[c].peak for c in ranks}, prof.name)
+
+
+def play_program(
+    program: Program,
+    types: Sequence[SlotType],
+    prof: DeviceProfile,
+    rank_of: dict[Coords, int],
+    hosts: dict[Coords, int],
+    begin: dict[Coords, float],
+    events: list[SimEvent],
+    mem: dict[Coords, _Memory],
+    stream_of: Callable[[str], str] = lambda s: s,
+) -> dict[Coords, float]:
+    """The timeline of one run of ``program``, appended to ``events``: every rank at
+    ``coords`` (its rank ``rank_of[coords]`` in the events, its host ``hosts[coords]``)
+    starts at ``begin[coords]`` with its inputs ready then; its allocations go to
+    ``mem[coords]``; ``stream_of`` names the events' streams. Returns when each rank's last
+    step ends (``simulate_program`` runs one from 0; ``md.Simulator`` continues an eager
+    timeline with it)."""
+    ranks = list(begin)
+    free_at: dict[tuple[Coords, str], float] = {}
+    ready: dict[Coords, list[float]] = {c: [begin[c]] * program.n_slots for c in ranks}
     mail: dict[tuple[Coords, Coords], deque[float]] = defaultdict(deque)
 
     def reached(c: Coords, step: isa.Step) -> float:
-        at = free_at[(c, step.stream)]
+        at = free_at.get((c, step.stream), begin[c])
         return max([at, *(ready[c][u] for u in step.uses())])
 
     def record(c: Coords, step: isa.Step, start: float, end: float, kind: str) -> None:
-        idle = free_at[(c, step.stream)]
+        idle = free_at.get((c, step.stream), begin[c])
+        stream = stream_of(step.stream)
         if step.stream == "main" and start > idle:
-            events.append(SimEvent(index[c], step.stream, f"wait {step.op}", idle, start, "wait"))
-        events.append(SimEvent(index[c], step.stream, step.op, start, end, kind))
+            events.append(SimEvent(rank_of[c], stream, f"wait {step.op}", idle, start, "wait"))
+        events.append(SimEvent(rank_of[c], stream, step.op, start, end, kind))
         free_at[(c, step.stream)] = end
         for o in step.outs:
             ready[c][o] = end
@@ -377,7 +400,7 @@ def simulate_program(
             _allocate(step, types, mem[c])
             for s in step.frees:
                 mem[c].free(s)
-    return _report(events, {index[c]: mem[c].peak for c in ranks}, prof.name)
+    return {c: max([begin[c], *(t for (r, _), t in free_at.items() if r == c)]) for c in ranks}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -58,7 +58,9 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
                 return _dispatch_general(func, args, kwargs, active)  # checks, with details
             if first is None:
                 first, mesh = a, a._md_mesh
-            elif a._md_mesh is not mesh and a._md_mesh != mesh:
+            elif a._md_mesh is not mesh and (
+                a._md_mesh != mesh or a._md_engine is not first._md_engine
+            ):
                 return _dispatch_general(func, args, kwargs, active)  # raises, with the details
             key.append(a._md_desc)
             wargs.append(_tuple_new(isa.Ref, (a._md_ref,)))
@@ -161,13 +163,15 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     mesh = None
     first = None
     local = None
+    owner = None  # the engine (allocation) of the first tensor argument
     for i, x in enumerate(flat):
         if isinstance(x, Tensor):
             if mesh is None:
-                mesh, first = x._md_mesh, i
-            elif x._md_mesh != mesh:
+                mesh, first, owner = x._md_mesh, i, x._md_engine
+            elif x._md_mesh != mesh or x._md_engine is not owner:
+                two = " of two allocations" if x._md_mesh == mesh else ""
                 raise TypeError(
-                    f"{op}: arguments on two meshes: argument #{first} is on {mesh!r}, "
+                    f"{op}: arguments on two meshes{two}: argument #{first} is on {mesh!r}, "
                     f"argument #{i} on {x._md_mesh!r} (move one with t.to_mesh(...))"
                 )
         elif isinstance(x, torch.Tensor) and local is None:

@@ -1,0 +1,543 @@
+"""The simulator of eager instructions: the back end of ``md.Simulator`` that executes the
+controller's instructions (``isa.INSTRUCTIONS``) with costs instead of data.
+
+Values are meta tensors: each rank has a ref table of them, so every shape and dtype is
+torch's own (a ``CallOp`` runs its aten op on the meta tensors of its inputs; ranks whose
+inputs are the same meta tensors share one run). The model, per rank:
+
+- **Controller.** The controller issues one instruction every ``controller_overhead`` seconds
+  of the profile (``Delete``, ``DefineMesh`` and ``DefinePlan`` are free): an instruction
+  cannot start on a worker before it was issued. Time the user's Python spends between ops is
+  not modelled.
+- **Streams.** Each stream of each rank has a clock: an instruction starts when its stream has
+  finished the previous one and the controller has issued it, and takes its cost.
+- **Compute** (``CallOp``): the roofline time of ``compiler/simulate.compute_time`` for the
+  op's input and output shapes (the one cost function of compiled and eager programs); a
+  ``CallFunction`` (``@md.remote``) costs the time to read its inputs and write its outputs.
+- **Collectives** (``Reduce``): start when every member of the group has reached them, end
+  together after ``comm_time`` (the alpha-beta model of the profile's link, intra-host or
+  inter-host by the mesh dim ``host``).
+- **Transfers** (``to_mesh``): each pair is a send of ``comm_time``; the receiver has the
+  value when both the send has ended and it reached the receive.
+- **Borrows.** ``BorrowBegin``: the borrowing stream waits until the origin stream has reached
+  the point where the borrow was issued; ``BorrowEnd``: the origin waits, before its next
+  instruction, until the borrowing stream has reached the drop. Waits are ``"wait"`` events.
+- **Compiled steps** (``RunPlan``): the program's timeline (``compiler/simulate.play_program``)
+  continues from the stream's clock on each rank; the stream is busy until the rank's last
+  step ends. The program's slot shapes come from running its steps on meta tensors.
+- **Memory.** A ref's storage is allocated when made; views and in-place results share their
+  input's storage (the same meta storage); a storage is freed when the last ref on it is
+  deleted. During a compiled step, the program's own peak comes on top of what is live.
+- ``Fetch`` replies zeros of the value's shape and dtype (a barrier replies None); a failing
+  op (a bad shape) fails its outputs as on the workers, and fetching them raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from monarch_dsl import isa
+from monarch_dsl.compiler.interpret import groups, local_value
+from monarch_dsl.compiler.lower import run_step, shard_local
+from monarch_dsl.compiler.plan import TensorType
+from monarch_dsl.compiler.profile import DeviceProfile
+from monarch_dsl.compiler.simulate import (
+    SimEvent,
+    SimReport,
+    SlotType,
+    _Memory,
+    _report,
+    comm_time,
+    compute_time,
+    play_program,
+)
+from monarch_dsl.isa import Slot, collectives
+from monarch_dsl.isa.opnames import resolve_op
+from monarch_dsl.mesh import all_coords, coords_of_index, index_of_coords
+
+Failure = tuple[int, str, str, str, str]  # (rank, line, op, error, traceback)
+Reply = Callable[[int, int, Any], None]  # (call id, rank, value)
+ReplyFailure = Callable[[int, int, Failure], None]  # (call id, rank, failure tuple)
+# (a @md.remote function's payload, its args, kwargs, with meta tensors) -> its result
+FunctionShapes = Callable[[bytes, tuple[Any, ...], dict[str, Any]], Any]
+
+_FREE = (isa.Delete, isa.DefineMesh, isa.DefinePlan)  # cost the controller nothing
+
+
+class Failed(NamedTuple):
+    """A failed value: ``failure`` is (rank, line, op, error, traceback), as a worker's."""
+
+    failure: Failure
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _type(x: Any) -> SlotType:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), dtype_name(x.dtype))
+    return (None, "")
+
+
+def _meta(x: Any) -> Any:
+    """``x`` with every tensor a meta tensor of its shape and dtype."""
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return x.detach().to("meta")
+    return x
+
+
+def step_name(op: str) -> str:
+    """A ``CallOp``'s dispatcher name as a compute step's (``aten::mm`` -> ``aten.mm.default``)."""
+    ns, _, rest = op.partition("::")
+    return f"{ns}.{rest if '.' in rest else rest + '.default'}"
+
+
+def op_time(
+    name: str, ins: Sequence[SlotType], outs: Sequence[SlotType], prof: DeviceProfile
+) -> float:
+    """``compute_time`` of op ``name`` (a step's name) on inputs and outputs of these types."""
+    n = len(ins)
+    step = isa.Compute(
+        name=name, args=tuple(Slot(i) for i in range(n)), outs=tuple(range(n, n + len(outs)))
+    )
+    return compute_time(step, [*ins, *outs], prof)
+
+
+class _Storages(_Memory):
+    """One rank's memory (``simulate._Memory``, by ref): a ref shares the storage of any other
+    ref on the same meta storage (a view, an in-place result, a borrow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict[int, int] = {}  # meta storage -> the first ref that was on it
+
+    def add(self, ref: int, value: Any) -> None:
+        self.drop(ref)
+        if not isinstance(value, torch.Tensor):
+            return
+        storage = value.untyped_storage()
+        on = self.first.get(storage._cdata)
+        if on is not None and self.root.get(on, on) in self.size:
+            self.alias(ref, on)
+        else:
+            self.first[storage._cdata] = ref
+            self.new(ref, storage.nbytes())
+            self.mark()
+
+    def drop(self, ref: int) -> None:
+        self.free(ref)
+
+
+class EagerSimulator:
+    """Every rank of an allocation of ``sizes`` (dims ``dims``) executing instructions with
+    the costs of ``prof``; ``events`` is the timeline. ``reply`` / ``reply_failure`` answer
+    fetches; ``function_shapes`` runs a remote function on meta tensors (its propagator)."""
+
+    def __init__(
+        self,
+        dims: tuple[str, ...],
+        sizes: tuple[int, ...],
+        prof: DeviceProfile,
+        reply: Reply,
+        reply_failure: ReplyFailure,
+        report: Callable[[Failure], None],
+        function_shapes: FunctionShapes,
+        trace_controller: bool = False,
+    ):
+        self.world = math.prod(sizes)
+        self.prof = prof
+        self.reply, self.reply_failure, self.on_failure = reply, reply_failure, report
+        self.function_shapes = function_shapes
+        self.trace_controller = trace_controller
+        h = dims.index("host") if "host" in dims else None
+        self.host = [
+            coords_of_index(r, sizes)[h] if h is not None else r // prof.ranks_per_host
+            for r in range(self.world)
+        ]
+        self.meshes: dict[int, isa.DefineMesh] = {}
+        self.plans: dict[int, isa.Program] = {}
+        self.plan_types: dict[tuple[int, tuple[SlotType, ...]], list[SlotType]] = {}
+        self.refs: list[dict[int, Any]] = [{} for _ in range(self.world)]
+        self.memory = [_Storages() for _ in range(self.world)]
+        self.clock: dict[tuple[int, str], float] = defaultdict(float)
+        self.floor: dict[tuple[int, str], tuple[float, str]] = {}  # wait for this first
+        self.events: list[SimEvent] = []
+        self.issued = 0.0  # when the controller issued the latest instruction
+        self.handlers: dict[type, Callable[[Any, list[int]], None]] = {
+            isa.CallOp: self.call_op,
+            isa.CallFunction: self.call_function,
+            isa.Reduce: self.reduce,
+            isa.Transfer: self.transfer,
+            isa.Fetch: self.fetch,
+            isa.Delete: self.delete,
+            isa.Seed: lambda ins, ranks: None,
+            isa.DefineMesh: self.define_mesh,
+            isa.BorrowBegin: self.borrow_begin,
+            isa.BorrowEnd: self.borrow_end,
+            isa.DefinePlan: self.define_plan,
+            isa.RunPlan: self.run_plan,
+        }
+
+    # ---- driving ---------------------------------------------------------------------------
+    def run(self, ranks: Sequence[int], items: Sequence[tuple[int, Any]]) -> None:
+        """A batch of (mesh id, instruction) sent to ``ranks``: each runs on those of its
+        mesh's ranks (mesh -1: all of ``ranks``)."""
+        posted = set(ranks)
+        for mesh, ins in items:
+            handler = self.handlers.get(type(ins))
+            if handler is None:
+                raise TypeError(f"the simulator has no handler for {type(ins).__name__}")
+            if not isinstance(ins, _FREE):
+                start, self.issued = self.issued, self.issued + self.prof.controller_overhead
+                if self.trace_controller:
+                    name = getattr(ins, "op", type(ins).__name__)
+                    self.events.append(
+                        SimEvent(-1, "controller", name, start, self.issued, "controller")
+                    )
+            if mesh < 0:
+                here = sorted(posted)
+            else:
+                here = [r for r in self.meshes[mesh].ranks if r in posted]
+            handler(ins, here)
+
+    def report(self) -> SimReport:
+        peak = {r: self.memory[r].peak for r in range(self.world)}
+        return _report(list(self.events), peak, self.prof.name)
+
+    # ---- time --------------------------------------------------------------------------------
+    def _begin(self, r: int, stream: str) -> float:
+        """When the next instruction of ``stream`` on rank ``r`` can start (after a borrow
+        wait, recorded)."""
+        start = max(self.clock[(r, stream)], self.issued)
+        waited = self.floor.pop((r, stream), None)
+        if waited is not None and waited[0] > start:
+            self.events.append(SimEvent(r, stream, waited[1], start, waited[0], "wait"))
+            start = waited[0]
+        self.clock[(r, stream)] = start
+        return start
+
+    def _busy(self, r: int, stream: str, name: str, start: float, end: float, kind: str) -> None:
+        self.events.append(SimEvent(r, stream, name, start, end, kind))
+        self.clock[(r, stream)] = end
+
+    def _wait_for(self, r: int, stream: str, until: float, why: str) -> None:
+        old = self.floor.get((r, stream))
+        if old is None or until > old[0]:
+            self.floor[(r, stream)] = (until, why)
+
+    # ---- values ------------------------------------------------------------------------------
+    def _set(self, r: int, ref: int | None, value: Any) -> None:
+        if ref is None:
+            return
+        self.refs[r][ref] = value
+        self.memory[r].add(ref, value if not isinstance(value, Failed) else None)
+
+    def _resolve(self, r: int, x: Any) -> Any:
+        if isinstance(x, isa.Ref):
+            v = self.refs[r].get(x.id)
+            if v is None:
+                return Failed((r, "", "", f"%{x.id} was deleted", ""))
+            return v
+        if x is isa.WORKER_DEVICE:
+            return torch.device("meta")
+        if isinstance(x, isa.MeshCoord):
+            mesh = self.meshes[x.mesh]
+            c = coords_of_index(mesh.ranks.index(r), mesh.sizes)
+            sizes = [mesh.sizes[mesh.dims.index(d)] for d in x.dims]
+            return index_of_coords([c[mesh.dims.index(d)] for d in x.dims], sizes)
+        if isinstance(x, torch.Tensor):
+            return _meta(x)
+        if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+            return type(x)(self._resolve(r, v) for v in x)
+        if isinstance(x, dict):
+            return {k: self._resolve(r, v) for k, v in x.items()}
+        return x
+
+    def _fail(self, ranks: Sequence[int], outs: Sequence[int | None], failure: Failure) -> None:
+        for r in ranks:
+            for ref in outs:
+                self._set(r, ref, Failed(failure))
+
+    def _root_failure(self, r: int, loc: str, op: str, e: BaseException) -> Failure:
+        failure: Failure = (r, loc, op, f"{type(e).__name__}: {e}", "")
+        self.on_failure(failure)
+        return failure
+
+    def _calls(self, ins: Any, ranks: list[int], run: Callable[..., Any], name: str) -> None:
+        """A call (an op or a remote function) on each rank: its result on meta tensors (one
+        run per distinct input), its outputs stored, its time on its stream."""
+        done: dict[tuple[Any, ...], tuple[list[Any], float] | Failure] = {}
+        for r in ranks:
+            args, kwargs = self._resolve(r, ins.args), self._resolve(r, ins.kwargs)
+            failed = isa.leaves((args, kwargs), Failed)
+            if failed:
+                self._fail([r], ins.outs, failed[0].failure)
+                continue
+            key = tuple(
+                id(x) if isinstance(x, torch.Tensor) else repr(x)
+                for x in pytree.tree_leaves((args, kwargs))
+            )
+            if key not in done:
+                try:
+                    result = run(args, kwargs)
+                except Exception as e:  # noqa: BLE001 - the failure is the value now
+                    done[key] = self._root_failure(r, ins.loc, name, e)
+                else:
+                    outs = [_meta(x) for x in pytree.tree_leaves(result)]
+                    tensors = [x for x in outs if isinstance(x, torch.Tensor)]
+                    ins_t = [
+                        _type(x)
+                        for x in pytree.tree_leaves((args, kwargs))
+                        if isinstance(x, torch.Tensor)
+                    ]
+                    cost_name = step_name(ins.op) if isinstance(ins, isa.CallOp) else "remote"
+                    cost = op_time(cost_name, ins_t, [_type(x) for x in tensors], self.prof)
+                    done[key] = (tensors, cost)
+            got = done[key]
+            if isinstance(got[0], list):
+                tensors, cost = got
+                for ref, value in zip(ins.outs, tensors):
+                    self._set(r, ref, value)
+                start = self._begin(r, ins.stream)
+                self._busy(r, ins.stream, name, start, start + cost, "compute")
+            else:
+                self._fail([r], ins.outs, got)
+
+    # ---- instructions ------------------------------------------------------------------------
+    def define_mesh(self, ins: isa.DefineMesh, ranks: list[int]) -> None:
+        self.meshes[ins.mesh] = ins
+
+    def define_plan(self, ins: isa.DefinePlan, ranks: list[int]) -> None:
+        self.plans[ins.plan] = ins.program
+
+    def call_op(self, ins: isa.CallOp, ranks: list[int]) -> None:
+        op = resolve_op(ins.op)
+
+        def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            with torch.device("meta"):
+                return op(*args, **kwargs)
+
+        self._calls(ins, ranks, run, ins.op)
+
+    def call_function(self, ins: isa.CallFunction, ranks: list[int]) -> None:
+        result: list[Any] = []
+
+        def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            out = self.function_shapes(ins.fn, args, kwargs)
+            result[:] = [out]
+            return out
+
+        self._calls(ins, ranks, run, "remote function")
+        if ins.shapes_to >= 0 and ins.shapes_rank in ranks:
+            value = self.refs[ins.shapes_rank].get(next((o for o in ins.outs if o), -1))
+            if isinstance(value, Failed):
+                self.reply_failure(ins.shapes_to, ins.shapes_rank, value.failure)
+                return
+            out = result[0] if result else None
+            spec = pytree.treespec_dumps(pytree.tree_structure(out))
+            leaves = [
+                (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                for x in pytree.tree_leaves(out)
+            ]
+            self.reply(ins.shapes_to, ins.shapes_rank, (leaves, spec))
+
+    def reduce(self, ins: isa.Reduce, ranks: list[int]) -> None:
+        mesh = self.meshes[ins.mesh]
+        dims = tuple(mesh.dims.index(d) for d in ins.dims)
+        where = {coords_of_index(mesh.ranks.index(r), mesh.sizes): r for r in ranks}
+        for group in groups(list(where), dims):
+            members = [where[c] for c in group]
+            n = len(members)
+            values = [self.refs[r].get(ins.src) for r in members]
+            failed = [v for v in values if isinstance(v, Failed) or v is None]
+            if failed:
+                f = failed[0]
+                failure = f.failure if f is not None else (members[0], ins.loc, "reduce", "", "")
+                self._fail(members, (ins.out,), failure)
+                continue
+            src = values[0]
+            assert src is not None
+            shape = tuple(src.shape)
+            kind: type[isa.Comm]
+            if ins.reduction == "stack" and not ins.scatter:
+                kind, out_shape = isa.AllGather, (n, *shape)
+            elif ins.reduction == "stack":
+                kind, out_shape = isa.AllToAll, shape
+            elif ins.scatter:
+                kind, out_shape = isa.ReduceScatter, (shape[0] // n, *shape[1:])
+            else:
+                kind, out_shape = isa.AllReduce, shape
+            step = kind(dims=dims, args=(Slot(0),), outs=(1,))
+            types = [(shape, ins.dtype), (out_shape, ins.dtype)]
+            cross = len({self.host[r] for r in members}) > 1
+            cost = comm_time(step, types, n, self.prof, cross)
+            start = max(self._begin(r, ins.stream) for r in members)
+            for r in members:
+                self._busy(r, ins.stream, step.kind, start, start + cost, "comm")
+                if ins.out != ins.src:
+                    self._set(r, ins.out, torch.empty(out_shape, dtype=src.dtype, device="meta"))
+
+    def transfer(self, ins: isa.Transfer, ranks: list[int]) -> None:
+        sent: list[tuple[int, int, Any, float]] = []
+        step = isa.Send(dims=(0,), peer=0, args=(Slot(0),))
+        for a, b in ins.pairs:
+            if a not in ranks:
+                continue
+            value = self.refs[a].get(ins.src)
+            if isinstance(value, Failed) or value is None:
+                sent.append((a, b, value, self.issued))
+                continue
+            start = self._begin(a, ins.stream)
+            cost = comm_time(step, [_type(value)], 2, self.prof, self.host[a] != self.host[b])
+            if a != b:
+                self._busy(a, ins.stream, "send", start, start + cost, "comm")
+            sent.append((a, b, value, start + cost))
+        for a, b, value, arrives in sent:
+            if b not in ranks:
+                continue
+            if isinstance(value, Failed) or value is None:
+                failure = value.failure if value is not None else (a, ins.loc, "to_mesh", "", "")
+                self._fail([b], (ins.out,), failure)
+                continue
+            start = self._begin(b, ins.stream)
+            self._busy(b, ins.stream, "recv", start, max(start, arrives), "comm")
+            self._set(b, ins.out, torch.empty_like(value))
+
+    def fetch(self, ins: isa.Fetch, ranks: list[int]) -> None:
+        for r in ranks:
+            if ins.ref < 0:  # a barrier: everything before it has run
+                self.reply(ins.call_id, r, None)
+                continue
+            value = self.refs[r].get(ins.ref)
+            if value is None:
+                self.reply_failure(
+                    ins.call_id, r, (r, ins.loc, "fetch", f"%{ins.ref} was deleted", "")
+                )
+            elif isinstance(value, Failed):
+                self.reply_failure(ins.call_id, r, value.failure)
+            else:
+                self.reply(ins.call_id, r, torch.zeros(value.shape, dtype=value.dtype))
+
+    def delete(self, ins: isa.Delete, ranks: list[int]) -> None:
+        for r in ranks:
+            for ref in ins.refs:
+                self.refs[r].pop(ref, None)
+                self.memory[r].drop(ref)
+
+    def borrow_begin(self, ins: isa.BorrowBegin, ranks: list[int]) -> None:
+        for r in ranks:
+            # The origin signals when it has run what was issued before the borrow (after a
+            # wait it had to do first).
+            at = max(self.clock[(r, ins.origin)], self.floor.get((r, ins.origin), (0.0, ""))[0])
+            self._wait_for(r, ins.stream, at, f"wait borrow from {ins.origin}")
+            self._begin(r, ins.stream)
+            if ins.src in self.refs[r]:
+                self._set(r, ins.dst, self.refs[r][ins.src])
+
+    def borrow_end(self, ins: isa.BorrowEnd, ranks: list[int]) -> None:
+        for r in ranks:
+            at = self._begin(r, ins.stream)
+            self._wait_for(r, ins.origin, at, f"wait borrow by {ins.stream}")
+            self.refs[r].pop(ins.dst, None)
+            self.memory[r].drop(ins.dst)
+
+    def run_plan(self, ins: isa.RunPlan, ranks: list[int]) -> None:
+        program = self.plans[ins.plan]
+        mesh = self.meshes[ins.mesh]
+        where = {coords_of_index(mesh.ranks.index(r), mesh.sizes): r for r in ranks}
+        sizes = program.sizes
+        for c, r in where.items():
+            for whole, local, i in ins.split:
+                v = self.refs[r].get(whole)
+                if isinstance(v, torch.Tensor):
+                    t = TensorType(tuple(v.shape), "", ins.placements[i])
+                    v = local_value(v, t, c, sizes)
+                self._set(r, local, v)
+        failed = [
+            v
+            for r in where.values()
+            for ref in ins.inputs
+            if isinstance(v := self.refs[r].get(ref), Failed)
+        ]
+        if failed:
+            self._fail(list(where.values()), ins.outputs, failed[0].failure)
+            return
+        inputs: list[SlotType] = []
+        for ref in ins.inputs:
+            value = next((self.refs[r][ref] for r in where.values() if ref in self.refs[r]), None)
+            inputs.append(_type(value))
+        key = (ins.plan, tuple(inputs))
+        types = self.plan_types.get(key)
+        if types is None:
+            types = self.plan_types[key] = program_types(program, inputs)
+        begin = {c: self._begin(r, ins.stream) for c, r in where.items()}
+        mem = {c: _Memory() for c in where}
+        ends = play_program(
+            program,
+            types,
+            self.prof,
+            where,
+            {c: self.host[r] for c, r in where.items()},
+            begin,
+            self.events,
+            mem,
+            lambda s: ins.stream if s == "main" else s,
+        )
+        made_by = {o: step for step in program.steps for o in step.outs}
+        for c, r in where.items():
+            self.clock[(r, ins.stream)] = ends[c]
+            own = self.memory[r]
+            own.peak = max(own.peak, own.live + mem[c].peak)
+            for slot, ref in zip(program.outputs, ins.outputs):
+                step = made_by.get(slot)
+                shape, dtype = types[slot]
+                if ref < 0 or shape is None or (step is not None and not step.runs_on(c)):
+                    continue
+                self._set(r, ref, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+
+
+def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[SlotType]:
+    """Each slot's local shape and dtype in a run of ``program`` whose inputs have ``inputs``:
+    its steps run on meta tensors (a step's first rank's, for a chunk that depends on it)."""
+    env: list[Any] = [None] * program.n_slots
+    for slot, (shape, dtype) in zip(program.inputs, inputs):
+        if shape is not None:
+            env[slot] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    sizes = program.sizes
+    for step in program.steps:
+        first = next((c for c in all_coords(sizes) if step.runs_on(c)), None)
+        if first is None:
+            continue
+        args = [env[s.index] for s in isa.leaves(step.args, Slot)]
+        if isinstance(step, isa.Compute):
+            with torch.device("meta"):
+                run_step(step, env, device=torch.device("meta"))
+            continue
+        if isinstance(step, isa.COLLECTIVES):
+            n = math.prod(sizes[d] for d in step.dims)
+            made = [collectives.of_step(step, args, n) for _ in range(n)]
+            result = collectives.run_together(made)[0]
+            outs = result if isinstance(step, isa.AllReduce) else [result]
+        elif isinstance(step, isa.Recv):
+            dtype = getattr(torch, step.dtype)
+            outs = [torch.empty(step.shapes[0], dtype=dtype, device="meta")]
+        elif isinstance(step, isa.ShardLocal):
+            d = step.dims[0]
+            outs = [shard_local(args[0], step.dim, first[d], sizes[d])]
+        elif isinstance(step, isa.PartialLocal):
+            outs = [args[0]]
+        else:
+            outs = []
+        for slot, value in zip(step.outs, outs):
+            env[slot] = value
+    return [_type(v) for v in env]
+
+
+__all__ = ["EagerSimulator", "Failed", "program_types", "op_time", "step_name"]

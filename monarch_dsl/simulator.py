@@ -1,0 +1,215 @@
+"""``md.Simulator``: a mesh that accepts every eager program (ops, streams, borrows, reduces,
+``to_mesh``, remote functions, ``grad_generator``, optimizers, compiled steps) and runs none
+of it: no worker process is started. The tensor engine and everything above it run
+unchanged; the simulated job below them executes the instructions with costs instead of data
+(``compiler/simulate_eager.py``, which says the model) and answers fetches with zeros."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
+from monarch_dsl.compiler.simulate import SimEvent, SimReport
+from monarch_dsl.compiler.simulate_eager import EagerSimulator
+from monarch_dsl.errors import SupervisionError
+from monarch_dsl.proc_mesh import ProcMesh, _root
+from monarch_dsl.remote import function_of
+from monarch_dsl.runtime import controller
+from monarch_dsl.runtime.future import Future
+from monarch_dsl.runtime.messages import Hello, RunBatch, SetupCollectives
+from monarch_dsl.tensor.engine import EXTENSION, Engine
+
+TRACE_MODES = ("stream_only", "everything")  # everything: the controller's issue times too
+_call_ids = itertools.count(1)
+
+
+def _function_shapes(payload: bytes, args: tuple, kwargs: dict) -> Any:
+    """A remote function's result on meta tensors: its propagator's, else the function's own
+    run on meta tensors."""
+    fn = function_of(payload)
+    if fn is not None and fn.propagate is not None:
+        out = fn.propagate(*args, **kwargs)
+    else:
+        f = fn.fn if fn is not None else pickle.loads(payload)
+        try:
+            with torch.device("meta"):
+                out = f(*args, **kwargs)
+        except Exception as e:
+            name = getattr(f, "__qualname__", "a remote function")
+            raise TypeError(
+                f"{name} could not run on meta tensors to give its output shapes to the "
+                f"simulator ({type(e).__name__}: {e}): give it @md.remote(propagate=...)"
+            ) from e
+    return pytree.tree_map(
+        lambda x: (
+            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+        ),
+        out,
+    )
+
+
+class SimJob:
+    """A controller Job without workers: what the tensor engine sends it (``RunBatch``) runs
+    in the simulator at once, and its fetches are answered from there."""
+
+    def __init__(
+        self, dims: tuple[str, ...], sizes: tuple[int, ...], prof: DeviceProfile, trace: str
+    ):
+        self.dims, self.sizes = dims, sizes
+        self.world = 1
+        for s in sizes:
+            self.world *= s
+        self.address = "simulated:"
+        host = socket.gethostname()
+        self.hellos = {r: Hello(r, 0, host, "cpu") for r in range(self.world)}
+        self.pids: dict[int, int] = {}
+        self.dead: dict[int, Any] = {}
+        self.extensions: dict[str, Any] = {}
+        self.before_stop: list[Callable[[float], None]] = []
+        self.stopping = False
+        self.stopped = False
+        self.failures: list[tuple] = []
+        self.observed: set[tuple] = set()
+        self.pending: dict[int, tuple[Future, Callable[[list], Any] | None, list, list]] = {}
+        self.lock = threading.RLock()
+        self.sim = EagerSimulator(
+            dims,
+            sizes,
+            prof,
+            self._reply,
+            self._reply_failure,
+            self.failures.append,
+            _function_shapes,
+            trace_controller=trace == "everything",
+        )
+
+    coords = controller.Job.coords
+    remote_error = controller.Job.remote_error
+    unobserved_failures = controller.Job.unobserved_failures
+
+    def describe(self, rank: int) -> str:
+        coords = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
+        return f"simulated rank {rank} ({coords})"
+
+    def check_alive(self, ranks: Sequence[int]) -> None:
+        if self.stopped or self.stopping:
+            raise SupervisionError("this simulated mesh has been stopped")
+
+    def expect(
+        self, ranks: Sequence[int], finish: Callable[[list], Any] | None, whole_job: bool = False
+    ) -> tuple[int, Future]:
+        self.check_alive(ranks)
+        call_id = next(_call_ids)
+        fut: Future = Future()
+        self.pending[call_id] = (fut, finish, list(ranks), [])
+        return call_id, fut
+
+    def post(self, ranks: Sequence[int], msg: Any) -> None:
+        self.check_alive(ranks)
+        if isinstance(msg, RunBatch):
+            # (from the user's thread under pm.activate(): the values made here are local)
+            with self.lock, _disable_current_modes():
+                self.sim.run(ranks, msg.items)
+        elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
+            raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
+
+    def request(self, *args: Any, **kwargs: Any) -> Future:
+        raise NotImplementedError(
+            "md.Simulator simulates tensor programs; actors need worker processes"
+        )
+
+    def _reply(self, call_id: int, rank: int, value: Any) -> None:
+        p = self.pending.get(call_id)
+        if p is None:
+            return
+        fut, finish, ranks, values = p
+        values.append((ranks.index(rank), value))
+        if len(values) == len(ranks):
+            del self.pending[call_id]
+            ordered = [v for _, v in sorted(values, key=lambda iv: iv[0])]
+            fut.set_result(finish(ordered) if finish else None)
+
+    def _reply_failure(self, call_id: int, rank: int, failure: tuple) -> None:
+        p = self.pending.pop(call_id, None)
+        if p is not None:
+            p[0].set_exception(self.remote_error(failure, observed=True))
+
+    def stop(self, timeout: float = 0.0) -> None:
+        self.stopped = True
+        for call_id, p in list(self.pending.items()):
+            del self.pending[call_id]
+            p[0].set_exception(SupervisionError("the simulated mesh was stopped"))
+
+
+class Simulator:
+    """``md.Simulator(hosts=1, gpus=4, trace_mode="stream_only", profile=None)``: ``sim.mesh``
+    (dims ``("host", "gpu")``) takes any eager program and runs none of it; ``sim.events``,
+    ``sim.summary()`` say what it would cost with ``profile`` (a built-in name, a path, a
+    ``DeviceProfile``; None: ``"cpu-local"``). ``trace_mode="everything"`` adds the
+    controller's issuing of each instruction (rank -1, stream ``controller``)."""
+
+    def __init__(
+        self,
+        hosts: int = 1,
+        gpus: int = 4,
+        trace_mode: str = "stream_only",
+        profile: ProfileLike = None,
+    ):
+        for name, value in (("hosts", hosts), ("gpus", gpus)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if trace_mode not in TRACE_MODES:
+            raise ValueError(f"trace_mode must be one of {TRACE_MODES}, got {trace_mode!r}")
+        if profile is not None and not isinstance(profile, (str, os.PathLike, DeviceProfile)):
+            raise ValueError(
+                f"profile must be a built-in name, a path or an md.DeviceProfile, got {profile!r}"
+            )
+        self.profile = DeviceProfile.get(profile)
+        self.trace_mode = trace_mode
+        self.job = SimJob(("host", "gpu"), (hosts, gpus), self.profile, trace_mode)
+        engine = Engine(self.job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
+        engine.store = "simulated"  # collectives need no store: there are no process groups
+        self.job.extensions[EXTENSION] = engine
+        self.job.before_stop.append(engine.sync)
+        self._engine = engine
+        self.mesh: ProcMesh = _root(self.job)  # type: ignore[arg-type]
+
+    def _flush(self) -> None:
+        self._engine.flush()
+
+    @property
+    def events(self) -> list[SimEvent]:
+        """The timeline so far (``md.SimEvent``s, seconds)."""
+        self._flush()
+        with self.job.lock:
+            return list(self.job.sim.events)
+
+    def summary(self) -> SimReport:
+        """The ``md.SimReport`` of everything issued so far."""
+        self._flush()
+        with self.job.lock:
+            return self.job.sim.report()
+
+    def display(self, **kwargs: Any) -> Any:
+        """``sim.summary().display(**kwargs)``: the timeline in the terminal and as files."""
+        report = self.summary()
+        if not hasattr(report, "display"):
+            raise NotImplementedError("SimReport.display is not available in this version")
+        return report.display(**kwargs)
+
+    def __repr__(self) -> str:
+        sizes = dict(zip(self.job.dims, self.job.sizes))
+        return f"md.Simulator({sizes}, profile={self.profile.name!r})"
+
+
+__all__ = ["Simulator", "SimJob", "TRACE_MODES"]

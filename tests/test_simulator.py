@@ -1,0 +1,291 @@
+"""``md.Simulator``: eager programs on a simulated mesh, with costs instead of data
+(monarch_dsl/simulator.py over compiler/simulate_eager.py). In-process: no worker starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import monarch_dsl as md
+
+
+def _children() -> set[int]:
+    """This process's child processes (Linux)."""
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            out.update(int(p) for p in f.read().split())
+    return out
+
+
+def _busy(sim, kind, stream=None, rank=None):
+    return [
+        e
+        for e in sim.events
+        if e.kind == kind
+        and (stream is None or e.stream == stream)
+        and (rank is None or e.rank == rank)
+    ]
+
+
+def test_bad_arguments_raise_before_anything():
+    for kw in ({"hosts": 0}, {"gpus": 0}, {"gpus": 2.0}, {"hosts": True}):
+        with pytest.raises(ValueError, match="hosts|gpus"):
+            md.Simulator(**kw)
+    with pytest.raises(ValueError, match="trace_mode"):
+        md.Simulator(trace_mode="all")
+    with pytest.raises(ValueError, match="profile"):
+        md.Simulator(profile="no-such-gpu")
+    with pytest.raises(ValueError, match="profile"):
+        md.Simulator(profile=3)
+
+
+def test_ops_give_shapes_and_zero_fetches_and_no_process_starts():
+    before = _children()
+    sim = md.Simulator(hosts=1, gpus=4)
+    assert sim.mesh.dims == ("host", "gpu") and sim.mesh.size() == 4
+    with sim.mesh.activate():
+        a = torch.rand(8, 16)
+        b = torch.ones(16, 4) * 3
+        c = (a @ b).relu()
+        assert c.shape == (8, 4) and c.dtype == torch.float32
+        got = md.inspect(c, host=0, gpu=2)
+        tree = md.inspect({"x": c.sum(), "y": b.to(torch.int64)})
+    assert got.shape == (8, 4) and not got.any()
+    assert tree["x"].shape == () and tree["y"].dtype == torch.int64
+    assert _children() == before
+    names = {e.name for e in sim.events if e.rank == 3}
+    assert {"aten::mm", "aten::relu"} <= {n.split(".")[0] for n in names}
+    sim.mesh.stop()  # fine, and nothing to clean up otherwise
+
+
+def test_a_matmul_costs_more_than_an_add_of_the_same_output():
+    sim = md.Simulator(gpus=1)
+    with sim.mesh.activate():
+        a, b = torch.rand(256, 256), torch.rand(256, 256)
+        _ = a @ b
+        _ = a + b
+    took = {e.name: e.end - e.start for e in _busy(sim, "compute")}
+    assert took["aten::mm.default"] > took["aten::add.Tensor"] > 0
+
+
+def test_a_reduce_is_one_collective_on_every_rank():
+    sim = md.Simulator(hosts=2, gpus=2)
+    with sim.mesh.activate():
+        x = torch.rand(1024)
+        x.reduce_("gpu")
+        y = x.reduce(("host", "gpu"), "stack")
+        assert y.shape == (4, 1024)
+    comm = _busy(sim, "comm")
+    assert sorted(e.rank for e in comm if e.name == "all_reduce") == [0, 1, 2, 3]
+    reduce = [e for e in comm if e.name == "all_reduce"]
+    assert len({(e.start, e.end) for e in reduce}) == 1 and reduce[0].end > reduce[0].start
+    gather = [e for e in comm if e.name == "all_gather"]
+    assert len(gather) == 4 and gather[0].start >= reduce[0].end
+    # across hosts is slower than within one (the profile's inter-host link)
+    assert gather[0].end - gather[0].start > reduce[0].end - reduce[0].start
+
+
+def test_mixing_a_simulated_and_another_mesh_raises():
+    sim, other = md.Simulator(gpus=2), md.Simulator(gpus=2)
+    with sim.mesh.activate():
+        x = torch.rand(3)
+    with other.mesh.activate():
+        y = torch.rand(3)
+        with pytest.raises(TypeError, match="mesh"):
+            _ = x + y
+    assert all(e.rank < 2 for e in other.events)
+
+
+def test_comms_on_another_stream_overlap_compute():
+    sim = md.Simulator(gpus=4)
+    comms = md.Stream("comms")
+    with sim.mesh.activate():
+        g = torch.rand(1 << 16)
+        lent, borrow = comms.borrow(g)
+        with comms.activate():
+            summed = lent.reduce("gpu")
+        w = torch.rand(512, 512)
+        for _ in range(4):
+            w = w @ w  # main computes while comms reduces
+        borrow.drop()
+        assert md.inspect(summed).shape == (1 << 16,)
+    report = sim.summary()
+    assert report.comm_time > 0
+    assert report.exposed_comm_time < report.comm_time
+    assert [e for e in sim.events if e.kind == "wait" and e.stream == "comms"]
+    assert report.per_stream[(0, "comms")] > 0 and report.per_stream[(0, "main")] > 0
+
+
+def test_to_mesh_between_slices_is_a_send_and_a_recv():
+    sim = md.Simulator(hosts=2, gpus=2)
+    first, second = sim.mesh.slice(host=0), sim.mesh.slice(host=1)
+    with first.activate():
+        x = torch.rand(64, 64)
+    y = x.to_mesh(second)
+    with second.activate():
+        z = y + 1
+    assert md.inspect(z, gpu=1).shape == (64, 64)
+    sends = {e.rank for e in _busy(sim, "comm") if e.name == "send"}
+    recvs = [e for e in _busy(sim, "comm") if e.name == "recv"]
+    assert sends == {0, 1} and {e.rank for e in recvs} == {2, 3}
+    send_end = max(e.end for e in _busy(sim, "comm") if e.name == "send")
+    assert all(e.end >= send_end for e in recvs)
+
+
+def test_a_remote_function_takes_its_shapes_from_its_propagator():
+    calls = []
+
+    def propagate(x):
+        calls.append(x.device.type)
+        return torch.empty(x.shape[0], 2), torch.empty(())
+
+    @md.remote(propagate=propagate)
+    def split_stats(x):
+        raise AssertionError("the simulator runs no function")
+
+    @md.remote
+    def double(x):  # no propagator: run on meta tensors
+        return x * 2
+
+    sim = md.Simulator(gpus=2)
+    with sim.mesh.activate():
+        a, b = split_stats(torch.rand(5, 3))
+        assert a.shape == (5, 2) and b.shape == ()
+        assert md.inspect(a + 1).shape == (5, 2)
+        assert md.inspect(double(torch.rand(4))).shape == (4,)
+    assert calls and set(calls) == {"meta"}
+
+
+def test_a_remote_function_that_cannot_run_on_meta_fails_its_outputs_only():
+    @md.remote
+    def needs_data(x):
+        return torch.ones(int(x.sum().item()))  # (data-dependent: no meta run can say)
+
+    sim = md.Simulator(gpus=2)
+    with sim.mesh.activate():
+        x = torch.ones(3)
+        with pytest.raises(md.RemoteError, match="propagate"):
+            needs_data(x)
+        assert md.inspect(x + 1).shape == (3,)
+
+
+def test_peak_memory_grows_with_a_bigger_tensor_and_drops_after_del():
+    sim = md.Simulator(gpus=2)
+    with sim.mesh.activate():
+        small = torch.zeros(1000)
+        view = small[10:]  # shares small's storage
+        first = sim.summary().peak_memory[1]
+        big = torch.zeros(100_000)
+        second = sim.summary().peak_memory[1]
+        assert first >= 4000 and second >= first + 400_000
+        del big, view, small
+        sim.events  # noqa: B018 - (flushes the deletes)
+        live = sim.job.sim.memory[1].live
+        assert live < 4000
+        _ = torch.zeros(1000)
+    assert sim.summary().peak_memory[1] == second  # reused, not grown
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 8))  # fmt: skip
+
+
+def test_grad_generator_and_an_optimizer_step():
+    sim = md.Simulator(gpus=2)
+    with sim.mesh.activate():
+        model = md.to_mesh(_mlp(), sim.mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loss = model(torch.rand(16, 32)).pow(2).mean()
+        params = list(reversed(list(model.parameters())))
+        grads = list(md.grad_generator(loss, params))
+        assert [g.shape for g in grads] == [p.shape for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        assert md.inspect(model[0].weight).shape == (64, 32)
+    assert any("mm" in e.name for e in _busy(sim, "compute"))
+
+
+def test_a_compiled_step_continues_the_timeline():
+    sim = md.Simulator(gpus=2)
+    mesh = sim.mesh.flatten("dp")
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with mesh.activate():
+        w = torch.rand(256, 256)
+        w = w @ w  # eager, before the step
+        eager_end = max(e.end for e in sim.events)
+        loss = step(torch.rand(8, 32), torch.rand(8, 8))
+        assert md.inspect(loss).shape == ()
+    events = sim.events
+    plan = [e for e in events if e.start >= eager_end and e.kind != "wait"]
+    assert any("addmm" in e.name or "mm" in e.name for e in plan)
+    assert {e.rank for e in plan if e.name == "all_reduce"} == {0, 1}
+    assert min(e.start for e in plan) >= eager_end
+
+
+# ---- the tutorial's lesson: hand-written DDP, three ways -------------------------------------
+
+
+def _ddp_exposed(variant: str) -> tuple[float, float]:
+    """One training step of a hand-written DDP on a simulated 4-GPU host: each gradient
+    averaged over ``gpu`` -- (a) on main; (b) on a comms stream, the borrow dropped right after
+    the reduce; (c) dropped after the next gradient, so the reduce overlaps its computation.
+    Returns (exposed comm, comm) of the simulated step."""
+    sim = md.Simulator(hosts=1, gpus=4, profile="h100")
+    comms = md.Stream("comms")
+    torch.manual_seed(0)
+    layers = [nn.Linear(1024, 1024) for _ in range(4)]
+    model = nn.Sequential(*layers)
+    with sim.mesh.activate():
+        model = md.to_mesh(model, sim.mesh)
+        loss = model(torch.rand(512, 1024)).pow(2).mean()
+        params = list(reversed(list(model.parameters())))
+        pending = None
+        for grad in md.grad_generator(loss, params):
+            if variant == "main":
+                grad.reduce_("gpu", "avg")
+                continue
+            if pending is not None:  # (c): the last reduce overlapped this gradient
+                pending.drop()
+                pending = None
+            lent, borrow = comms.borrow(grad, mutable=True)
+            with comms.activate():
+                lent.reduce_("gpu", "avg")
+            if variant == "drop_now":
+                borrow.drop()
+            else:
+                pending = borrow
+        if pending is not None:
+            pending.drop()
+    report = sim.summary()
+    return report.exposed_comm_time, report.comm_time
+
+
+def test_ddp_overlap_lesson():
+    """Moving the reduce to a comms stream is not enough: dropped right away, the borrow makes
+    main wait for the reduce before its next op (the next gradient's backward), exactly as a
+    reduce on main does -- (b) exposes all of it, as (a). Dropped once the next gradient is
+    there, each reduce overlaps that gradient's computation: (c) hides most of it."""
+    a, comm_a = _ddp_exposed("main")
+    b, comm_b = _ddp_exposed("drop_now")
+    c, comm_c = _ddp_exposed("drop_after_next")
+    assert comm_a == pytest.approx(comm_b) == pytest.approx(comm_c)
+    assert a == pytest.approx(comm_a) and b == pytest.approx(a)
+    assert 0 < c < b / 1.5, (a, b, c)
