@@ -200,12 +200,10 @@ class Simulator:
         with self.job.lock:
             return self.job.sim.report()
 
-    def display(self, **kwargs: Any) -> Any:
-        """``sim.summary().display(**kwargs)``: the timeline in the terminal and as files."""
-        report = self.summary()
-        if not hasattr(report, "display"):
-            raise NotImplementedError("SimReport.display is not available in this version")
-        return report.display(**kwargs)
+    def display(self, **kwargs: Any) -> dict[str, str]:
+        """``sim.summary().display(**kwargs)``: the timeline in the terminal, a trace JSON and
+        a PNG (``path=`` their prefix, default ``md-sim``; ``path=None``: none)."""
+        return self.summary().display(**kwargs)
 
     def __repr__(self) -> str:
         sizes = dict(zip(self.job.dims, self.job.sizes))

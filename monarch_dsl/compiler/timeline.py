@@ -3,8 +3,8 @@ and stream, and the same timeline as a PNG (matplotlib, when installed; the trac
 Perfetto is ``SimReport.trace``).
 
 A terminal row is the run's time cut into ``width`` equal cells; each cell shows what the
-stream did most of that time: ``#`` compute, ``=`` communication, ``.`` waiting for a value
-(only the ``main`` stream's waits are events), blank idle.
+stream did most of that time: ``#`` compute, ``=`` communication, ``.`` waiting (for a value, or
+for another stream at a borrow), blank idle.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ package). Two parts, one closed set of node types each:
 Back ends: the Python reference executor and plan runner (``runtime/executor.py``,
 ``runtime/plan_runner.py``), the C++ executor and program (``cpp/``), and the in-process
 interpreter (``compiler/interpret.py``); the simulators run steps (``compiler/simulate.py``)
-and instructions (``compiler/simulate_eager.py``) with costs instead of values. ``tests/test_isa.py`` (``tests/test_simulate.py`` for the
-simulator) fails when a kind has no handler in one of them. The semantics of each collective,
+and instructions (``compiler/simulate_eager.py``) with costs instead of values.
+``tests/test_isa.py`` (``tests/test_simulate.py`` for the steps' simulator) fails when a kind
+has no handler in one of them. The semantics of each collective,
 for every Python back end, are ``isa/collectives.py``; the torch op a ``CallOp`` or a
 ``Compute`` names, ``isa/opnames.py``.
 
