@@ -1,0 +1,324 @@
+"""How well the simulator predicts this machine: predicted vs measured step time and memory.
+
+    monarch-dsl calibrate                 # once: measures this machine into "cpu-local"
+    python benchmarks/simulator.py        # about 2 minutes on a 2-core machine
+    python benchmarks/simulator.py --runs 1 --profile my.json
+
+For each case the same step is (1) simulated with the device profile (``plan.simulate`` for a
+compiled step, ``md.Simulator`` for an eager program; no processes) and (2) run on 2 local
+worker processes through the C++ runtime, timed in blocks of consecutive calls (each block
+ends with ``md.inspect`` of its last result, so all of its work is done; medians of the
+blocks). Cases:
+
+- ``ddp big``: 8 x (Linear(1024) + ReLU), data parallel over dp=2, 32 samples per rank, SGD
+  (the DDP benchmark's big model, compiled);
+- ``ddp tiny``: 4 x (Linear(64) + ReLU), the same (its tiny model);
+- ``megatron tp=2``: Linear(512, 2048) + ReLU + Linear(2048, 512), column- then row-parallel
+  over tp=2 (one all-reduce forward, one backward), batch 64, SGD;
+- ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
+- ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
+  ``md.Simulator`` (when it exists in this version).
+
+Memory (compiled cases): the workers' peak resident memory during one call above their
+resident memory just before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``,
+minus ``VmRSS``), against the simulator's peak above the step's inputs. The workers run with
+``MALLOC_MMAP_THRESHOLD_`` fixed (glibc then maps every large tensor on its own and unmaps it
+when freed, so resident memory follows live tensors instead of the allocator's free lists).
+
+Printed per case: predicted, measured, error ((predicted - measured) / measured). Goals (issue
+13): median |error| <= 10%, max <= 25% for time; within 10% for memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+os.environ.setdefault("MONARCH_DSL_QUIET", "1")
+# Before any worker starts (the setting is read when a process starts): see the docstring.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import monarch_dsl as md  # noqa: E402
+
+BLOCK_SECONDS = 0.5
+
+
+@dataclass
+class Case:
+    name: str
+    dim: str  # the mesh dim the case runs over (2 ranks)
+    make: Callable[[], tuple[md.mesh_fn, tuple[torch.Tensor, ...]]]
+
+
+def _mlp(width: int, layers: int) -> nn.Sequential:
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def _step_of(model: nn.Module, opt: torch.optim.Optimizer):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _ddp(width: int, layers: int):
+    def make():
+        torch.manual_seed(0)
+        model = _mlp(width, layers)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = md.mesh_fn(_step_of(model, opt), data_parallel="dp")
+        return step, (torch.randn(64, width), torch.randn(64, width))
+
+    return make
+
+
+def _megatron():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    placements = {
+        "model.0.weight": {"tp": md.Shard(0)},
+        "model.0.bias": {"tp": md.Shard(0)},
+        "model.2.weight": {"tp": md.Shard(1)},
+    }
+    step = md.mesh_fn(_step_of(model, opt), placements=placements)
+    return step, (torch.randn(64, 512), torch.randn(64, 512))
+
+
+class _TwoStages(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.first, self.second = _mlp(width, 2), _mlp(width, 2)
+
+    def forward(self, x):
+        with md.pipeline_stage(0):
+            h = self.first(x)
+        with md.pipeline_stage(1):
+            return self.second(h)
+
+
+def _pipeline():
+    torch.manual_seed(0)
+    model = _TwoStages(512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = md.mesh_fn(_step_of(model, opt), micro_batches=4)
+    return step, (torch.randn(64, 512), torch.randn(64, 512))
+
+
+CASES = [
+    Case("ddp big", "dp", _ddp(1024, 8)),
+    Case("ddp tiny", "dp", _ddp(64, 4)),
+    Case("megatron tp=2", "tp", _megatron),
+    Case("pipeline pp=2", "pp", _pipeline),
+]
+
+
+# ---- eager programs: the same function on md.Simulator's mesh and on the workers ------------
+
+
+def eager_ddp(mesh, steps: int) -> None:
+    """A hand-written data-parallel step, ``steps`` times: 4 x Linear(512) forward and
+    backward (``grad_generator``), each gradient averaged over ``gpu`` on a comms stream and
+    the borrow dropped when the next gradient is there, then an SGD update."""
+    comms = md.Stream("comms")
+    torch.manual_seed(0)
+    model = md.to_mesh(nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]), mesh)
+    params = list(reversed(list(model.parameters())))
+    x = torch.randn(32, 512)
+    loss = None
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        pending, grads = None, []
+        for grad in md.grad_generator(loss, params):
+            if pending is not None:
+                pending.drop()
+            lent, pending = comms.borrow(grad, mutable=True)
+            with comms.activate():
+                lent.reduce_("gpu", "avg")
+            grads.append(grad)
+        pending.drop()
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(g, alpha=0.01)
+    md.inspect(loss)
+
+
+def eager_ops(mesh, steps: int) -> None:
+    """Small eager ops, ``steps`` times: a chain of 16 matmuls + tanh on 64 x 64 and one
+    all-reduce -- where the controller's cost per op shows."""
+    torch.manual_seed(0)
+    w = md.to_mesh(torch.randn(64, 64) / 8, mesh)
+    h = md.to_mesh(torch.randn(64, 64), mesh)
+    for _ in range(steps):
+        for _ in range(16):
+            h = torch.tanh(h @ w)
+        h = h.reduce("gpu", "avg")
+    md.inspect(h)
+
+
+EAGER = {"eager ddp": eager_ddp, "eager small ops": eager_ops}
+
+
+def measure_eager(pm, fn, blocks: int, steps: int) -> float:
+    mesh = pm.rename(x="gpu")
+    with mesh.activate():
+        fn(mesh, 2)  # warm: shapes cached, state on the workers
+        times = [_timed(lambda n: fn(mesh, n), steps) for _ in range(blocks)]
+    return statistics.median(times)
+
+
+def predict_eager(fn, profile, steps: int) -> float:
+    sim = md.Simulator(hosts=1, gpus=2, profile=profile)
+    with sim.mesh.activate():
+        fn(sim.mesh, steps)
+    return sim.summary().step_time / steps
+
+
+# ---- the workers' memory -----------------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
+def reset_peak():
+    """This worker's resident bytes now, its peak reset to them (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return torch.tensor([_status("VmRSS")])
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
+def read_peak():
+    """This worker's peak resident bytes since the last ``reset_peak``."""
+    return torch.tensor([_status("VmHWM")])
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def _timed(run: Callable[[int], None], steps: int) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        run(steps)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        gc.enable()
+
+
+def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int]]:
+    """Seconds per call (median of ``blocks`` blocks) and each rank's peak bytes above its
+    resident memory during one call."""
+    mesh = pm.rename(x=case.dim)
+    step, args = case.make()
+    with mesh.activate():
+        base = reset_peak()  # before the case's state is on the workers
+        md.inspect(base)
+        for _ in range(3):  # compiles, puts the state on the workers, reaches a steady state
+            out = step(*args)
+        md.inspect(out)
+        peak = read_peak()
+        ranks = range(mesh.sizes[case.dim])
+        before = [int(md.inspect(base, **{case.dim: r})[0]) for r in ranks]
+        after = [int(md.inspect(peak, **{case.dim: r})[0]) for r in ranks]
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                out = step(*args)
+            md.inspect(out)
+
+        one = _timed(run, 3)
+        n = max(3, int(BLOCK_SECONDS / max(one, 1e-5)))
+        times = [_timed(run, n) for _ in range(blocks)]
+    return statistics.median(times), [a - b for a, b in zip(after, before)]
+
+
+def predict_compiled(case: Case, profile) -> tuple[float, list[int]]:
+    step, args = case.make()
+    plan = step.compile(*args, mesh=md.Mesh.from_string(f"{case.dim}=2"))
+    report = plan.simulate(profile=profile)
+    resident = getattr(report, "resident_memory", None) or {r: 0 for r in report.peak_memory}
+    return report.step_time, [report.peak_memory[r] - resident[r] for r in sorted(resident)]
+
+
+def _err(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, help="a profile (default: cpu-local)")
+    ap.add_argument("--blocks", type=int, default=5, help="timed blocks per case (default 5)")
+    ap.add_argument("--only", default=None, help="run the cases whose name has this")
+    opts = ap.parse_args()
+    profile = md.DeviceProfile.get(opts.profile)
+    cases = [c for c in CASES if opts.only is None or opts.only in c.name]
+    pm = md.this_host().spawn_procs({"x": 2})
+    rows = []
+    try:
+        for name, fn in EAGER.items():
+            if opts.only is not None and opts.only not in name:
+                continue
+            steps = 20
+            p_time = predict_eager(fn, profile, steps)
+            m_time = measure_eager(pm, fn, opts.blocks, steps)
+            rows.append((name, p_time, m_time, None, None))
+            print(f"  {name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        for case in cases:
+            p_time, p_mem = predict_compiled(case, profile)
+            m_time, m_mem = measure_compiled(pm, case, opts.blocks)
+            rows.append((case.name, p_time, m_time, p_mem, m_mem))
+            print(f"  {case.name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        pm.stop()
+    print(f"simulator accuracy, profile {profile.name} ({profile.notes or 'calibrated'}), "
+          f"{os.cpu_count()} cores, 2 ranks")  # fmt: skip
+    print(f"{'case':<16} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   "
+          f"{'pred. MiB':>9} {'meas. MiB':>9} {'error':>7}")  # fmt: skip
+    errors, mem_errors = [], []
+    for name, pt, mt, pm_, mm in rows:
+        e = _err(pt, mt)
+        errors.append(abs(e))
+        if pm_ is None:
+            print(f"{name:<16} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}")
+            continue
+        pmib, mmib = max(pm_) / 2**20, max(mm) / 2**20
+        me = _err(pmib, mmib) if mmib > 0 else float("nan")
+        mem_errors.append(abs(me))
+        print(f"{name:<16} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}   "
+              f"{pmib:9.2f} {mmib:9.2f} {me:+7.1%}")  # fmt: skip
+    print(f"time: median |error| {statistics.median(errors):.1%} (goal <= 10%), "
+          f"max {max(errors):.1%} (goal <= 25%)")  # fmt: skip
+    if mem_errors:
+        print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
+              f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
