@@ -147,7 +147,8 @@ def family(name: str) -> str:
 
 def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DeviceProfile) -> float:
     """The roofline time of a compute step: flops (matmuls: 2mnk) and bytes moved (its tensor
-    inputs read, outputs written) against the profile's peaks, plus the dispatch overhead."""
+    inputs read, outputs written) against the profile's rates at this size (a measured
+    matmul or bandwidth curve, else the peaks), plus the dispatch overhead."""
     fam = family(step.name)
     if fam == "view":
         return profile.dispatch_overhead
@@ -155,38 +156,45 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     outs = [types[o] for o in step.outs]
     moved = sum(nbytes(t) for t in ins) + sum(nbytes(t) for t in outs)
     eff = profile.efficiency.get(fam, profile.efficiency.get("other", 1.0))
-    seconds = moved / (profile.memory_bandwidth * eff)
+    seconds = moved / (profile.bandwidth(moved) * eff)
     if fam == "matmul" and outs and outs[0][0] is not None:
         base, _ = base_name(step.name)
         at = 1 if base in ("addmm", "baddbmm", "addbmm") else 0  # (after the added term)
         first = ins[at][0] if len(ins) > at else None
         k = first[-1] if first else 1  # the contracted dim of the left matrix
         flops = 2 * math.prod(outs[0][0]) * k
-        dtype = outs[0][1]
-        seconds = max(seconds, flops / (profile.flops_per_second(dtype) * eff))
+        rate = profile.matmul_flops_per_second(flops, outs[0][1])
+        seconds = max(seconds, flops / (rate * eff))
     return seconds + profile.dispatch_overhead
+
+
+def traffic(kind: str, nbytes: float, n: int) -> tuple[float, int]:
+    """What collective ``kind`` (``isa.Comm.kind``) over ``n`` ranks moves per rank and in
+    how many rounds, for ``nbytes`` (the whole value's: an all-gather's output, the input of
+    the others): ring all-reduce 2(n-1)/n of them in 2(n-1) rounds; all-gather,
+    reduce-scatter, all-to-all (n-1)/n in n-1 rounds; send/recv all, in one."""
+    if kind in ("send", "recv"):
+        return nbytes, 1
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes, 2 * (n - 1)
+    return (n - 1) / n * nbytes, n - 1
 
 
 def comm_time(
     step: isa.Comm, types: Sequence[SlotType], n: int, profile: DeviceProfile, cross_host: bool
 ) -> float:
-    """Alpha-beta time of a communication over ``n`` ranks (the whole value's bytes: an
-    all-gather's output, the input of the others): ring all-reduce 2(n-1)/n of them in 2(n-1)
-    rounds; all-gather, reduce-scatter, all-to-all (n-1)/n in n-1 rounds; send/recv all, in
-    one. Local redistributions copy through memory."""
+    """Alpha-beta time of a communication over ``n`` ranks (``traffic``) on the profile's link
+    for that group size. Local redistributions copy through memory."""
     ins = sum(nbytes(types[s.index]) for s in isa.leaves(step.args, Slot))
     outs = sum(nbytes(types[o]) for o in step.outs)
-    link = profile.link(cross_host)
     if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
-        return outs / (profile.memory_bandwidth * profile.efficiency["pointwise"])
+        return outs / (profile.bandwidth(outs) * profile.efficiency["pointwise"])
     if isinstance(step, (isa.Send, isa.Recv)):
-        return link.time(max(ins, outs), 1)
+        return profile.link(cross_host, 2).time(*traffic(step.kind, max(ins, outs), 2))
     if n <= 1:
         return profile.dispatch_overhead
-    if isinstance(step, isa.AllReduce):
-        return link.time(2 * (n - 1) / n * ins, 2 * (n - 1))
     whole = outs if isinstance(step, isa.AllGather) else ins
-    return link.time((n - 1) / n * whole, n - 1)
+    return profile.link(cross_host, n).time(*traffic(step.kind, whole, n))
 
 
 class _Memory:
@@ -443,5 +451,6 @@ __all__ = [
     "slot_types",
     "compute_time",
     "comm_time",
+    "traffic",
     "family",
 ]
