@@ -16,7 +16,7 @@ import monarch_dsl as md
 from monarch_dsl import calibrate, isa
 from monarch_dsl.__main__ import main
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path, interpolate
-from monarch_dsl.compiler.simulate import compute_time
+from monarch_dsl.compiler.simulate import compute_time, simulate_program, steady_step_time
 from monarch_dsl.isa import Slot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,16 +177,20 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert r.returncode == 0, r.stderr
     p = md.DeviceProfile.load(out)
     assert p.name == "cpu-local" and p.matmul_curve and p.bandwidth_curve
-    numbers = [
+    rates = [
         p.memory_bandwidth,
         p.dispatch_overhead,
         p.controller_overhead,
         *p.peak_flops.values(),
         *(v for point in p.matmul_curve + p.bandwidth_curve for v in point),
-        *(v for k in ("shm", "gloo", "shm@2", "gloo@2") for v in dataclasses.astuple(p.links[k])),
+        *(p.links[k].bandwidth for k in ("shm", "gloo", "shm@2", "gloo@2", "controller")),
     ]
-    assert all(math.isfinite(v) and v > 0 for v in numbers), numbers
-    assert p.plan_overhead >= 0 and p.links["shm"] == p.links["shm@2"]
+    assert all(math.isfinite(v) and v > 0 for v in rates), rates
+    latencies = [link.latency for link in p.links.values()]
+    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies]
+    assert all(math.isfinite(v) and v >= 0 for v in others), others
+    assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
+    assert p.links["shm"] == p.links["shm@2"]
     for section in ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  "):
         assert section in r.stdout, section
     assert f"wrote {out}" in r.stdout
@@ -210,3 +214,73 @@ def _one_linear_plan():
         return loss
 
     return step.compile(torch.randn(4, 8), mesh=md.Mesh.from_string("dp=2"))
+
+
+def test_a_link_with_beta_by_size_round_trips_and_interpolates(tmp_path):
+    link = Link(1e-6, 5e9, overlap=False, curve=((1e5, 8e9), (1e7, 4e9)))
+    assert link.time(1e5, 2) == pytest.approx(2e-6 + 1e5 / 8e9)
+    assert link.time(1e6, 2) == pytest.approx(2e-6 + 1e6 / math.sqrt(8e9 * 4e9))
+    p = _calibrated()
+    p = dataclasses.replace(p, links={**p.links, "shm": link})
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json").links["shm"] == link
+
+
+def test_fit_matmul_recovers_the_curve_and_the_passes():
+    """Times made by the model itself (a rate that levels off, inputs crossing memory 3 times)
+    give back that rate and 3 passes."""
+    memory = DeviceProfile("m", {}, 1.0, {}, 0.0, {}, bandwidth_curve=BANDWIDTH)
+    truth = dataclasses.replace(
+        memory, matmul_curve=((2.0 * 64**3, 2e10), (2.0 * 1024**3, 8e10)), matmul_passes=3.0
+    )
+    truth = dataclasses.replace(truth, peak_flops={"float32": 8e10})
+
+    def seconds(m: int, n: int) -> float:
+        flops = 2.0 * m * n * n
+        memory_time = truth.matmul_memory_seconds(4.0 * (m * n + n * n), 4.0 * m * n, 1.0)
+        return flops / truth.matmul_flops_per_second(flops, "float32") + memory_time
+
+    square = {n: seconds(n, n) for n in (64, 256, 1024)}
+    thin = {n: seconds(n // 32, n) for n in (512, 1024)}
+    curve, passes = calibrate.fit_matmul(square, thin, 0.0, memory)
+    assert passes == pytest.approx(3.0, rel=1e-3)
+    for x, rate in curve:
+        assert rate == pytest.approx(truth.matmul_flops_per_second(x, "float32"), rel=1e-3)
+
+
+def test_a_shared_memory_bucket_holds_the_main_stream():
+    """On a link that runs in the issuing thread (shm), a comms-stream all-reduce does not
+    overlap the compute after it; on one that does (gloo's threads), it does."""
+    f = "float32"
+    steps = (
+        isa.AllReduce(args=(Slot(0),), outs=(1,), dims=(0,), shapes=((256, 256),), stream="comms"),
+        isa.Compute(name="aten.mm.default", args=(Slot(2), Slot(2)), outs=(3,)),
+        isa.Compute(name="aten.add.Tensor", args=(Slot(1), Slot(3)), outs=(4,)),
+    )
+    program = isa.Program("b", ("dp",), (2,), steps, 5, (0, 2), (4,), ((256, 256),) * 2, (f, f))
+    types = [((256, 256), f)] * 5
+    ends = {}
+    for overlap in (False, True):
+        links = {**BUILTIN["cpu-local"].links, "shm": Link(1e-5, 1e8, overlap=overlap)}
+        p = dataclasses.replace(BUILTIN["cpu-local"], links=links)
+        report = simulate_program(program, types, p)
+        comm = next(e for e in report.events if e.kind == "comm" and e.rank == 0)
+        mm = next(e for e in report.events if e.name == "aten.mm.default" and e.rank == 0)
+        assert (mm.start >= comm.end) == (not overlap)
+        ends[overlap] = report.step_time
+    assert ends[False] > ends[True]
+
+
+def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
+    p = dataclasses.replace(
+        BUILTIN["cpu-local"],
+        plan_overhead=1e-4,
+        plan_issue=2e-4,
+        plan_issue_per_input=1e-5,
+        links={**BUILTIN["cpu-local"].links, "controller": Link(1e-5, 1e9)},
+    )
+    # the controller: 2e-4 + 10 inputs * 1e-5 + a local argument (1e-5 + 2 x 1e6 B / 1e9)
+    assert steady_step_time(1e-3, p, 10, (), ranks=2) == pytest.approx(1e-3 + 1e-4)
+    assert steady_step_time(0.0, p, 10, (10**6,), ranks=2) == pytest.approx(3e-4 + 1e-5 + 2e-3)
+    shared = dataclasses.replace(p, host_cores=2)  # 3 processes on 2 cores: CPU sets the pace
+    assert steady_step_time(1e-3, shared, 10, (), ranks=2) == pytest.approx((3e-4 + 2 * 1.1e-3) / 2)

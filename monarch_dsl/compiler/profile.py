@@ -1,7 +1,8 @@
 """Device profiles: what the simulator (``compiler/simulate.py``) charges for a step.
 
 Compute is a roofline per op family: ``max(flops / (rate * efficiency), bytes / (bandwidth *
-efficiency))`` plus a per-op dispatch overhead. ``rate`` is the dtype's peak, or, where the
+efficiency))`` (for matmuls, their sum where ``matmul_passes`` is set) plus a per-op dispatch
+overhead. ``rate`` is the dtype's peak, or, where the
 profile has a measured ``matmul_curve`` (FLOP/s achieved by float32 matmuls of each size), that
 curve at the op's FLOPs (interpolated log-log, scaled by the dtype's peak over float32's);
 ``bandwidth`` is ``memory_bandwidth``, or the measured ``bandwidth_curve`` at the op's bytes (a
@@ -30,26 +31,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-# Link kinds (``DeviceProfile.links``' keys).
-LINK_KINDS = ("shm", "gloo", "nccl_intra", "inter_host")
+# Link kinds (``DeviceProfile.links``' keys). "controller": a local tensor passed to a compiled
+# step, sent by the controller to every worker at each call (latency per argument).
+LINK_KINDS = ("shm", "gloo", "nccl_intra", "inter_host", "controller")
 # Op families (``DeviceProfile.efficiency``' keys): ``compiler/simulate.py`` says which op is which.
 FAMILIES = ("matmul", "pointwise", "reduction", "other")
+
+
+# A measured curve: (x, rate) points, x increasing (FLOPs or bytes of one op -> per second).
+Curve = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
 class Link:
     """One kind of link: ``latency`` (alpha, seconds per round of the algorithm) and
-    ``bandwidth`` (beta, bytes per second one rank sends)."""
+    ``bandwidth`` (beta, bytes per second one rank sends), or, where measured, ``curve``: beta
+    by the bytes a rank sends, ((traffic, bytes/s), ...) (shared memory copies through the
+    caches: 8 MiB went 30% faster per byte than 32 MiB). ``overlap``: whether a collective
+    on it runs beside the rank's compute (NCCL's kernels, gloo's threads), or in the thread
+    that issues it, so that compute waits for it even when it was issued on another stream
+    (the C++ runtime's shared-memory collectives copy and reduce in the caller's thread)."""
 
     latency: float
     bandwidth: float
+    overlap: bool = True
+    curve: Curve = ()
 
     def time(self, traffic: float, rounds: int) -> float:
-        return self.latency * rounds + traffic / self.bandwidth
+        beta = interpolate(self.curve, traffic) if self.curve and traffic > 0 else self.bandwidth
+        return self.latency * rounds + traffic / beta
 
-
-# A measured curve: (x, rate) points, x increasing (FLOPs or bytes of one op -> per second).
-Curve = tuple[tuple[float, float], ...]
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Link:
+        values = dict(data)
+        if "curve" in data:  # (JSON lists; the link's tuples)
+            values["curve"] = tuple((float(x), float(y)) for x, y in data["curve"])
+        return cls(**values)
 
 
 def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
@@ -81,7 +98,18 @@ class DeviceProfile:
     float32 matmul, FLOP/s it reached), ...) by size; ``bandwidth_curve``, ((bytes one
     pointwise op reads and writes, bytes/s), ...); ``plan_overhead``, seconds one call of a
     compiled step costs its workers beyond its steps (the ``RunPlan`` message, the plan
-    runner's bookkeeping, the failure-flag round after the run)."""
+    runner's bookkeeping, the failure-flag round after the run); ``plan_issue`` (+
+    ``plan_issue_per_input`` per tensor input), the controller's CPU seconds per call (a local
+    tensor argument adds its sending over ``links["controller"]``); ``host_cores``: the cores
+    the ranks of a host and its controller share (0: not shared). See
+    ``compiler/simulate.py:steady_step_time``.
+
+    ``matmul_passes``: 0 for the roofline; else a matmul's memory traffic adds to its
+    arithmetic instead of hiding under it, and its inputs cross memory this many times (a
+    CPU's BLAS packs them into blocks before multiplying: it reads them, writes the packed
+    copy, reads that): ``flops / rate + (passes * inputs + outputs) / bandwidth``. Measured
+    from thin matmuls (n/32 x n x n): on a 2-core EPYC they took 15-40% longer than square
+    ones of as many FLOPs, which the roofline's max cannot say."""
 
     name: str
     peak_flops: dict[str, float]
@@ -97,6 +125,10 @@ class DeviceProfile:
     matmul_curve: Curve = ()
     bandwidth_curve: Curve = ()
     plan_overhead: float = 0.0
+    plan_issue: float = 0.0
+    plan_issue_per_input: float = 0.0
+    host_cores: int = 0
+    matmul_passes: float = 0.0
     notes: str = field(default="", compare=False)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -109,6 +141,12 @@ class DeviceProfile:
             return self.flops_per_second(dtype)
         scale = self.flops_per_second(dtype) / self.peak_flops["float32"]
         return interpolate(self.matmul_curve, flops) * scale
+
+    def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
+        """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
+        inputs ``matmul_passes`` times where that is set (else once)."""
+        moved = max(self.matmul_passes, 1.0) * inputs + outputs
+        return moved / (self.bandwidth(moved) * efficiency) if moved else 0.0
 
     def bandwidth(self, moved: float) -> float:
         """Bytes/s of a memory-bound op that reads and writes ``moved`` bytes: the measured
@@ -145,7 +183,7 @@ class DeviceProfile:
         if unknown:
             raise ValueError(f"unknown device profile fields: {sorted(unknown)}")
         values = dict(data)
-        values["links"] = {k: Link(**v) for k, v in data["links"].items()}
+        values["links"] = {k: Link.from_json(v) for k, v in data["links"].items()}
         for k in ("matmul_curve", "bandwidth_curve"):  # (JSON lists; the profile's tuples)
             if k in data:
                 values[k] = tuple((float(x), float(y)) for x, y in data[k])
@@ -231,7 +269,7 @@ _GPU_LINKS = {
     # per step: an assumption.
     "inter_host": Link(latency=20e-6, bandwidth=50e9),
     # Assumptions for the CPU back ends on a GPU host.
-    "shm": Link(latency=20e-6, bandwidth=10e9),
+    "shm": Link(latency=20e-6, bandwidth=10e9, overlap=False),
     "gloo": Link(latency=100e-6, bandwidth=1e9),
 }
 
@@ -278,7 +316,8 @@ CPU_LOCAL = DeviceProfile(
     efficiency={"matmul": 0.5, "pointwise": 0.5, "reduction": 0.5, "other": 0.5},
     dispatch_overhead=10e-6,  # placeholder: torch's CPU dispatch is ~5-20 us an op
     links={
-        "shm": Link(latency=20e-6, bandwidth=5e9),  # placeholder: a memcpy through /dev/shm
+        # placeholder: a memcpy through /dev/shm (in the issuing thread: no overlap)
+        "shm": Link(latency=20e-6, bandwidth=5e9, overlap=False),
         "gloo": Link(latency=100e-6, bandwidth=1e9),  # placeholder: TCP over loopback
         "nccl_intra": Link(latency=20e-6, bandwidth=5e9),  # (no NCCL on a CPU: as shm)
         "inter_host": Link(latency=200e-6, bandwidth=1.25e9),  # placeholder: 10 Gb/s Ethernet

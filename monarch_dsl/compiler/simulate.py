@@ -9,7 +9,9 @@ is ready:
   collective's results are waited for at their first use on ``main`` (as the runtime does; the
   time ``main`` stands still is a ``"wait"`` event);
 - a collective starts when every member of its group has reached it, and all of them end
-  together, after the alpha-beta time of the profile's link (``compiler/profile.py``);
+  together, after the alpha-beta time of the profile's link (``compiler/profile.py``); on a
+  link that does not overlap compute (``Link.overlap``: shared memory, run in the issuing
+  thread), a ``comms``-stream collective also holds ``main`` while it runs;
 - a send is buffered: it costs the sender the transfer, and its receiver gets the value when
   both the send has ended and the receiver has reached the recv;
 - a compute step costs its roofline time for its op family plus the dispatch overhead.
@@ -148,7 +150,8 @@ def family(name: str) -> str:
 def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DeviceProfile) -> float:
     """The roofline time of a compute step: flops (matmuls: 2mnk) and bytes moved (its tensor
     inputs read, outputs written) against the profile's rates at this size (a measured
-    matmul or bandwidth curve, else the peaks), plus the dispatch overhead."""
+    matmul or bandwidth curve, else the peaks; for a matmul their max, or their sum where the
+    profile's ``matmul_passes`` says so), plus the dispatch overhead."""
     fam = family(step.name)
     if fam == "view":
         return profile.dispatch_overhead
@@ -163,8 +166,12 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
         first = ins[at][0] if len(ins) > at else None
         k = first[-1] if first else 1  # the contracted dim of the left matrix
         flops = 2 * math.prod(outs[0][0]) * k
-        rate = profile.matmul_flops_per_second(flops, outs[0][1])
-        seconds = max(seconds, flops / (rate * eff))
+        arithmetic = flops / (profile.matmul_flops_per_second(flops, outs[0][1]) * eff)
+        if profile.matmul_passes:
+            made = sum(nbytes(t) for t in outs)
+            seconds = profile.matmul_memory_seconds(moved - made, made, eff) + arithmetic
+        else:
+            seconds = max(seconds, arithmetic)
     return seconds + profile.dispatch_overhead
 
 
@@ -195,6 +202,33 @@ def comm_time(
         return profile.dispatch_overhead
     whole = outs if isinstance(step, isa.AllGather) else ins
     return profile.link(cross_host, n).time(*traffic(step.kind, whole, n))
+
+
+def steady_step_time(
+    step_time: float,
+    profile: DeviceProfile,
+    inputs: int,
+    local_bytes: Sequence[int] = (),
+    ranks: int = 1,
+) -> float:
+    """Seconds per call of a compiled step called back to back, from one call's simulated
+    ``step_time`` (``plan.simulate()``, the steps alone). The controller issues a call while
+    the workers run the one before, so the slower sets the pace: the controller's CPU per call
+    (``plan_issue``, ``plan_issue_per_input`` per tensor input of the plan, parameters and
+    state included, and each argument passed as a local torch tensor, ``local_bytes``, sent
+    to every one of ``ranks`` workers over the ``"controller"`` link) or a rank's
+    (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
+    share fewer cores (``host_cores``), CPU time sets it too: (the controller's + every
+    rank's) / cores."""
+    controller = profile.plan_issue + profile.plan_issue_per_input * inputs
+    link = profile.links.get("controller")
+    if link is not None:
+        controller += sum(link.time(b * ranks, 1) for b in local_bytes)
+    worker = step_time + profile.plan_overhead
+    pace = max(controller, worker)
+    if profile.host_cores and ranks + 1 > profile.host_cores:
+        pace = max(pace, (controller + ranks * worker) / profile.host_cores)
+    return pace
 
 
 class _Memory:
@@ -318,11 +352,17 @@ def simulate_program(
         active = [c for c in ranks if step.runs_on(c)]
         if isinstance(step, isa.COLLECTIVES):
             for group in groups(active, step.dims):
-                start = max(reached(c, step) for c in group)
                 cross = len({hosts[c] for c in group}) > 1
+                # A link that does not overlap compute runs the collective in main's thread.
+                blocking = not prof.link(cross, len(group)).overlap and step.stream != "main"
+                start = max(
+                    max(reached(c, step), free_at[(c, "main")] if blocking else 0.0) for c in group
+                )
                 end = start + comm_time(step, types, len(group), prof, cross)
                 for c in group:
                     record(c, step, start, end, "comm")
+                    if blocking:
+                        free_at[(c, "main")] = end
         elif isinstance(step, (isa.Send, isa.Recv)):
             d = step.dims[0]
             for c in active:
@@ -451,6 +491,7 @@ __all__ = [
     "slot_types",
     "compute_time",
     "comm_time",
+    "steady_step_time",
     "traffic",
     "family",
 ]
