@@ -722,14 +722,15 @@ def _calls(pm: Any, calls: int, reps: int) -> dict[str, tuple[Any, float, float]
 
 def _curve(points: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """(work, seconds) -> a rate curve ((work, work/s), ...) by increasing work, whose time is
-    non-decreasing in the work (a point measured faster than a smaller one is lifted to the
-    smaller one's time: noise, not a faster big op)."""
+    non-decreasing in the work: a point measured slower than a larger one is lowered to the
+    larger one's time (a small op's time is the noisier: one descheduling or late peer is
+    most of it)."""
     out: list[tuple[float, float]] = []
-    for work, seconds in sorted(points):
-        if out and seconds < out[-1][0] / out[-1][1]:
-            seconds = out[-1][0] / out[-1][1]
-        out.append((float(work), work / seconds))
-    return tuple(out)
+    bound = math.inf
+    for work, seconds in sorted(points, reverse=True):
+        bound = min(bound, seconds)
+        out.append((float(work), work / bound))
+    return tuple(reversed(out))
 
 
 def _net(seconds: float, dispatch: float) -> float | None:
