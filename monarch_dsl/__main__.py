@@ -209,6 +209,8 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     ms = 1e3
     print(f"plan {plan.name} on {args.mesh}, profile {report.profile}")
+    if _uncalibrated(args.profile):
+        print("  uncalibrated: cpu-local is a placeholder until you run `monarch-dsl calibrate`")
     print(f"  step time          {report.step_time * ms:10.3f} ms")
     print(f"  compute time       {report.compute_time * ms:10.3f} ms")
     print(f"  communication      {report.comm_time * ms:10.3f} ms")
@@ -225,6 +227,42 @@ def _simulate(args: argparse.Namespace) -> int:
             return 2
     print()
     print(report.timeline(args.width))
+    return 0
+
+
+def _uncalibrated(profile: str | None) -> bool:
+    from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile
+
+    return DeviceProfile.get(profile) is BUILTIN["cpu-local"]
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine into the "cpu-local" profile; print what was measured."""
+    from pathlib import Path
+
+    from monarch_dsl import calibrate
+    from monarch_dsl.compiler.profile import calibrated_path
+
+    try:  # before any process starts
+        ranks = calibrate.parse_ranks(args.ranks)
+    except (TypeError, ValueError) as e:
+        print(f"monarch-dsl calibrate: {e}", file=sys.stderr)
+        return 2
+    path = Path(args.out) if args.out else calibrated_path()
+    if path.is_dir():
+        path = path / "cpu-local.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(f"cannot write to {path.parent}")
+    except OSError as e:
+        print(f"monarch-dsl calibrate: --out {path}: {e}", file=sys.stderr)
+        return 2
+    cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True)
+    saved = calibrate.save(cal.profile, path)
+    print(calibrate.table(cal))
+    names = ' (what profile "cpu-local" names from now on)' if path == calibrated_path() else ""
+    print(f"wrote {saved}{names}")
     return 0
 
 
@@ -259,6 +297,11 @@ COMMANDS = [
         "simulate",
         "predict one call of a compiled step: time, communication, memory, a trace file",
         "monarch-dsl simulate train.py:step --mesh dp=2 --arg f32[64,1024] --profile h100",
+    ),
+    (
+        "calibrate",
+        'measure this machine into the "cpu-local" device profile (a minute or two)',
+        "monarch-dsl calibrate --ranks 2,4",
     ),
     ("version", "print the version", "monarch-dsl version"),
 ]
@@ -333,6 +376,21 @@ def main(argv: list[str] | None = None) -> int:
                 "--width", type=int, default=72, help="terminal timeline cells (default 72)"
             )
         c.set_defaults(fn=fn)
+    k = sub.add_parser("calibrate", description=helps["calibrate"])
+    k.add_argument(
+        "--quick", action="store_true",
+        help="small sizes and few repetitions: seconds, for a test (numbers less exact)",
+    )  # fmt: skip
+    k.add_argument(
+        "--out", default=None, metavar="PATH",
+        help="where to write the profile (default: cpu-local.json in $MONARCH_DSL_PROFILE_DIR, "
+        "else in $XDG_CACHE_HOME/monarch_dsl/profiles, $XDG_CACHE_HOME being ~/.cache if unset)",
+    )  # fmt: skip
+    k.add_argument(
+        "--ranks", default="2,4", metavar="N,M",
+        help="group sizes to measure collectives at (default 2,4); compute runs on the first",
+    )  # fmt: skip
+    k.set_defaults(fn=_calibrate)
     v = sub.add_parser("version", description=helps["version"])
     v.set_defaults(fn=lambda _: print(__import__("monarch_dsl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -9,6 +9,11 @@ os.environ.setdefault("MONARCH_DSL_QUIET", "1")
 # GPUs would be refused); the gpu-marked tests ask for CUDA (spawn_procs(env={"MD_DEVICE":
 # "cuda"})).
 os.environ.setdefault("MD_DEVICE", "cpu")
+# "cpu-local" is the placeholder profile in the tests, whatever `monarch-dsl calibrate` wrote
+# for the user (a directory that has no profile; tests that want one set their own).
+os.environ["MONARCH_DSL_PROFILE_DIR"] = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "no-such-profile-dir"
+)
 
 
 def wait_until(predicate, timeout=10.0, what="condition"):

@@ -1,42 +1,84 @@
 """Device profiles: what the simulator (``compiler/simulate.py``) charges for a step.
 
-Compute is a roofline per op family: ``max(flops / (peak[dtype] * efficiency), bytes /
-(memory_bandwidth * efficiency))`` plus a per-op dispatch overhead. Communication is an
-alpha-beta model per link kind: ``alpha * rounds + traffic / bandwidth``, where ``traffic`` is
-what the algorithm moves per rank (a ring all-reduce 2(n-1)/n of the bytes, in 2(n-1) rounds;
-all-gather, reduce-scatter and all-to-all (n-1)/n, in n-1 rounds; send/recv all of them, in
-one).
+Compute is a roofline per op family: ``max(flops / (rate * efficiency), bytes / (bandwidth *
+efficiency))`` (for matmuls, their sum where ``matmul_passes`` is set) plus a per-op dispatch
+overhead. ``rate`` is the dtype's peak, or, where the
+profile has a measured ``matmul_curve`` (FLOP/s achieved by float32 matmuls of each size), that
+curve at the op's FLOPs (interpolated log-log, scaled by the dtype's peak over float32's);
+``bandwidth`` is ``memory_bandwidth``, or the measured ``bandwidth_curve`` at the op's bytes (a
+CPU's caches make a 4 MiB op several times faster per byte than a 64 MiB one). Communication is
+an alpha-beta model per link kind: ``alpha * rounds + traffic / bandwidth``, where ``traffic``
+is what the algorithm moves per rank (a ring all-reduce 2(n-1)/n of the bytes, in 2(n-1)
+rounds; all-gather, reduce-scatter and all-to-all (n-1)/n, in n-1 rounds; send/recv all of
+them, in one). A link may also be given per group size (key ``"shm@4"``: 4 ranks), where one
+alpha and beta do not fit all sizes (4 ranks sharing 2 cores).
 
 Built-in profiles: ``"h100"``, ``"h200"`` (from NVIDIA's public datasheets; the efficiencies
-and latencies are assumptions, said so at each number) and ``"cpu-local"`` (a conservative
-placeholder for a 2-core CPU, until ``monarch-dsl calibrate`` measures this machine).
-``profile=`` anywhere takes a built-in name, a path to a saved profile, or a profile.
+and latencies are assumptions, said so at each number) and ``"cpu-local"``: the profile that
+``monarch-dsl calibrate`` measured on this machine (``calibrated_path()``) when there is one,
+else a conservative placeholder for a 2-core CPU. ``profile=`` anywhere takes a built-in name,
+a path to a saved profile, or a profile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Union
 
-# Link kinds (``DeviceProfile.links``' keys).
-LINK_KINDS = ("shm", "gloo", "nccl_intra", "inter_host")
+# Link kinds (``DeviceProfile.links``' keys). "controller": a local tensor passed to a compiled
+# step, sent by the controller to every worker at each call (latency per argument).
+LINK_KINDS = ("shm", "gloo", "nccl_intra", "inter_host", "controller")
 # Op families (``DeviceProfile.efficiency``' keys): ``compiler/simulate.py`` says which op is which.
 FAMILIES = ("matmul", "pointwise", "reduction", "other")
+
+
+# A measured curve: (x, rate) points, x increasing (FLOPs or bytes of one op -> per second).
+Curve = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
 class Link:
     """One kind of link: ``latency`` (alpha, seconds per round of the algorithm) and
-    ``bandwidth`` (beta, bytes per second one rank sends)."""
+    ``bandwidth`` (beta, bytes per second one rank sends), or, where measured, ``curve``: beta
+    by the bytes a rank sends, ((traffic, bytes/s), ...) (shared memory copies through the
+    caches: 8 MiB went 30% faster per byte than 32 MiB). ``overlap``: whether a collective
+    on it runs beside the rank's compute (NCCL's kernels, gloo's threads), or in the thread
+    that issues it, so that compute waits for it even when it was issued on another stream
+    (the C++ runtime's shared-memory collectives copy and reduce in the caller's thread)."""
 
     latency: float
     bandwidth: float
+    overlap: bool = True
+    curve: Curve = ()
 
     def time(self, traffic: float, rounds: int) -> float:
-        return self.latency * rounds + traffic / self.bandwidth
+        beta = interpolate(self.curve, traffic) if self.curve and traffic > 0 else self.bandwidth
+        return self.latency * rounds + traffic / beta
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Link:
+        values = dict(data)
+        if "curve" in data:  # (JSON lists; the link's tuples)
+            values["curve"] = tuple((float(x), float(y)) for x, y in data["curve"])
+        return cls(**values)
+
+
+def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
+    """The rate of ``curve`` at ``x``: linear in log-log between the points around it (a
+    power law between two measured sizes), the end point's rate beyond either end."""
+    if x <= curve[0][0]:
+        return float(curve[0][1])
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return float(curve[-1][1])
 
 
 @dataclass(frozen=True)
@@ -47,9 +89,27 @@ class DeviceProfile:
     worker runs, ``controller_overhead`` seconds the controller spends issuing one eager op
     (the simulator of eager programs, ``md.Simulator``: a worker cannot start an op before the
     controller has issued it),
-    ``links`` by kind (``LINK_KINDS``); collectives within a host use ``intra_host``, across
+    ``links`` by kind (``LINK_KINDS``), and by kind and group size (``"shm@4"``) where measured
+    apart; collectives within a host use ``intra_host``, across
     hosts ``inter_host`` (a rank's host: its coordinate along a mesh dim named ``host``, else
-    its index // ``ranks_per_host``). ``memory_capacity``: bytes per device (0: unknown)."""
+    its index // ``ranks_per_host``). ``memory_capacity``: bytes per device (0: unknown).
+
+    Measured by ``monarch-dsl calibrate`` (empty otherwise): ``matmul_curve``, ((FLOPs of one
+    float32 matmul, FLOP/s it reached), ...) by size; ``bandwidth_curve``, ((bytes one
+    pointwise op reads and writes, bytes/s), ...); ``plan_overhead``, seconds one call of a
+    compiled step costs its workers beyond its steps (the ``RunPlan`` message, the plan
+    runner's bookkeeping, the failure-flag round after the run); ``plan_issue`` (+
+    ``plan_issue_per_input`` per tensor input), the controller's CPU seconds per call (a local
+    tensor argument adds its sending over ``links["controller"]``); ``host_cores``: the cores
+    the ranks of a host and its controller share (0: not shared). See
+    ``compiler/simulate.py:steady_step_time``.
+
+    ``matmul_passes``: 0 for the roofline; else a matmul's memory traffic adds to its
+    arithmetic instead of hiding under it, and its inputs cross memory this many times (a
+    CPU's BLAS packs them into blocks before multiplying: it reads them, writes the packed
+    copy, reads that): ``flops / rate + (passes * inputs + outputs) / bandwidth``. Measured
+    from thin matmuls (n/32 x n x n): on a 2-core EPYC they took 15-40% longer than square
+    ones of as many FLOPs, which the roofline's max cannot say."""
 
     name: str
     peak_flops: dict[str, float]
@@ -62,13 +122,52 @@ class DeviceProfile:
     ranks_per_host: int = 8
     memory_capacity: float = 0.0
     controller_overhead: float = 0.0
+    matmul_curve: Curve = ()
+    bandwidth_curve: Curve = ()
+    plan_overhead: float = 0.0
+    plan_issue: float = 0.0
+    plan_issue_per_input: float = 0.0
+    host_cores: int = 0
+    matmul_passes: float = 0.0
     notes: str = field(default="", compare=False)
 
     def flops_per_second(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
-    def link(self, cross_host: bool) -> Link:
-        return self.links[self.inter_host if cross_host else self.intra_host]
+    def matmul_flops_per_second(self, flops: float, dtype: str) -> float:
+        """What a matmul of ``flops`` reaches: the measured curve (float32's, scaled by the
+        dtype's peak over float32's) where there is one, else the dtype's peak."""
+        if not self.matmul_curve:
+            return self.flops_per_second(dtype)
+        scale = self.flops_per_second(dtype) / self.peak_flops["float32"]
+        return interpolate(self.matmul_curve, flops) * scale
+
+    def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
+        """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
+        inputs ``matmul_passes`` times where that is set (else once)."""
+        moved = max(self.matmul_passes, 1.0) * inputs + outputs
+        return moved / (self.bandwidth(moved) * efficiency) if moved else 0.0
+
+    def bandwidth(self, moved: float) -> float:
+        """Bytes/s of a memory-bound op that reads and writes ``moved`` bytes: the measured
+        curve where there is one, else ``memory_bandwidth``."""
+        if not self.bandwidth_curve:
+            return self.memory_bandwidth
+        return interpolate(self.bandwidth_curve, moved)
+
+    def link(self, cross_host: bool, n: int | None = None) -> Link:
+        """The link of a collective across hosts or not; over ``n`` ranks: the link measured
+        for the group size nearest ``n`` (the larger on a tie) where the profile has any
+        (``"shm@4"``), else the kind's."""
+        kind = self.inter_host if cross_host else self.intra_host
+        sized = {}
+        for key, link in self.links.items():
+            base, sep, size = key.partition("@")
+            if sep and base == kind and size.isdigit():
+                sized[int(size)] = link
+        if n is None or not sized:
+            return self.links[kind]
+        return sized[min(sized, key=lambda m: (abs(m - n), -m))]
 
     def with_link(self, kind: str, latency: float, bandwidth: float) -> DeviceProfile:
         """This profile with link ``kind`` replaced."""
@@ -83,8 +182,12 @@ class DeviceProfile:
         unknown = set(data) - fields
         if unknown:
             raise ValueError(f"unknown device profile fields: {sorted(unknown)}")
-        links = {k: Link(**v) for k, v in data["links"].items()}
-        return cls(**{**data, "links": links})
+        values = dict(data)
+        values["links"] = {k: Link.from_json(v) for k, v in data["links"].items()}
+        for k in ("matmul_curve", "bandwidth_curve"):  # (JSON lists; the profile's tuples)
+            if k in data:
+                values[k] = tuple((float(x), float(y)) for x, y in data[k])
+        return cls(**values)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
@@ -98,12 +201,15 @@ class DeviceProfile:
 
     @classmethod
     def get(cls, profile: ProfileLike) -> DeviceProfile:
-        """``profile`` as a ``DeviceProfile``: a built-in name (``BUILTIN``), a path to a
-        saved one, or a profile (returned as is); None is ``"cpu-local"``."""
+        """``profile`` as a ``DeviceProfile``: a built-in name (``BUILTIN``; ``"cpu-local"``
+        is the calibrated file, ``calibrated_path()``, when there is one), a path to a saved
+        one, or a profile (returned as is); None is ``"cpu-local"``."""
         if profile is None:
-            return BUILTIN["cpu-local"]
+            profile = "cpu-local"
         if isinstance(profile, DeviceProfile):
             return profile
+        if profile == "cpu-local":
+            return _calibrated() or BUILTIN["cpu-local"]
         if isinstance(profile, str) and profile in BUILTIN:
             return BUILTIN[profile]
         if os.path.exists(profile):
@@ -114,6 +220,43 @@ class DeviceProfile:
 
 
 ProfileLike = Union[str, "os.PathLike[str]", DeviceProfile, None]
+
+# Where ``monarch-dsl calibrate`` writes the ``"cpu-local"`` profile (a directory).
+PROFILE_DIR_ENV = "MONARCH_DSL_PROFILE_DIR"
+
+
+def calibrated_path() -> Path:
+    """The calibrated ``"cpu-local"`` profile's file: ``cpu-local.json`` in
+    ``$MONARCH_DSL_PROFILE_DIR``, else in ``$XDG_CACHE_HOME/monarch_dsl/profiles``, else in
+    ``~/.cache/monarch_dsl/profiles`` (per user, as the C++ runtime's builds)."""
+    if os.environ.get(PROFILE_DIR_ENV):
+        return Path(os.environ[PROFILE_DIR_ENV]) / "cpu-local.json"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "monarch_dsl" / "profiles" / "cpu-local.json"
+
+
+_loaded: dict[tuple[str, int], DeviceProfile] = {}
+
+
+def _calibrated() -> DeviceProfile | None:
+    """The calibrated profile (read again when the file changes), or None if there is none."""
+    path = calibrated_path()
+    try:
+        key = (str(path), path.stat().st_mtime_ns)
+    except OSError:
+        return None
+    if key not in _loaded:
+        try:
+            profile = DeviceProfile.load(path)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(
+                f"{path}: not a device profile ({type(e).__name__}: {e}); run "
+                "`monarch-dsl calibrate` again, or remove the file"
+            ) from e
+        _loaded.clear()
+        _loaded[key] = profile
+    return _loaded[key]
+
 
 # Assumed for the GPUs (not datasheet numbers): a large matmul reaches ~70% of the dense
 # tensor-core peak, memory-bound kernels ~80% of HBM bandwidth; each op costs ~5 us to launch.
@@ -126,7 +269,7 @@ _GPU_LINKS = {
     # per step: an assumption.
     "inter_host": Link(latency=20e-6, bandwidth=50e9),
     # Assumptions for the CPU back ends on a GPU host.
-    "shm": Link(latency=20e-6, bandwidth=10e9),
+    "shm": Link(latency=20e-6, bandwidth=10e9, overlap=False),
     "gloo": Link(latency=100e-6, bandwidth=1e9),
 }
 
@@ -160,7 +303,7 @@ H200 = dataclasses.replace(
 )
 
 # A placeholder until ``monarch-dsl calibrate`` measures this machine: a conservative guess
-# for 2 CPU cores.
+# for 2 CPU cores (``DeviceProfile.get("cpu-local")`` gives the measured one when there is one).
 CPU_LOCAL = DeviceProfile(
     name="cpu-local",
     peak_flops={
@@ -173,7 +316,8 @@ CPU_LOCAL = DeviceProfile(
     efficiency={"matmul": 0.5, "pointwise": 0.5, "reduction": 0.5, "other": 0.5},
     dispatch_overhead=10e-6,  # placeholder: torch's CPU dispatch is ~5-20 us an op
     links={
-        "shm": Link(latency=20e-6, bandwidth=5e9),  # placeholder: a memcpy through /dev/shm
+        # placeholder: a memcpy through /dev/shm (in the issuing thread: no overlap)
+        "shm": Link(latency=20e-6, bandwidth=5e9, overlap=False),
         "gloo": Link(latency=100e-6, bandwidth=1e9),  # placeholder: TCP over loopback
         "nccl_intra": Link(latency=20e-6, bandwidth=5e9),  # (no NCCL on a CPU: as shm)
         "inter_host": Link(latency=200e-6, bandwidth=1.25e9),  # placeholder: 10 Gb/s Ethernet
@@ -182,7 +326,7 @@ CPU_LOCAL = DeviceProfile(
     inter_host="gloo",
     ranks_per_host=1 << 30,  # one host, unless the mesh has a "host" dim
     controller_overhead=8e-6,  # benchmarks/tensor_engine.py: ~7-9 us an eager op
-    notes="placeholder for a 2-core CPU until `monarch-dsl calibrate` exists",
+    notes="uncalibrated placeholder for a 2-core CPU: run `monarch-dsl calibrate`",
 )
 
 BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (H100, H200, CPU_LOCAL)}

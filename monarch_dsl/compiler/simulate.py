@@ -9,7 +9,9 @@ is ready:
   collective's results are waited for at their first use on ``main`` (as the runtime does; the
   time ``main`` stands still is a ``"wait"`` event);
 - a collective starts when every member of its group has reached it, and all of them end
-  together, after the alpha-beta time of the profile's link (``compiler/profile.py``);
+  together, after the alpha-beta time of the profile's link (``compiler/profile.py``); on a
+  link that does not overlap compute (``Link.overlap``: shared memory, run in the issuing
+  thread), a ``comms``-stream collective also holds ``main`` while it runs;
 - a send is buffered: it costs the sender the transfer, and its receiver gets the value when
   both the send has ended and the receiver has reached the recv;
 - a compute step costs its roofline time for its op family plus the dispatch overhead.
@@ -182,7 +184,9 @@ def family(name: str) -> str:
 
 def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DeviceProfile) -> float:
     """The roofline time of a compute step: flops (matmuls: 2mnk) and bytes moved (its tensor
-    inputs read, outputs written) against the profile's peaks, plus the dispatch overhead."""
+    inputs read, outputs written) against the profile's rates at this size (a measured
+    matmul or bandwidth curve, else the peaks; for a matmul their max, or their sum where the
+    profile's ``matmul_passes`` says so), plus the dispatch overhead."""
     fam = family(step.name)
     if fam == "view":
         return profile.dispatch_overhead
@@ -190,38 +194,76 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     outs = [types[o] for o in step.outs]
     moved = sum(nbytes(t) for t in ins) + sum(nbytes(t) for t in outs)
     eff = profile.efficiency.get(fam, profile.efficiency.get("other", 1.0))
-    seconds = moved / (profile.memory_bandwidth * eff)
+    seconds = moved / (profile.bandwidth(moved) * eff)
     if fam == "matmul" and outs and outs[0][0] is not None:
         base, _ = base_name(step.name)
         at = 1 if base in ("addmm", "baddbmm", "addbmm") else 0  # (after the added term)
         first = ins[at][0] if len(ins) > at else None
         k = first[-1] if first else 1  # the contracted dim of the left matrix
         flops = 2 * math.prod(outs[0][0]) * k
-        dtype = outs[0][1]
-        seconds = max(seconds, flops / (profile.flops_per_second(dtype) * eff))
+        arithmetic = flops / (profile.matmul_flops_per_second(flops, outs[0][1]) * eff)
+        if profile.matmul_passes:
+            made = sum(nbytes(t) for t in outs)
+            seconds = profile.matmul_memory_seconds(moved - made, made, eff) + arithmetic
+        else:
+            seconds = max(seconds, arithmetic)
     return seconds + profile.dispatch_overhead
+
+
+def traffic(kind: str, nbytes: float, n: int) -> tuple[float, int]:
+    """What collective ``kind`` (``isa.Comm.kind``) over ``n`` ranks moves per rank and in
+    how many rounds, for ``nbytes`` (the whole value's: an all-gather's output, the input of
+    the others): ring all-reduce 2(n-1)/n of them in 2(n-1) rounds; all-gather,
+    reduce-scatter, all-to-all (n-1)/n in n-1 rounds; send/recv all, in one."""
+    if kind in ("send", "recv"):
+        return nbytes, 1
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes, 2 * (n - 1)
+    return (n - 1) / n * nbytes, n - 1
 
 
 def comm_time(
     step: isa.Comm, types: Sequence[SlotType], n: int, profile: DeviceProfile, cross_host: bool
 ) -> float:
-    """Alpha-beta time of a communication over ``n`` ranks (the whole value's bytes: an
-    all-gather's output, the input of the others): ring all-reduce 2(n-1)/n of them in 2(n-1)
-    rounds; all-gather, reduce-scatter, all-to-all (n-1)/n in n-1 rounds; send/recv all, in
-    one. Local redistributions copy through memory."""
+    """Alpha-beta time of a communication over ``n`` ranks (``traffic``) on the profile's link
+    for that group size. Local redistributions copy through memory."""
     ins = sum(nbytes(types[s.index]) for s in isa.leaves(step.args, Slot))
     outs = sum(nbytes(types[o]) for o in step.outs)
-    link = profile.link(cross_host)
     if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
-        return outs / (profile.memory_bandwidth * profile.efficiency["pointwise"])
+        return outs / (profile.bandwidth(outs) * profile.efficiency["pointwise"])
     if isinstance(step, (isa.Send, isa.Recv)):
-        return link.time(max(ins, outs), 1)
+        return profile.link(cross_host, 2).time(*traffic(step.kind, max(ins, outs), 2))
     if n <= 1:
         return profile.dispatch_overhead
-    if isinstance(step, isa.AllReduce):
-        return link.time(2 * (n - 1) / n * ins, 2 * (n - 1))
     whole = outs if isinstance(step, isa.AllGather) else ins
-    return link.time((n - 1) / n * whole, n - 1)
+    return profile.link(cross_host, n).time(*traffic(step.kind, whole, n))
+
+
+def steady_step_time(
+    step_time: float,
+    profile: DeviceProfile,
+    inputs: int,
+    local_bytes: Sequence[int] = (),
+    ranks: int = 1,
+) -> float:
+    """Seconds per call of a compiled step called back to back, from one call's simulated
+    ``step_time`` (``plan.simulate()``, the steps alone). The controller issues a call while
+    the workers run the one before, so the slower sets the pace: the controller's CPU per call
+    (``plan_issue``, ``plan_issue_per_input`` per tensor input of the plan, parameters and
+    state included, and each argument passed as a local torch tensor, ``local_bytes``, sent
+    to every one of ``ranks`` workers over the ``"controller"`` link) or a rank's
+    (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
+    share fewer cores (``host_cores``), CPU time sets it too: (the controller's + every
+    rank's) / cores."""
+    controller = profile.plan_issue + profile.plan_issue_per_input * inputs
+    link = profile.links.get("controller")
+    if link is not None:
+        controller += sum(link.time(b * ranks, 1) for b in local_bytes)
+    worker = step_time + profile.plan_overhead
+    pace = max(controller, worker)
+    if profile.host_cores and ranks + 1 > profile.host_cores:
+        pace = max(pace, (controller + ranks * worker) / profile.host_cores)
+    return pace
 
 
 class _Memory:
@@ -368,11 +410,17 @@ def play_program(
         active = [c for c in ranks if step.runs_on(c)]
         if isinstance(step, isa.COLLECTIVES):
             for group in groups(active, step.dims):
-                start = max(reached(c, step) for c in group)
                 cross = len({hosts[c] for c in group}) > 1
+                # A link that does not overlap compute runs the collective in main's thread.
+                blocking = not prof.link(cross, len(group)).overlap and step.stream != "main"
+                start = max(
+                    max(reached(c, step), free_at[(c, "main")] if blocking else 0.0) for c in group
+                )
                 end = start + comm_time(step, types, len(group), prof, cross)
                 for c in group:
                     record(c, step, start, end, "comm")
+                    if blocking:
+                        free_at[(c, "main")] = end
         elif isinstance(step, (isa.Send, isa.Recv)):
             d = step.dims[0]
             for c in active:
@@ -501,5 +549,7 @@ __all__ = [
     "slot_types",
     "compute_time",
     "comm_time",
+    "steady_step_time",
+    "traffic",
     "family",
 ]

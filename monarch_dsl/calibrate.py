@@ -1,0 +1,1058 @@
+"""``monarch-dsl calibrate``: measure this machine into the ``"cpu-local"`` device profile.
+
+Everything is measured on real local workers, through the runtime the steps use:
+
+- **Compute** (on a mesh of the smallest ``--ranks``, every rank at once, each with the
+  intra-op threads a worker has): ops in a C++ ``CompiledPlan`` (``_core``), timed in the
+  workers, the slower rank's median. Each run cycles through up to ``OPERAND_SETS`` sets of
+  inputs (``operand_sets``), so large operands come from memory, as a layer's weights do in a
+  training step, and small ones from the cache. A tiny op's time is the
+  ``dispatch_overhead``. ``a + b`` of each size gives the ``bandwidth_curve`` (bytes read and
+  written / s): the caches make that rate depend on the size several-fold, so one number
+  would be wrong for most ops. The "pointwise" efficiency is then 1 by construction;
+  "reduction" (``sum``) and "other" (``clone``) are their rate over the curve's at the same
+  sizes (median). Square float32 matmuls and thin ones (n/32 x n x n: a batch through a
+  layer) give the ``matmul_curve`` (FLOP/s of the arithmetic by FLOPs) and ``matmul_passes``
+  (``fit_matmul``); float64 / bfloat16 / float16 at one size give their peaks relative to
+  float32's. Rates are work / (time - dispatch overhead), as the simulator adds the overhead
+  back (``compiler/simulate.py:compute_time``).
+- **Overheads seen from the controller** (same mesh): ``controller_overhead``, the wall time
+  the controller spends issuing one eager op (``y = x + 1``, a few thousand in a row); what a
+  call of a compiled step costs beyond its steps, called back to back while the ranks are
+  busy (``_calls``, ``_call_costs``): the controller's CPU per call and per input, a local
+  argument's sending, and the workers' ``plan_overhead``
+  (``compiler/simulate.py:steady_step_time``).
+- **Collectives** (a mesh of each ``--ranks`` size): float32 all-reduces of several sizes,
+  each a communication step of a ``CompiledPlan`` run by ``run_plan`` on the group the
+  runtime gives plan collectives on this host (``Executor.process_group``: shared memory,
+  ``runtime/shm.py``) and on that group's gloo group (what the runtime falls back to, and
+  what another host uses), alternating, after a barrier; an all-reduce is a bucket of
+  ``BUCKET_PIECES`` tensors, as data-parallel steps reduce gradients. One repetition's time is
+  the slowest rank's, and the median over repetitions is kept. Alpha (seconds per round) and
+  beta (bytes/s per rank) are fitted by least squares of the relative error over the
+  simulator's model, ``alpha * rounds + traffic / beta`` (``compiler/simulate.py:traffic``),
+  per backend and group size: ``links["shm@4"]`` for 4 ranks, ``links["shm"]`` the smallest
+  size's (4 ranks on 2 cores are not 2 ranks: each gets half a core); each link also keeps
+  beta at each measured size (``Link.curve``: through the caches, one beta misses by up to
+  50%), and shared memory's says it does not overlap compute (``Link.overlap``). All-gathers
+  and send/recv pairs are measured too and shown beside the link's prediction
+  (``FIT_KINDS``).
+
+The machine should be otherwise idle: the CPU time other processes took while calibrating is
+measured (``/proc/stat``) and, above ``BUSY_WARNING``, said in the table and the notes.
+
+``run(quick=False, ranks=(2, 4)) -> DeviceProfile``; :func:`measure` also returns what was
+measured, :func:`table` prints it. ``--quick``: small sizes and few repetitions (seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from monarch_dsl.actor import Actor, endpoint
+from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path
+from monarch_dsl.compiler.simulate import traffic
+
+# ---- what is measured ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes and repetitions: matmuls (square, n x n x n), pointwise ops (float32 elements),
+    collectives (float32 bytes: an all-reduce's tensor, an all-gather's output)."""
+
+    matmul: tuple[int, ...]
+    thin: tuple[int, ...]  # n/32 x n x n matmuls (matmul_passes)
+    pointwise: tuple[int, ...]
+    comm: tuple[int, ...]
+    reps: int  # timed repetitions of each measurement (after a warm-up)
+    run_seconds: float  # the length of one timed run of a compute measurement
+    dtypes: bool  # float64 / bfloat16 / float16 peaks (else float32's ratios below)
+    eager_ops: int  # eager ops in a row (controller_overhead)
+    plan_calls: int  # compiled-step calls in a row (plan_overhead, ...)
+
+
+FULL = Settings(
+    matmul=(32, 64, 128, 256, 512, 1024),
+    thin=(512, 1024, 2048),
+    # (not larger: an output above glibc's mmap threshold, 32 MiB, is mapped and faulted in
+    # anew at every op, which measures the allocator, not the memory)
+    pointwise=(1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
+    comm=(4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20),
+    reps=7,
+    run_seconds=0.03,
+    dtypes=True,
+    eager_ops=2000,
+    plan_calls=200,
+)
+QUICK = Settings(
+    matmul=(32, 256),
+    thin=(512,),
+    pointwise=(1 << 14, 1 << 20),
+    comm=(4 << 10, 1 << 20),
+    reps=3,
+    run_seconds=0.005,
+    dtypes=False,
+    eager_ops=300,
+    plan_calls=30,
+)
+OPERAND_SETS = 16  # distinct inputs a compute measurement cycles through (operand_sets)
+DTYPE_SIZE = 256  # the matmul size at which other dtypes are compared with float32
+# Without a measurement (--quick): other dtypes' peaks as the placeholder's ratios.
+DTYPE_RATIOS = {"float64": 0.5, "bfloat16": 0.5, "float16": 0.2}
+BACKENDS = ("shm", "gloo")
+# An all-reduce is measured as a gradient bucket of this many tensors (what moves the most bytes
+# in a data-parallel step: the C++ runtime reduces the pieces where they are into one buffer).
+BUCKET_PIECES = 8
+BUSY_WARNING = 0.15  # of the CPU taken by other processes: the measurements are suspect
+# What alpha and beta are fitted from: all-reduces (what data-parallel and tensor-parallel
+# steps do). All-gathers and send/recv are measured and shown beside the fitted link's
+# prediction: through shared memory they cost more per call than an all-reduce of as many
+# bytes (an all-gather allocates and concatenates its output; a send goes through a ring),
+# and one alpha and beta fitted to all three kinds fit none of them.
+FIT_KINDS = ("all_reduce",)
+
+
+def check_ranks(ranks: Iterable[int], what: str = "ranks") -> tuple[int, ...]:
+    """The group sizes to measure collectives at, sorted and without repeats; each an int >= 2
+    (``TypeError`` / ``ValueError`` otherwise, naming the argument ``what``)."""
+    out = []
+    for n in ranks:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{what}: expected integers >= 2, got {n!r}")
+        if n < 2:
+            raise ValueError(f"{what}: a collective needs at least 2 ranks, got {n}")
+        out.append(n)
+    if not out:
+        raise ValueError(f"{what}: give at least one group size, e.g. 2,4")
+    return tuple(sorted(set(out)))
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """``--ranks 2,4`` -> (2, 4) (``ValueError`` with what was wrong)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"--ranks: expected comma-separated integers >= 2 (e.g. 2,4), got {text!r}"
+        )
+    return check_ranks((int(p) for p in parts), "--ranks")
+
+
+# ---- in the workers -------------------------------------------------------------------------
+
+
+def _program(op: str, args: tuple, n_args: int, sets: int, count: int) -> Any:
+    """``count`` compute steps ``op(*args)``, the ``j``-th on the ``j % sets``-th of ``sets``
+    sets of ``n_args`` inputs (``args`` names the first set's); each result is freed at once
+    (so its buffer is reused by the next, as in a plan run again)."""
+    from monarch_dsl import isa
+
+    def shifted(v: Any, by: int) -> Any:
+        return isa.Slot(v.index + by) if isinstance(v, isa.Slot) else v
+
+    n_inputs = n_args * sets
+    steps = tuple(
+        isa.Compute(
+            name=op,
+            args=tuple(shifted(a, (j % sets) * n_args) for a in args),
+            outs=(n_inputs + j,),
+            frees=(n_inputs + j,),
+        )
+        for j in range(count)
+    )
+    return isa.Program(op, (), (), steps, n_inputs + count, tuple(range(n_inputs)), (), (), ())
+
+
+def operand_sets(set_bytes: int, span: int) -> int:
+    """How many distinct sets of inputs a compute measurement cycles through: ``OPERAND_SETS``,
+    or fewer where they would take more than ``span`` bytes (twice the last-level cache). Small
+    operands then stay in the cache and large ones come from memory, as in a training step,
+    where an op's large inputs (a layer's weights) were last touched a whole pass ago."""
+    return max(1, min(OPERAND_SETS, span // max(1, set_bytes)))
+
+
+def cache_span() -> int:
+    """Twice the last-level cache (Linux sysfs), else 64 MiB."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for index in os.listdir(base):
+            with open(os.path.join(base, index, "size")) as f:
+                text = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return 2 * best if best else 64 << 20
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One compute measurement: ``op`` (``aten.mm.default``) on inputs of ``shapes`` and
+    ``dtype``, ``args`` naming them by slot (``isa.Slot``)."""
+
+    label: str
+    op: str
+    args: tuple
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str = "float32"
+
+
+class Probe(Actor):
+    """Times compute steps and communication steps of ``CompiledPlan``s in a worker."""
+
+    def __init__(self, members: list[int]) -> None:
+        self.members = list(members)  # the mesh's global ranks (its group's members)
+        self._group: Any = None
+
+    def _group_and_core(self) -> tuple[Any, Any, Any]:
+        from monarch_dsl import _core
+        from monarch_dsl.runtime import worker
+
+        assert worker.current is not None
+        ex = worker.current.executor()
+        core = _core.worker_native()
+        if core is None:
+            raise RuntimeError(
+                "calibration needs the C++ runtime in the workers (MD_EXECUTOR is 'python', "
+                f"or it is not built: {_core.unavailable_reason()})"
+            )
+        if self._group is None:
+            self._group = ex.process_group(self.members, "calibrate")
+        return ex, core, self._group
+
+    def _barrier(self) -> None:
+        _, _, group = self._group_and_core()
+        work = group.barrier()
+        if work is not None:
+            work.wait()
+
+    @endpoint
+    def cpu_seconds(self) -> float:
+        """The CPU time this worker process has used (all its threads)."""
+        return time.process_time()
+
+    @endpoint
+    def backends(self) -> list[str]:
+        """The backends this mesh's plan collectives can use: shared memory (when the runtime
+        chose it for this group) and gloo."""
+        from monarch_dsl.runtime.shm import ShmProcessGroup
+
+        _, _, group = self._group_and_core()
+        return ["shm", "gloo"] if isinstance(group, ShmProcessGroup) else ["gloo"]
+
+    @endpoint
+    def compute(self, spec: OpSpec, reps: int, run_seconds: float, span: int) -> float:
+        """Median seconds per op of ``spec``, in runs of about ``run_seconds`` through
+        ``operand_sets(..., span)`` sets of inputs."""
+        from monarch_dsl.compiler.lower import core_steps
+        from monarch_dsl.isa import Slot
+
+        ex, core, _ = self._group_and_core()
+        dtype = getattr(torch, spec.dtype)
+        set_bytes = sum(math.prod(s) for s in spec.shapes) * dtype.itemsize
+        sets = operand_sets(set_bytes, span)
+        inputs = [torch.randn(s).to(dtype) for _ in range(sets) for s in spec.shapes]
+
+        def timed(count: int) -> Callable[[], float]:
+            program = _program(spec.op, spec.args, len(spec.shapes), sets, count)
+            compiled = core.CompiledPlan(core_steps(program, None, ex.device), Slot)
+
+            def run() -> float:
+                env = core.Env(program.n_slots)
+                for i, t in enumerate(inputs):
+                    env[i] = t
+                start = time.perf_counter()
+                failed = compiled.run(env, 0, count)
+                seconds = time.perf_counter() - start
+                if failed != -1:
+                    raise RuntimeError(f"{spec.label}: {compiled.last_error()}")
+                return seconds
+
+            return run
+
+        self._barrier()
+        one = timed(1)
+        first = min(one() for _ in range(3))  # (the first allocates its buffer)
+        count = max(2 * sets, min(5000, round(run_seconds / max(first, 1e-7))))
+        run = timed(count)
+        run()
+        return statistics.median(run() for _ in range(reps)) / count
+
+    @endpoint
+    def comm(self, backend: str, kind: str, nbytes: int, reps: int, span: int) -> list[float]:
+        """Seconds of each of ``reps`` runs (after two warm-ups) of one ``kind`` step
+        (``all_reduce``: a float32 tensor of ``nbytes``; ``all_gather``: an output of
+        ``nbytes``; ``send``: the first rank to the second) on ``backend``, each after a
+        barrier, on the next of ``operand_sets(..., span)`` inputs (a gradient bucket's
+        tensors were last touched a while ago)."""
+        from monarch_dsl import isa
+        from monarch_dsl.isa import Slot
+
+        ex, core, group = self._group_and_core()
+        g = group if backend == "shm" or not hasattr(group, "gloo") else group.gloo()
+        n = len(self.members)
+        assert worker_rank() in self.members
+        index = self.members.index(worker_rank())
+        numel = max(1, nbytes // 4)
+        common = dict(dims=(0,), dtype="float32")
+        peer = -1
+        pieces = 1
+        if kind == "all_reduce":  # a gradient bucket: BUCKET_PIECES tensors, reduced as one
+            pieces = BUCKET_PIECES if numel >= BUCKET_PIECES else 1
+            part = numel // pieces
+            step: Any = isa.AllReduce(
+                args=tuple(Slot(k) for k in range(pieces)),
+                outs=tuple(range(pieces, 2 * pieces)),
+                shapes=((part,),) * pieces,
+                **common,
+            )
+            x = torch.ones(part * pieces)
+        elif kind == "all_gather":
+            part = max(1, numel // n)
+            step = isa.AllGather(args=(Slot(0),), outs=(1,), shapes=((part,),), **common)
+            x = torch.ones(part)
+        elif kind == "send":
+            if index > 1:  # (only the first two ranks take part)
+                return []
+            cls = isa.Send if index == 0 else isa.Recv
+            peer = 1 - index
+            step = cls(
+                args=(Slot(0),) if index == 0 else (),
+                outs=() if index == 0 else (1,),
+                peer=peer,
+                shapes=((numel,),),
+                **common,
+            )
+            x = torch.ones(numel)
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+        inputs = [x] + [x.clone() for _ in range(operand_sets(x.nbytes, span) - 1)]
+        slots = 2 * pieces if kind == "all_reduce" else 2
+        program = isa.Program(kind, ("r",), (n,), (step,), slots, (0,), (), (), ())
+        compiled = core.CompiledPlan([None], Slot)
+        compiled.set_comm(
+            0, step, group=g, index=index, size=n, peer=peer, async_=False, slot_type=Slot
+        )
+        times = []
+        for i in range(reps + 2):
+            env = core.Env(program.n_slots)
+            for k, piece in enumerate(inputs[i % len(inputs)].chunk(pieces)):
+                env[k] = piece
+            self._barrier()
+            start = time.perf_counter()
+            failed = compiled.run_plan(env, ex.device, False)
+            seconds = time.perf_counter() - start
+            if failed != -1:
+                raise RuntimeError(f"{kind} on {backend}: {compiled.last_error()}")
+            if i >= 2:
+                times.append(seconds)
+        return times
+
+
+def worker_rank() -> int:
+    from monarch_dsl.runtime import worker
+
+    assert worker.current is not None
+    return worker.current.rank
+
+
+# ---- on the controller ----------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """What :func:`measure` found: the profile, and the measurements behind it."""
+
+    profile: DeviceProfile
+    compute_ranks: int
+    matmul: dict[int, float] = field(default_factory=dict)  # size -> seconds per op
+    dtypes: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s at DTYPE_SIZE
+    pointwise: dict[str, dict[int, float]] = field(default_factory=dict)  # op -> numel -> s
+    eager_wall: float = 0.0  # seconds per eager op, until the workers are done
+    # compiled steps of _calls: seconds per call, the controller's CPU per call, the steps' time
+    calls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # (backend, n, kind, nbytes) -> seconds (median of the slowest rank's)
+    comm: dict[tuple[str, int, str, int], float] = field(default_factory=dict)
+    fit_error: dict[tuple[str, int], float] = field(default_factory=dict)  # max |relative|
+    seconds: float = 0.0
+    others_busy: float | None = None  # the share of the CPU other processes took meanwhile
+
+
+class Progress:
+    """A progress bar on stderr, redrawn in place (``\\r``); silent when stderr is not a
+    terminal, or when ``quiet``."""
+
+    def __init__(self, total: int, quiet: bool = False, stream: Any = None) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.on = not quiet and self.stream.isatty()
+        self.start = time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done = min(self.total, self.done + 1)
+        self.show(label)
+
+    def show(self, label: str) -> None:
+        if not self.on:
+            return
+        width = 30
+        filled = round(width * self.done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.monotonic() - self.start
+        text = f"\rcalibrate [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label}"
+        self.stream.write(text[:100].ljust(100))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.on:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+@contextlib.contextmanager
+def _quiet_spawn() -> Iterator[None]:
+    """Spawn without the workers-ready lines (the progress bar says what happens)."""
+    old = os.environ.get("MONARCH_DSL_QUIET")
+    os.environ["MONARCH_DSL_QUIET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MONARCH_DSL_QUIET"]
+        else:
+            os.environ["MONARCH_DSL_QUIET"] = old
+
+
+def _compute_specs(s: Settings) -> list[OpSpec]:
+    from monarch_dsl.isa import Slot
+
+    ab = (Slot(0), Slot(1))
+    specs = [OpSpec("dispatch", "aten.add.Tensor", ab, ((1,), (1,)))]
+    specs += [OpSpec(f"matmul {n}", "aten.mm.default", ab, ((n, n), (n, n))) for n in s.matmul]
+    specs += [
+        OpSpec(f"thin matmul {n}", "aten.mm.default", ab, ((max(1, n // 32), n), (n, n)))
+        for n in s.thin
+    ]
+    if s.dtypes:
+        n = DTYPE_SIZE
+        specs += [
+            OpSpec(f"matmul {n} {d}", "aten.mm.default", ab, ((n, n), (n, n)), d)
+            for d in DTYPE_RATIOS
+        ]
+    for numel in s.pointwise:
+        specs += [
+            OpSpec(f"add {numel}", "aten.add.Tensor", ab, ((numel,), (numel,))),
+            OpSpec(f"sum {numel}", "aten.sum.default", (Slot(0),), ((numel,),)),
+            OpSpec(f"clone {numel}", "aten.clone.default", (Slot(0),), ((numel,),)),
+        ]
+    return specs
+
+
+def _comm_tasks(s: Settings, n: int, backends: Sequence[str]) -> list[tuple[str, str, int]]:
+    tasks = []
+    kinds = ("all_reduce", "all_gather", "send") if n == 2 else ("all_reduce", "all_gather")
+    for kind in kinds:
+        for nbytes in s.comm:
+            for b in backends:  # alternating, so drift of the machine hits both alike
+                tasks.append((b, kind, nbytes))
+    return tasks
+
+
+def measure(
+    quick: bool = False,
+    ranks: Iterable[int] = (2, 4),
+    progress: bool = True,
+) -> Calibration:
+    """Start local meshes, measure (see the module's docstring), return the profile and the
+    measurements. ``progress``: a bar on stderr (when it is a terminal)."""
+    from monarch_dsl.proc_mesh import this_host
+
+    sizes = check_ranks(ranks)
+    s = QUICK if quick else FULL
+    specs = _compute_specs(s)
+    span = cache_span()
+    total = len(specs) + 2 + sum(len(_comm_tasks(s, n, BACKENDS)) + 1 for n in sizes)
+    bar = Progress(total, quiet=not progress)
+    started = time.monotonic()
+    busy0, mine0 = _busy_seconds(), time.process_time()
+    workers_cpu = 0.0
+    per_op: dict[str, float] = {}
+    comm: dict[tuple[str, int, str, int], float] = {}
+    eager = eager_wall = 0.0
+    calls: dict[str, tuple[Any, float, float]] = {}
+    try:
+        for i, n in enumerate(sizes):
+            bar.show(f"starting {n} workers")
+            with _quiet_spawn():
+                pm = this_host().spawn_procs({"r": n})
+            try:
+                bar.step(f"{n} workers up")
+                if i == 0:
+                    eager, eager_wall = _eager_op(pm, s.eager_ops, s.reps)
+                    bar.step("eager ops")
+                    calls = _calls(pm, s.plan_calls, s.reps)
+                    bar.step("compiled step calls")
+                _set_up_collectives(pm)
+                probe = pm.spawn("calibrate", Probe, list(pm.ranks))
+                backends = probe.backends.call().get().values()[0]
+                if i == 0:
+                    for spec in specs:
+                        bar.show(spec.label)
+                        got = probe.compute.call(spec, s.reps, s.run_seconds, span).get()
+                        per_op[spec.label] = max(got.values())
+                        bar.step(spec.label)
+                tasks = _comm_tasks(s, n, BACKENDS)
+                for backend, kind, nbytes in tasks:
+                    label = f"{kind} {backend} {n} ranks {_size(nbytes)}"
+                    if backend in backends:
+                        bar.show(label)
+                        got = probe.comm.call(backend, kind, nbytes, s.reps, span).get().values()
+                        runs = [max(r[k] for r in got if r) for k in range(s.reps)]
+                        comm[(backend, n, kind, nbytes)] = statistics.median(runs)
+                    bar.step(label)
+                workers_cpu += sum(probe.cpu_seconds.call().get().values())
+            finally:
+                pm.stop()
+    finally:
+        bar.close()
+    cal = _profile(s, sizes, per_op, comm, eager, quick)
+    cal.eager_wall = eager_wall
+    if calls:
+        cal.profile = _call_costs(cal.profile, calls, sizes[0])
+        cal.calls = {
+            k: (t, c, plan.simulate(profile=cal.profile).step_time)
+            for k, (plan, t, c) in calls.items()
+        }
+    cal.seconds = time.monotonic() - started
+    busy1 = _busy_seconds()
+    if busy0 is not None and busy1 is not None:
+        ours = time.process_time() - mine0 + workers_cpu
+        others = max(0.0, busy1 - busy0 - ours)
+        cal.others_busy = others / (cal.seconds * (os.cpu_count() or 1))
+        if cal.others_busy > BUSY_WARNING:
+            note = (
+                f"; other processes took {cal.others_busy:.0%} of the CPU meanwhile: "
+                "suspect, calibrate again on an idle machine"
+            )
+            cal.profile = _replace(cal.profile, notes=cal.profile.notes + note)
+    return cal
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds all processes have used since boot (Linux ``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def run(
+    quick: bool = False, ranks: Iterable[int] = (2, 4), progress: bool = False
+) -> DeviceProfile:
+    """Measure this machine (:func:`measure`) and return its ``"cpu-local"`` profile (not
+    saved: ``profile.save(calibrated_path())`` makes it the one ``"cpu-local"`` names)."""
+    return measure(quick, check_ranks(ranks), progress).profile
+
+
+def _call_costs(
+    p: DeviceProfile, calls: dict[str, tuple[Any, float, float]], n: int
+) -> DeviceProfile:
+    """``p`` with what a call of a compiled step costs beyond its steps
+    (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
+    its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs, the
+    ``"controller"`` link from the local arguments: latency + bytes x ranks / bandwidth). The
+    workers: with the ranks busy, calls of the chain once and twice took ``w + chain`` and
+    ``w + 2 chain`` (the overhead measured, not the simulator's guess of the chain taken off),
+    where ``w`` is ``plan_overhead`` and, on cores shared with the controller, also the
+    controller's CPU spread over the cores (the formula of ``steady_step_time``)."""
+    t = {k: v for k, (_, v, _) in calls.items()}
+    cpu = {k: c for k, (_, _, c) in calls.items()}
+    per_input = max(0.0, (cpu["+14 inputs"] - cpu["base"]) / 14)
+    issue = max(0.0, cpu["base"] - 3 * per_input)
+    cost = {b: cpu[f"local {_size(b)}"] - cpu["base"] for b in LOCAL_ARG_BYTES}
+    small, large = LOCAL_ARG_BYTES
+    slope = (cost[large] - cost[small]) / (n * (large - small))
+    bandwidth = 1 / slope if slope > 0 else 1e12
+    latency = max(0.0, cost[small] - n * small / bandwidth)
+    w = 2 * t["base"] - t["double"]
+    cores = os.cpu_count() or 1
+    if n + 1 > cores:  # a call took (controller + n * (chain + w)) / cores
+        w = (cores * w - cpu["base"]) / n
+    links = {**p.links, "controller": Link(latency, bandwidth)}
+    return _replace(
+        p,
+        plan_overhead=max(0.0, w),
+        plan_issue=issue,
+        plan_issue_per_input=per_input,
+        host_cores=cores,
+        links=links,
+    )
+
+
+def _set_up_collectives(pm: Any) -> None:
+    """Give the workers the store their process groups meet at (as the first collective of a
+    mesh's tensor engine does)."""
+    from monarch_dsl.tensor.engine import Engine
+
+    engine = Engine.of(pm)
+    engine.ensure_collectives()
+    engine.sync()
+
+
+def _replace(p: DeviceProfile, **changes: Any) -> DeviceProfile:
+    return dataclasses.replace(p, **changes)
+
+
+def _eager_op(pm: Any, ops: int, reps: int) -> tuple[float, float]:
+    """(controller seconds per eager op issued, wall seconds per op until all ran): ``y = x +
+    1`` on an 8-element mesh tensor, ``ops`` in a row, median of ``reps``."""
+    from monarch_dsl.tensor import inspect
+
+    issue, wall = [], []
+    with pm.activate():
+        x = torch.ones(8)
+        inspect(x + 1)
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(ops):
+                y = x + 1
+            issued = time.perf_counter()
+            inspect(y)
+            done = time.perf_counter()
+            issue.append((issued - start) / ops)
+            wall.append((done - start) / ops)
+    return statistics.median(issue), statistics.median(wall)
+
+
+LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the controller link)
+BUSY_MATMULS = 16  # 128^3 matmuls that keep the ranks busy in a measured call (about 1 ms)
+
+
+def _calls(pm: Any, calls: int, reps: int) -> dict[str, tuple[Any, float, float]]:
+    """Compiled steps that keep every rank busy (a chain of ``BUSY_MATMULS`` 128^3 matmuls,
+    as a training step does, so that what the controller and the workers spend on a call
+    competes with the compute for the cores, as it does then), each with its seconds per call,
+    called ``calls`` times in a row, and the controller's CPU seconds per call (all its
+    threads: issuing, sending, receiving) (medians of ``reps``, the steps taking turns). ``"base"``:
+    the chain, then ``+ z.sum()`` of a small sharded mesh tensor ``z`` (its sum: an all-reduce of
+    one number); ``"double"``: twice the chain;
+    ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"local N"``: ``z`` a
+    local tensor of N bytes (sent whole to every worker at each call, as a batch passed to a
+    data-parallel step is, and split there)."""
+    from monarch_dsl.compiler.plan import Shard
+    from monarch_dsl.mesh import Mesh
+    from monarch_dsl.mesh_fn import mesh_fn
+    from monarch_dsl.parallel.distribute import distribute
+    from monarch_dsl.tensor import inspect
+
+    def chain(times: int) -> Callable[..., torch.Tensor]:
+        def step(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, *more: torch.Tensor):
+            for _ in range(times * BUSY_MATMULS):
+                x = x @ w
+            x = x + z.sum()
+            for m in more:
+                x = x + m
+            return x
+
+        return step
+
+    n = pm.sizes["r"]
+    size = 128
+    x, w = torch.randn(n * size, size), torch.randn(size, size) / size**0.5
+    # x and z sharded (a batch, as data_parallel lays it out), the others replicated
+    placements = {"x": {"r": Shard(0)}, "z": {"r": Shard(0)}}
+    out = {"out0": {"r": Shard(0)}}
+    cases: dict[str, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
+    with pm.activate():
+        mx, mw = distribute(x, {"r": Shard(0)}), distribute(w, {})
+        z, more = torch.ones(n, 2), [torch.ones(size) for _ in range(14)]
+        mz, mmore = distribute(z, {"r": Shard(0)}), [distribute(m, {}) for m in more]
+        for key, times, args, local in (
+            ("base", 1, [mx, mw, mz], [x, w, z]),
+            ("double", 2, [mx, mw, mz], [x, w, z]),
+            ("+14 inputs", 1, [mx, mw, mz, *mmore], [x, w, z, *more]),
+        ):
+            step = mesh_fn(chain(times), placements=placements, out_placements=out)
+            cases[key] = (step, args, local)
+        for nbytes in LOCAL_ARG_BYTES:
+            step = mesh_fn(chain(1), placements=placements, out_placements=out)
+            zb = torch.ones(n, nbytes // 4 // n)
+            cases[f"local {_size(nbytes)}"] = (step, [mx, mw, zb], [x, w, zb])
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        cpu: dict[str, list[float]] = {k: [] for k in cases}
+        for step, args, _ in cases.values():
+            inspect(step(*args))
+        for _ in range(reps):
+            for key, (step, args, _) in cases.items():
+                start, cpu0 = time.perf_counter(), time.process_time()
+                for _ in range(calls):
+                    result = step(*args)
+                inspect(result)
+                times[key].append((time.perf_counter() - start) / calls)
+                cpu[key].append((time.process_time() - cpu0) / calls)
+    mesh = Mesh({"r": n})
+    return {
+        key: (
+            step.compile(*local, mesh=mesh),
+            statistics.median(times[key]),
+            statistics.median(cpu[key]),
+        )
+        for key, (step, _, local) in cases.items()
+    }
+
+
+def _curve(points: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """(work, seconds) -> a rate curve ((work, work/s), ...) by increasing work, whose time is
+    non-decreasing in the work: a point measured slower than a larger one is lowered to the
+    larger one's time (a small op's time is the noisier: one descheduling or late peer is
+    most of it)."""
+    out: list[tuple[float, float]] = []
+    bound = math.inf
+    for work, seconds in sorted(points, reverse=True):
+        bound = min(bound, seconds)
+        out.append((float(work), work / bound))
+    return tuple(reversed(out))
+
+
+def _net(seconds: float, dispatch: float) -> float | None:
+    """An op's time less the dispatch overhead, or None where the overhead is most of it (the
+    rate would be noise)."""
+    return seconds - dispatch if seconds > 1.25 * dispatch else None
+
+
+def fit_matmul(
+    square: dict[int, float], thin: dict[int, float], dispatch: float, memory: DeviceProfile
+) -> tuple[tuple[tuple[float, float], ...], float]:
+    """The matmul curve (FLOP/s of the arithmetic by FLOPs) and ``matmul_passes`` from the
+    seconds of square (n x n x n) and thin (n/32 x n x n) float32 matmuls: each time is the
+    dispatch overhead + the arithmetic + the memory traffic (``memory``'s bandwidth curve,
+    the inputs ``passes`` times); the square ones, mostly arithmetic, give the curve, the thin
+    ones, whose traffic is a larger share, the passes. A few rounds: each depends a little on
+    the other."""
+    passes = 1.0
+    curve: tuple[tuple[float, float], ...] = ()
+    for _ in range(6):
+        p = dataclasses.replace(memory, matmul_passes=passes)
+        points = []
+        for n, t in square.items():
+            net = _net(t - p.matmul_memory_seconds(8.0 * n * n, 4.0 * n * n, 1.0), dispatch)
+            if net is not None:
+                points.append((2.0 * n**3, net))
+        if not points:  # (all dispatch-bound: a machine faster than the sizes measured)
+            n, t = max(square.items())
+            points.append((2.0 * n**3, t))
+        curve = _curve(points)
+        p = dataclasses.replace(p, matmul_curve=curve, peak_flops={"float32": curve[-1][1]})
+        estimates = []
+        for n, t in thin.items():
+            m = max(1, n // 32)
+            flops = 2.0 * m * n * n
+            rest = t - dispatch - flops / p.matmul_flops_per_second(flops, "float32")
+            ins, out = 4.0 * (m * n + n * n), 4.0 * m * n
+            if rest > 0:  # passes * ins + out = rest * bandwidth (at about those bytes)
+                moved = max(passes, 1.0) * ins + out
+                estimates.append((rest * p.bandwidth(moved) - out) / ins)
+        passes = min(8.0, max(1.0, statistics.median(estimates))) if estimates else 1.0
+    return curve, passes
+
+
+def beta_by_size(
+    alpha: float, points: Sequence[tuple[int, float, float]]
+) -> tuple[tuple[float, float], ...]:
+    """Beta at each measured size, given alpha: (traffic, traffic / (seconds - alpha *
+    rounds)) for points (rounds, traffic, seconds) whose time is not mostly latency (there,
+    beta would be noise); empty with fewer than 2 such points (one beta then serves)."""
+    net = [(b, t - alpha * r) for r, b, t in points if b > 0 and t - alpha * r > 0.25 * t]
+    return _curve(net) if len(net) >= 2 else ()
+
+
+def fit_link(points: Sequence[tuple[int, float, float]]) -> tuple[Link, float]:
+    """Alpha and beta of ``alpha * rounds + traffic / beta`` for points (rounds, traffic bytes,
+    seconds), by least squares of the relative error; and the largest relative error left."""
+    # Minimize sum((alpha * r / t + g * b / t - 1)^2) over alpha, g = 1 / beta.
+    rows = [(r / t, b / t) for r, b, t in points]
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha = g = 0.0
+    if det > 1e-12 * saa * sbb:
+        alpha, g = (sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det
+    if alpha <= 0:  # no latency to see: fit the bandwidth alone
+        alpha, g = 0.0, sb / sbb
+    if g <= 0:  # no bandwidth to see: fit the latency alone
+        alpha, g = sa / saa, 1e-15
+    link = Link(latency=alpha, bandwidth=1 / g)
+    worst = max(abs(link.time(b, r) / t - 1) for r, b, t in points)
+    return link, worst
+
+
+def _profile(
+    s: Settings,
+    sizes: tuple[int, ...],
+    per_op: dict[str, float],
+    comm: dict[tuple[str, int, str, int], float],
+    eager: float,
+    quick: bool,
+) -> Calibration:
+    dispatch = per_op["dispatch"]
+    pointwise: dict[str, dict[int, float]] = {op: {} for op in ("add", "sum", "clone")}
+    for op in pointwise:
+        for numel in s.pointwise:
+            pointwise[op][numel] = per_op[f"{op} {numel}"]
+    moved = {"add": 12, "sum": 4, "clone": 8}  # bytes per element read and written
+    bw_points = []
+    for numel, t in pointwise["add"].items():
+        net = _net(t, dispatch)
+        if net is not None:
+            bw_points.append((moved["add"] * numel, net))
+    if not bw_points:
+        numel, t = max(pointwise["add"].items())
+        bw_points.append((moved["add"] * numel, t))
+    bw_curve = _curve(bw_points)
+    probe = DeviceProfile("cpu-local", {}, 1.0, {}, dispatch, {}, bandwidth_curve=bw_curve)
+    matmul = {n: per_op[f"matmul {n}"] for n in s.matmul}
+    thin = {n: per_op[f"thin matmul {n}"] for n in s.thin}
+    mm_curve, passes = fit_matmul(matmul, thin, dispatch, probe)
+    f32 = max(rate for _, rate in mm_curve)
+    peaks = {"float32": f32}
+    dtypes = {}
+    for d, ratio in DTYPE_RATIOS.items():
+        label = f"matmul {DTYPE_SIZE} {d}"
+        if label in per_op:
+            dtypes[d] = 2.0 * DTYPE_SIZE**3 / per_op[label]
+            f32_there = 2.0 * DTYPE_SIZE**3 / per_op[f"matmul {DTYPE_SIZE}"]
+            peaks[d] = f32 * dtypes[d] / f32_there
+        else:
+            peaks[d] = f32 * ratio
+
+    def efficiency(op: str) -> float:
+        ratios = []
+        for numel, t in pointwise[op].items():
+            net = _net(t, dispatch)
+            if net is not None:
+                b = moved[op] * numel
+                ratios.append(b / net / probe.bandwidth(b))
+        return statistics.median(ratios) if ratios else 1.0
+
+    links: dict[str, Link] = {}
+    errors: dict[tuple[str, int], float] = {}
+    for backend in BACKENDS:
+        for n in sizes:
+            points = [
+                (*_rounds_traffic(kind, nbytes, n), t)
+                for (b, m, kind, nbytes), t in comm.items()
+                if b == backend and m == n and kind in FIT_KINDS
+            ]
+            if len(points) < 2:
+                continue
+            link, worst = fit_link(points)
+            # shared memory runs in the issuing thread (cpp/shm.cpp): it never hides under compute
+            link = Link(
+                link.latency,
+                link.bandwidth,
+                overlap=backend != "shm",
+                curve=beta_by_size(link.latency, points),
+            )
+            links[f"{backend}@{n}"] = link
+            errors[(backend, n)] = worst
+            links.setdefault(backend, link)  # the smallest group size's, for any other
+    placeholder = BUILTIN["cpu-local"]
+    for kind, link in placeholder.links.items():
+        links.setdefault(kind, link)
+    if f"shm@{sizes[0]}" in links:
+        links["nccl_intra"] = links["shm"]  # (no NCCL on a CPU: as the placeholder, shm)
+    intra = "shm" if any(k.startswith("shm@") for k in links) else "gloo"
+    cpu = _cpu_name()
+    profile = DeviceProfile(
+        name="cpu-local",
+        peak_flops=peaks,
+        memory_bandwidth=bw_curve[-1][1],
+        efficiency={
+            "matmul": 1.0,
+            "pointwise": 1.0,
+            "reduction": efficiency("sum"),
+            "other": efficiency("clone"),
+        },
+        dispatch_overhead=dispatch,
+        links=links,
+        intra_host=intra,
+        inter_host="gloo",
+        ranks_per_host=placeholder.ranks_per_host,
+        memory_capacity=_memory_bytes(),
+        controller_overhead=eager,
+        matmul_curve=mm_curve,
+        bandwidth_curve=bw_curve,
+        matmul_passes=passes,
+        notes=(
+            f"calibrated by `monarch-dsl calibrate{' --quick' if quick else ''}` on "
+            f"{datetime.date.today().isoformat()}: {cpu}, {os.cpu_count()} cores, torch "
+            f"{torch.__version__}; compute measured on {sizes[0]} ranks at once, "
+            f"{_worker_threads(sizes[0])} thread(s) each"
+        ),
+    )
+    return Calibration(
+        profile=profile,
+        compute_ranks=sizes[0],
+        matmul=matmul,
+        dtypes=dtypes,
+        pointwise=pointwise,
+        comm=comm,
+        fit_error=errors,
+    )
+
+
+def _rounds_traffic(kind: str, nbytes: int, n: int) -> tuple[int, float]:
+    moved, rounds = traffic(kind, nbytes, 2 if kind == "send" else n)
+    return rounds, moved
+
+
+def _worker_threads(n: int) -> int:
+    """The intra-op threads a worker of an ``n``-rank local mesh has (runtime/worker.py)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"] or 1)
+    return max(1, (os.cpu_count() or 1) // n)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def _size(nbytes: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div:
+            v = nbytes / div
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def table(cal: Calibration) -> str:
+    """What was measured and what was fitted, as text."""
+    p = cal.profile
+    out = [f"{p.notes}", ""]
+    out.append("matmul, float32, n x n x n     time/op    GFLOP/s")
+    for n, t in cal.matmul.items():
+        out.append(f"  n = {n:<5d}                 {_us(t):>10s}   {2 * n**3 / t / 1e9:8.1f}")
+    for d, rate in cal.dtypes.items():
+        out.append(f"  n = {DTYPE_SIZE:<5d} {d:<16s} {'':>10s}   {rate / 1e9:8.1f}")
+    out.append("")
+    out.append("memory-bound ops, float32     bytes moved   add GB/s   sum GB/s  clone GB/s")
+    for numel in cal.pointwise["add"]:
+        row = [f"{numel * 4 * 3 / (1 << 20):8.2f} MiB"]
+        for op, per in (("add", 12), ("sum", 4), ("clone", 8)):
+            row.append(f"{per * numel / cal.pointwise[op][numel] / 1e9:9.1f}")
+        out.append(f"  {numel:>10d} elements  " + "  ".join(row))
+    e = p.efficiency
+    out.append(
+        f"  efficiency vs the add curve: reduction (sum) {e['reduction']:.2f}, "
+        f"other (clone) {e['other']:.2f}"
+    )
+    out.append("")
+    out.append("overheads")
+    out.append(f"  dispatch, per op of a compiled plan (C++)   {_us(p.dispatch_overhead):>10s}")
+    out.append(f"  controller, per eager op issued             {_us(p.controller_overhead):>10s}")
+    out.append(f"  eager op, wall per op until the workers ran {_us(cal.eager_wall):>10s}")
+    out.append("  compiled steps, called back to back: per call, the controller's CPU, the steps")
+    for key, (t, c, steps) in cal.calls.items():
+        out.append(f"    {key:<14s} {_us(t):>10s} {_us(c):>10s} {_us(steps):>10s}")
+    out.append(
+        f"  a call: controller {_us(p.plan_issue)} + {_us(p.plan_issue_per_input)} per input; "
+        f"workers {_us(p.plan_overhead)} (plan_overhead)"
+    )
+    c = p.links.get("controller")
+    if c is not None:
+        out.append(
+            f"  a local tensor argument: {_us(c.latency)} + bytes x ranks at "
+            f"{c.bandwidth / 1e9:.2f} GB/s"
+        )
+    out.append("")
+    out.append(
+        f"links: alpha (per round), beta (bytes/s per rank), fitted on {', '.join(FIT_KINDS)};"
+        " the link keeps beta by size (the 'fitted' column below)"
+    )
+    out.append("  backend  ranks   alpha        beta   alpha-beta's worst error beta by size, GB/s")
+    for (backend, n), worst in sorted(cal.fit_error.items()):
+        link = p.links[f"{backend}@{n}"]
+        by_size = ", ".join(f"{_size(b)}: {r / 1e9:.1f}" for b, r in link.curve)
+        out.append(
+            f"  {backend:<7s}  {n:>5d}  {_us(link.latency):>8s}  {link.bandwidth / 1e9:7.2f} GB/s"
+            f"   {worst:6.1%}                 {by_size}"
+        )
+    out.append("")
+    out.append("collectives: measured vs the fitted link")
+    out.append("  backend  ranks  kind         size        measured   fitted")
+    for (backend, n, kind, nbytes), t in sorted(cal.comm.items()):
+        key = f"{backend}@{n if kind != 'send' else 2}"
+        fitted = ""
+        if key in p.links:
+            r, b = _rounds_traffic(kind, nbytes, n)
+            fitted = _us(p.links[key].time(b, r))
+        size = _size(nbytes)
+        out.append(
+            f"  {backend:<7s}  {n:>5d}  {kind:<11s}  {size:>8s}  {_us(t):>10s} {fitted:>10s}"
+        )
+    out.append("")
+    busy = (
+        ""
+        if cal.others_busy is None
+        else f"; other processes took {cal.others_busy:.0%} of the CPU"
+    )
+    out.append(f"measured in {cal.seconds:.0f} s{busy}")
+    if cal.others_busy is not None and cal.others_busy > BUSY_WARNING:
+        out.append("WARNING: the machine was busy: calibrate again when it is idle")
+    return "\n".join(out)
+
+
+def _us(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} us"
+
+
+def save(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``profile`` (to ``calibrated_path()`` by default: what ``"cpu-local"`` names
+    from then on), creating the directory; atomically, so a reader never sees half a file."""
+    target = Path(path) if path is not None else calibrated_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    profile.save(tmp)
+    os.replace(tmp, target)
+    return target
+
+
+__all__ = ["run", "measure", "table", "save", "Calibration", "check_ranks", "parse_ranks"]

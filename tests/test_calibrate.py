@@ -1,0 +1,286 @@
+"""``monarch-dsl calibrate`` (monarch_dsl/calibrate.py) and what the cost model does with a
+calibrated profile (measured curves, links per group size, the "cpu-local" file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import monarch_dsl as md
+from monarch_dsl import calibrate, isa
+from monarch_dsl.__main__ import main
+from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path, interpolate
+from monarch_dsl.compiler.simulate import compute_time, simulate_program, steady_step_time
+from monarch_dsl.isa import Slot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A made-up calibrated profile: rates rise with size, then level off.
+MATMUL = ((1e3, 1e9), (1e6, 1e10), (1e9, 4e10))
+BANDWIDTH = ((1e4, 2e10), (1e7, 5e10), (1e8, 1e10))
+
+
+def _calibrated(**changes) -> DeviceProfile:
+    links = {
+        **BUILTIN["cpu-local"].links,
+        "shm@2": Link(1e-5, 5e9),
+        "shm@4": Link(3e-5, 2e9),
+    }
+    return dataclasses.replace(
+        BUILTIN["cpu-local"],
+        matmul_curve=MATMUL,
+        bandwidth_curve=BANDWIDTH,
+        plan_overhead=2e-4,
+        links=links,
+        notes="made up",
+        **changes,
+    )
+
+
+def test_profile_json_round_trip_with_the_measured_fields(tmp_path):
+    p = _calibrated()
+    p.save(tmp_path / "p.json")
+    loaded = DeviceProfile.load(tmp_path / "p.json")
+    assert loaded == p
+    assert loaded.matmul_curve == MATMUL and loaded.links["shm@4"] == Link(3e-5, 2e9)
+    # a file written before these fields existed still loads, with them empty
+    old = BUILTIN["h100"].to_json()
+    for key in ("matmul_curve", "bandwidth_curve", "plan_overhead"):
+        del old[key]
+    assert DeviceProfile.from_json(json.loads(json.dumps(old))) == BUILTIN["h100"]
+    with pytest.raises(ValueError, match="unknown device profile fields"):
+        DeviceProfile.from_json({**old, "matmul_table": []})
+
+
+def test_the_curve_is_interpolated_log_log_and_gives_monotone_times():
+    # at the points: the points' rates; beyond the ends: the end's
+    for x, rate in MATMUL:
+        assert interpolate(MATMUL, x) == pytest.approx(rate)
+    assert interpolate(MATMUL, 10) == 1e9 and interpolate(MATMUL, 1e12) == 4e10
+    # half way in log between two points: their geometric mean
+    assert interpolate(MATMUL, math.sqrt(1e3 * 1e6)) == pytest.approx(math.sqrt(1e9 * 1e10))
+    p = _calibrated()
+    flops = [10 ** (k / 8) for k in range(16, 80)]  # 1e2 .. 1e10
+    times = [f / p.matmul_flops_per_second(f, "float32") for f in flops]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    for (x0, r0), (x1, r1) in zip(MATMUL, MATMUL[1:]):
+        for f in flops:
+            if x0 < f < x1:
+                assert min(r0, r1) <= p.matmul_flops_per_second(f, "float32") <= max(r0, r1)
+                assert x0 / r0 < f / p.matmul_flops_per_second(f, "float32") < x1 / r1
+    # other dtypes: the curve scaled by their peak over float32's
+    half = p.peak_flops["float64"] / p.peak_flops["float32"]
+    assert p.matmul_flops_per_second(1e6, "float64") == pytest.approx(1e10 * half)
+    # memory-bound: the bandwidth curve at the bytes moved, or the one number without one
+    assert p.bandwidth(1e7) == pytest.approx(5e10)
+    assert BUILTIN["cpu-local"].bandwidth(1e7) == BUILTIN["cpu-local"].memory_bandwidth
+
+
+def test_compute_time_uses_the_measured_curves():
+    p = _calibrated(efficiency={"matmul": 1.0, "pointwise": 1.0, "reduction": 1.0, "other": 1.0})
+    f = "float32"
+    types = [((64, 64), f), ((64, 64), f), ((64, 64), f)]
+    mm = isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,))
+    flops = 2 * 64**3
+    assert compute_time(mm, types, p) == pytest.approx(
+        flops / interpolate(MATMUL, flops) + p.dispatch_overhead
+    )
+    add = isa.Compute(name="aten.add.Tensor", args=(Slot(0), Slot(1)), outs=(2,))
+    moved = 3 * 64 * 64 * 4
+    assert compute_time(add, types, p) == pytest.approx(
+        moved / interpolate(BANDWIDTH, moved) + p.dispatch_overhead
+    )
+
+
+def test_a_link_per_group_size():
+    p = _calibrated()
+    assert p.link(False, 2) == Link(1e-5, 5e9)
+    assert p.link(False, 4) == p.link(False, 8) == Link(3e-5, 2e9)  # the nearest measured
+    assert p.link(False, 3) == Link(3e-5, 2e9)  # a tie: the larger
+    assert p.link(False) == p.links["shm"]  # no size: the kind's own
+    assert p.link(True, 4) == p.links["gloo"]  # none measured per size for gloo
+
+
+def test_cpu_local_is_the_calibrated_file_when_there_is_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_DSL_PROFILE_DIR", str(tmp_path / "profiles"))
+    assert calibrated_path() == tmp_path / "profiles" / "cpu-local.json"
+    assert DeviceProfile.get("cpu-local") is BUILTIN["cpu-local"]  # none yet
+    assert "uncalibrated" in BUILTIN["cpu-local"].notes
+    mine = _calibrated()
+    assert calibrate.save(mine) == calibrated_path()
+    assert DeviceProfile.get("cpu-local") == mine and DeviceProfile.get(None) == mine
+    assert DeviceProfile.get("h100") is BUILTIN["h100"]
+    # without the variable: XDG_CACHE_HOME, else ~/.cache
+    monkeypatch.delenv("MONARCH_DSL_PROFILE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibrated_path() == tmp_path / "xdg" / "monarch_dsl" / "profiles" / "cpu-local.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    home = os.path.expanduser("~")
+    assert str(calibrated_path()) == f"{home}/.cache/monarch_dsl/profiles/cpu-local.json"
+    # a broken file is an error that names it
+    monkeypatch.setenv("MONARCH_DSL_PROFILE_DIR", str(tmp_path / "profiles"))
+    calibrated_path().write_text("{not json")
+    with pytest.raises(ValueError, match="cpu-local.json: not a device profile"):
+        DeviceProfile.get("cpu-local")
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    truth = Link(latency=2e-5, bandwidth=3e9)
+    points = [(2, b, truth.time(b, 2)) for b in (4e3, 6e4, 1e6, 8e6)]
+    link, worst = calibrate.fit_link(points)
+    assert link.latency == pytest.approx(2e-5) and link.bandwidth == pytest.approx(3e9)
+    assert worst < 1e-9
+
+
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ("1", "--ranks: a collective needs at least 2 ranks, got 1"),
+        ("x", "--ranks: expected comma-separated integers >= 2 (e.g. 2,4), got 'x'"),
+        ("2,", "--ranks: expected comma-separated integers"),
+    ],
+)
+def test_bad_ranks_are_refused_before_anything_starts(ranks, message, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("measured with bad arguments")
+
+    monkeypatch.setattr(calibrate, "measure", never)
+    assert main(["calibrate", "--ranks", ranks]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_ranks_are_refused_from_python_too(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("measured with bad arguments")
+
+    monkeypatch.setattr(calibrate, "measure", never)
+    with pytest.raises(ValueError, match="ranks: a collective needs at least 2 ranks, got 1"):
+        calibrate.run(ranks=(2, 1))
+    with pytest.raises(TypeError, match="ranks: expected integers >= 2, got '2'"):
+        calibrate.run(ranks=("2",))
+    with pytest.raises(ValueError, match="at least one group size"):
+        calibrate.run(ranks=())
+
+
+def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
+    out = tmp_path / "cpu.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "MONARCH_DSL_QUIET": "1"}
+    cmd = [sys.executable, "-m", "monarch_dsl", "calibrate", "--quick", "--ranks", "2"]
+    r = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, env=env,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    p = md.DeviceProfile.load(out)
+    assert p.name == "cpu-local" and p.matmul_curve and p.bandwidth_curve
+    rates = [
+        p.memory_bandwidth,
+        p.dispatch_overhead,
+        p.controller_overhead,
+        *p.peak_flops.values(),
+        *(v for point in p.matmul_curve + p.bandwidth_curve for v in point),
+        *(p.links[k].bandwidth for k in ("shm", "gloo", "shm@2", "gloo@2", "controller")),
+    ]
+    assert all(math.isfinite(v) and v > 0 for v in rates), rates
+    latencies = [link.latency for link in p.links.values()]
+    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies]
+    assert all(math.isfinite(v) and v >= 0 for v in others), others
+    assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
+    assert p.links["shm"] == p.links["shm@2"]
+    for section in ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  "):
+        assert section in r.stdout, section
+    assert f"wrote {out}" in r.stdout
+    # the profile simulates a compiled step
+    report = _one_linear_plan().simulate(profile=str(out))
+    assert report.step_time > 0 and report.profile == "cpu-local"
+
+
+def _one_linear_plan():
+    import torch
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step.compile(torch.randn(4, 8), mesh=md.Mesh.from_string("dp=2"))
+
+
+def test_a_link_with_beta_by_size_round_trips_and_interpolates(tmp_path):
+    link = Link(1e-6, 5e9, overlap=False, curve=((1e5, 8e9), (1e7, 4e9)))
+    assert link.time(1e5, 2) == pytest.approx(2e-6 + 1e5 / 8e9)
+    assert link.time(1e6, 2) == pytest.approx(2e-6 + 1e6 / math.sqrt(8e9 * 4e9))
+    p = _calibrated()
+    p = dataclasses.replace(p, links={**p.links, "shm": link})
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json").links["shm"] == link
+
+
+def test_fit_matmul_recovers_the_curve_and_the_passes():
+    """Times made by the model itself (a rate that levels off, inputs crossing memory 3 times)
+    give back that rate and 3 passes."""
+    memory = DeviceProfile("m", {}, 1.0, {}, 0.0, {}, bandwidth_curve=BANDWIDTH)
+    truth = dataclasses.replace(
+        memory, matmul_curve=((2.0 * 64**3, 2e10), (2.0 * 1024**3, 8e10)), matmul_passes=3.0
+    )
+    truth = dataclasses.replace(truth, peak_flops={"float32": 8e10})
+
+    def seconds(m: int, n: int) -> float:
+        flops = 2.0 * m * n * n
+        memory_time = truth.matmul_memory_seconds(4.0 * (m * n + n * n), 4.0 * m * n, 1.0)
+        return flops / truth.matmul_flops_per_second(flops, "float32") + memory_time
+
+    square = {n: seconds(n, n) for n in (64, 256, 1024)}
+    thin = {n: seconds(n // 32, n) for n in (512, 1024)}
+    curve, passes = calibrate.fit_matmul(square, thin, 0.0, memory)
+    assert passes == pytest.approx(3.0, rel=1e-3)
+    for x, rate in curve:
+        assert rate == pytest.approx(truth.matmul_flops_per_second(x, "float32"), rel=1e-3)
+
+
+def test_a_shared_memory_bucket_holds_the_main_stream():
+    """On a link that runs in the issuing thread (shm), a comms-stream all-reduce does not
+    overlap the compute after it; on one that does (gloo's threads), it does."""
+    f = "float32"
+    steps = (
+        isa.AllReduce(args=(Slot(0),), outs=(1,), dims=(0,), shapes=((256, 256),), stream="comms"),
+        isa.Compute(name="aten.mm.default", args=(Slot(2), Slot(2)), outs=(3,)),
+        isa.Compute(name="aten.add.Tensor", args=(Slot(1), Slot(3)), outs=(4,)),
+    )
+    program = isa.Program("b", ("dp",), (2,), steps, 5, (0, 2), (4,), ((256, 256),) * 2, (f, f))
+    types = [((256, 256), f)] * 5
+    ends = {}
+    for overlap in (False, True):
+        links = {**BUILTIN["cpu-local"].links, "shm": Link(1e-5, 1e8, overlap=overlap)}
+        p = dataclasses.replace(BUILTIN["cpu-local"], links=links)
+        report = simulate_program(program, types, p)
+        comm = next(e for e in report.events if e.kind == "comm" and e.rank == 0)
+        mm = next(e for e in report.events if e.name == "aten.mm.default" and e.rank == 0)
+        assert (mm.start >= comm.end) == (not overlap)
+        ends[overlap] = report.step_time
+    assert ends[False] > ends[True]
+
+
+def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
+    p = dataclasses.replace(
+        BUILTIN["cpu-local"],
+        plan_overhead=1e-4,
+        plan_issue=2e-4,
+        plan_issue_per_input=1e-5,
+        links={**BUILTIN["cpu-local"].links, "controller": Link(1e-5, 1e9)},
+    )
+    # the controller: 2e-4 + 10 inputs * 1e-5 + a local argument (1e-5 + 2 x 1e6 B / 1e9)
+    assert steady_step_time(1e-3, p, 10, (), ranks=2) == pytest.approx(1e-3 + 1e-4)
+    assert steady_step_time(0.0, p, 10, (10**6,), ranks=2) == pytest.approx(3e-4 + 1e-5 + 2e-3)
+    shared = dataclasses.replace(p, host_cores=2)  # 3 processes on 2 cores: CPU sets the pace
+    assert steady_step_time(1e-3, shared, 10, (), ranks=2) == pytest.approx((3e-4 + 2 * 1.1e-3) / 2)
