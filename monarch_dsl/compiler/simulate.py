@@ -414,7 +414,8 @@ def play_program(
                 # A link that does not overlap compute runs the collective in main's thread.
                 blocking = not prof.link(cross, len(group)).overlap and step.stream != "main"
                 start = max(
-                    max(reached(c, step), free_at[(c, "main")] if blocking else 0.0) for c in group
+                    max(reached(c, step), free_at.get((c, "main"), begin[c]) if blocking else 0.0)
+                    for c in group
                 )
                 end = start + comm_time(step, types, len(group), prof, cross)
                 for c in group:
