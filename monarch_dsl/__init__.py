@@ -10,6 +10,7 @@ import torch  # noqa: F401, I001
 from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
 from monarch_dsl.errors import (
     ActorError,
+    CodeSyncError,
     MonarchError,
     PlanError,
     RemoteError,
@@ -52,6 +53,7 @@ __all__ = [
     "ActorError",
     "ActorMesh",
     "Borrow",
+    "CodeSyncError",
     "DeviceProfile",
     "DistributedDataParallel",
     "EndpointRef",

@@ -117,3 +117,30 @@ class SpmdError(MonarchError):
         if self.stderr:
             text += "\n\nits stderr ended with:\n" + self.stderr.rstrip()
         return text
+
+
+class CodeSyncError(MonarchError):
+    """``pm.sync_code()`` could not bring the workers the new code; where it was not loaded,
+    the old code keeps running.
+
+    A module that does not compile is found on the controller, before anything is sent:
+    ``path`` and ``line`` point at it. A module whose reload raised on some workers (an error
+    at import time): ``module`` names it, ``ranks`` the workers where it failed (they rolled
+    back to the old code), ``remote_traceback`` is the first one's traceback.
+    """
+
+    def __init__(
+        self, message: str, *, path="", line=None, module="", ranks=(), remote_traceback=""
+    ):
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.module = module
+        self.ranks = tuple(ranks)
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback:
+            text += "\n\nremote traceback:\n" + self.remote_traceback.rstrip()
+        return text

@@ -6,7 +6,7 @@ import atexit
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from monarch_dsl import _build
 from monarch_dsl import actor as _actor
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
-from monarch_dsl.runtime import controller, forkserver, serialize, transport
+from monarch_dsl.runtime import codesync, controller, forkserver, serialize, transport
 from monarch_dsl.tensor import activation as _activation
 
 DEFAULT_TIMEOUT = 120.0
@@ -80,6 +80,29 @@ class ProcMesh(Mesh):
         is a module name, run as ``python -m`` runs it. The mesh outlives the run: each rank is
         forked from the fork server, which has imported torch already."""
         return _spmd.run_spmd(self, script, args, env, timeout, module)
+
+    def sync_code(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> codesync.CodeSync:
+        """Send the workers of this mesh the local Python modules that changed since they
+        last got them, and reload those: actors and ``@md.remote`` functions defined there run
+        the new code from their next call, without restarting the workers. Local modules: the
+        ones this process imported from files under ``paths`` (default: the script's
+        directory, or the cwd in a REPL). Raises ``md.CodeSyncError`` for a module that does
+        not compile (nothing is sent) or whose reload raised on a worker (which keeps its old
+        code). Returns what was sent and reloaded (``print`` it). See runtime/codesync.py."""
+        return codesync.sync_code(self._job, tuple(self.ranks), paths, timeout)
+
+    def sync_files(
+        self, src: str | os.PathLike, dst: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT
+    ) -> codesync.FileSync:
+        """Copy the file or directory tree ``src`` to ``dst`` on every host of this mesh (a
+        relative ``dst``: relative to the workers' cwd), only the files missing or different
+        there. Returns how many files and bytes were written."""
+        return codesync.sync_files(self._job, tuple(self.ranks), src, dst, timeout)
 
     def activate(self):
         """``with pm.activate():`` torch calls create and run on every rank of this mesh."""

@@ -26,7 +26,7 @@ from monarch_dsl import isa
 from monarch_dsl.isa import collectives
 from monarch_dsl.isa.opnames import resolve_op
 from monarch_dsl.mesh import coords_of_index, index_of_coords
-from monarch_dsl.runtime import context, exchange
+from monarch_dsl.runtime import codesync, context, exchange
 from monarch_dsl.runtime.failure import Failure
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class ReferenceExecutor:
             try:
                 fn = self.functions.get(ins.fn)
                 if fn is None:
-                    fn = self.functions[ins.fn] = pickle.loads(ins.fn)
+                    fn = self.functions[ins.fn] = codesync.newest(pickle.loads(ins.fn))
                 mesh = self.meshes[ins.mesh]
                 point = context.Point.of_index(mesh.ranks.index(self.rank), mesh.dims, mesh.sizes)
                 token = context.set_current_point(point)

@@ -110,6 +110,51 @@ class StopWorker(NamedTuple):
     """Finish and exit."""
 
 
+class SyncedModule(NamedTuple):
+    """One module's source, as code sync sends it (``runtime/codesync.py``)."""
+
+    name: str  # e.g. "pkg.model"
+    path: str  # the controller's file: the module's __file__ on the worker, for tracebacks
+    source: bytes
+    digest: str  # sha256 of ``source``, hex
+    package: bool  # an ``__init__.py``
+
+
+class SyncCode(NamedTuple):
+    """Serve these modules' sources to imports from now on and reload the ones this worker
+    has imported; answered with a ``CodeSyncOutcome``."""
+
+    call_id: int
+    modules: tuple[SyncedModule, ...]
+
+
+class CodeSyncOutcome(NamedTuple):
+    """A worker's answer to ``SyncCode``: the modules it reloaded, or the one whose reload
+    raised (``failed``, with the traceback) -- then it rolled every module back."""
+
+    reloaded: tuple[str, ...]
+    failed: str = ""
+    traceback: str = ""
+
+
+class ListStaleFiles(NamedTuple):
+    """Which of ``entries`` ((path relative to ``root``, sha256 hex) pairs) are missing or
+    differ under ``root`` (relative: to the worker's cwd)? Answered with a tuple of paths."""
+
+    call_id: int
+    root: str
+    entries: tuple[tuple[str, str], ...]
+
+
+class WriteFiles(NamedTuple):
+    """Write ``files`` ((relative path, bytes, mode) triples) under ``root``, each atomically;
+    answered with the number of bytes written."""
+
+    call_id: int
+    root: str
+    files: tuple[tuple[str, bytes, int], ...]
+
+
 # The messages of worker connections, in wire order: a frame carries ``(index, *fields)``, a
 # plain tuple, which pickles ~4x faster than the NamedTuple itself (no class lookup, no
 # __reduce_ex__ call). Append new types at the end.
@@ -125,6 +170,9 @@ WIRE_TYPES: tuple[type, ...] = (
     RunBatch,
     FetchFailed,
     FailureReport,
+    SyncCode,
+    ListStaleFiles,
+    WriteFiles,
 )
 WIRE_INDEX: dict[type, int] = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch_dsl.runtime import context, transport
+from monarch_dsl.runtime import codesync, context, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -64,6 +64,7 @@ class Worker:
             RunBatch: self.run_batch,
             SetupCollectives: self.setup_collectives,
         }
+        self.handlers.update(codesync.worker_handlers(self))  # pm.sync_code, pm.sync_files
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
