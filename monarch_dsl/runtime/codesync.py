@@ -54,6 +54,7 @@ temporary name and renamed into place.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.abc
@@ -153,6 +154,7 @@ def resolve_paths(paths: str | os.PathLike | Iterable[str | os.PathLike] | None)
     return out
 
 
+@functools.cache
 def _excluded_dirs() -> tuple[str, ...]:
     """Where modules never sync from: the interpreter's libraries and monarch_dsl itself."""
     dirs = {
@@ -162,6 +164,18 @@ def _excluded_dirs() -> tuple[str, ...]:
     }
     dirs.add(os.path.realpath(os.path.dirname(os.path.dirname(__file__))))  # monarch_dsl/
     return tuple(d + os.sep for d in dirs)
+
+
+_realpaths: dict[str, str] = {}  # a module's __file__ -> its real path
+
+
+def _realpath(file: str) -> str:
+    """``os.path.realpath``, remembered: it costs an lstat per path component, and a
+    controller with torch imported has about a thousand modules to look at per sync."""
+    real = _realpaths.get(file)
+    if real is None:
+        real = _realpaths[file] = os.path.realpath(file)
+    return real
 
 
 def _under(path: str, dirs: Sequence[str]) -> bool:
@@ -179,7 +193,7 @@ def local_modules(roots: Sequence[str]) -> list[SyncedModule]:
             continue
         if not file.endswith(".py"):
             continue
-        path = os.path.realpath(file)
+        path = _realpath(file)
         if not _under(path, roots) or _under(path, excluded):
             continue
         parts = path.split(os.sep)
