@@ -106,7 +106,7 @@ class CodeSync:
             return f"code sync: nothing changed ({self.workers} workers up to date)"
         reloaded = ", ".join(self.reloaded) or "none (not imported there yet)"
         return (
-            f"code sync: sent {len(self.sent)} module(s) ({self.bytes} bytes) to "
+            f"code sync: sent {len(self.sent)} module(s) ({self.bytes} bytes in all) to "
             f"{self.workers} workers; reloaded: {reloaded}"
         )
 
