@@ -7,6 +7,7 @@ import sys
 import uuid
 
 import pytest
+import torch
 
 import monarch_dsl as md
 
@@ -176,3 +177,48 @@ def test_sync_files_copies_only_what_changed(tmp_path, monkeypatch):
             pm.sync_files(tmp_path / "missing", "dst")
     finally:
         pm.stop()
+
+
+@md.remote(propagate=lambda name: torch.zeros((), dtype=torch.bool))
+def _importable(name):
+    import importlib.util
+
+    return torch.tensor(importlib.util.find_spec(name) is not None)
+
+
+def importable(pm, name):
+    with pm.activate():
+        t = _importable(name)
+    return [bool(md.inspect(t, gpu=g)) for g in range(2)]
+
+
+def test_a_worker_without_the_files_imports_the_synced_modules(tmp_path):
+    """As on a remote host without the code: the package is not on the workers' sys.path.
+    After a sync they import it from the bytes sent; tracebacks show its lines."""
+    pm = md.this_host().spawn_procs({"gpu": 2})
+    name = f"csync_{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp_path / name)
+    (tmp_path / name / "__init__.py").write_text("")
+    path = str(tmp_path / name / "mod.py")
+    write_module(
+        path,
+        "v1",
+        extra="\n\nclass Failing(md.Actor):\n    def __init__(self):\n"
+        "        raise ValueError('failing on purpose')\n",
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module(f"{name}.mod")
+        assert importable(pm, name) == [False, False]
+        report = pm.sync_code(tmp_path)
+        assert report.sent == (name, mod.__name__) and report.reloaded == ()
+        assert importable(pm, name) == [True, True]
+        assert pm.spawn("greeter", mod.Greeter).hello.call().get().values() == [("v1", 1)] * 2
+        with pytest.raises(md.ActorError) as info:
+            pm.spawn("failing", mod.Failing)
+        assert "raise ValueError('failing on purpose')" in info.value.remote_traceback
+    finally:
+        pm.stop()
+        sys.path.remove(str(tmp_path))
+        for m in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[m]
