@@ -11,6 +11,7 @@ from monarch_dsl.actor import Actor, ActorMesh, EndpointRef, ValueMesh, endpoint
 from monarch_dsl.errors import (
     ActorError,
     CodeSyncError,
+    AttachError,
     MonarchError,
     PlanError,
     RemoteError,
@@ -19,7 +20,15 @@ from monarch_dsl.errors import (
     SupervisionError,
 )
 from monarch_dsl.mesh import Mesh
-from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
+from monarch_dsl.proc_mesh import (
+    LocalHost,
+    ProcMesh,
+    RemoteHosts,
+    attach,
+    remote_hosts,
+    this_host,
+)
+from monarch_dsl.persistent import pin, unpin
 from monarch_dsl.runtime.context import Point, current_rank
 from monarch_dsl.tensor import (
     Borrow,
@@ -88,6 +97,10 @@ __all__ = [
     "show",
     "RemoteHosts",
     "SpawnError",
+    "AttachError",
+    "attach",
+    "pin",
+    "unpin",
     "SpmdError",
     "Stream",
     "SupervisionError",

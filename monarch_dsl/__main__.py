@@ -7,6 +7,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 from typing import Any
 
 
@@ -303,8 +304,110 @@ COMMANDS = [
         'measure this machine into the "cpu-local" device profile (a minute or two)',
         "monarch-dsl calibrate --ranks 2,4",
     ),
+    ("ls", "list your persistent meshes", "monarch-dsl ls"),
+    (
+        "attach",
+        "attach to a persistent mesh: its actors, pinned tensors and log; -i for a Python prompt",
+        "monarch-dsl attach exp -i",
+    ),
+    (
+        "stop",
+        "stop a persistent mesh (its workers, actors and pinned tensors)",
+        "monarch-dsl stop exp",
+    ),
     ("version", "print the version", "monarch-dsl version"),
 ]
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from monarch_dsl.runtime import registry
+
+    recs = registry.records()
+    if not recs:
+        print("no persistent meshes (spawn_procs(name=..., persistent=True) starts one)")
+        return 0
+    now = time.time()
+    rows = [("NAME", "SHAPE", "KEEPER", "CONTROLLER", "AGE", "ENDS IF IDLE FOR", "LOG")]
+    for r in recs:
+        shape = ",".join(f"{d}={s}" for d, s in zip(r.dims, r.sizes))
+        ctl = f"pid {r.controller}" if r.controller else f"none for {_age(now - r.since)}"
+        rows.append(
+            (r.name, shape, str(r.pid), ctl, _age(now - r.created), _age(r.idle_timeout), r.log)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _attach_or_say(command: str, name: str):
+    """md.attach(name), or None after printing why not."""
+    import monarch_dsl as md
+
+    try:
+        return md.attach(name)
+    except (md.AttachError, ValueError) as e:
+        print(f"monarch-dsl {command}: {e}", file=sys.stderr)
+        return None
+
+
+def _describe_attached(pm) -> None:
+    inv = pm._inventory()
+    actors = sorted({(a[1], a[2][1]) for i in inv for a in i["actors"]})
+    pinned = sorted({(n, tuple(v[0]), str(v[1])) for i in inv for n, v in i["pinned"].items()})
+    print(f"attached to {pm.name!r}: {pm}")
+    print("actors: " + (", ".join(f"{n} ({c})" for n, c in actors) or "none"))
+    print("pinned: " + (", ".join(f"{n} {list(s)} {d}" for n, s, d in pinned) or "none"))
+
+
+def _attach(args: argparse.Namespace) -> int:
+    import monarch_dsl as md
+    from monarch_dsl.runtime import registry
+
+    pm = _attach_or_say("attach", args.name)
+    if pm is None:
+        return 1
+    _describe_attached(pm)
+    rec = registry.read(args.name)
+    if rec is not None and args.log:
+        try:
+            with open(rec.log, errors="replace") as f:
+                tail = f.read().splitlines()[-args.log :]
+        except OSError:
+            tail = []
+        print(f"log ({rec.log}), last {len(tail)} lines:")
+        for line in tail:
+            print("  " + line)
+    if args.interactive:
+        import code
+
+        import torch
+
+        code.interact(
+            banner="pm is the mesh; md, torch imported. Exit (Ctrl-D) detaches; pm.stop() ends it.",
+            local={"pm": pm, "md": md, "torch": torch},
+        )
+    if not pm.stopped:
+        pm.detach()
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+
+    pm = _attach_or_say("stop", args.name)
+    if pm is None:
+        return 1
+    pm.stop()
+    print(f"stopped persistent mesh {args.name!r}")
+    return 0
 
 
 def _epilog() -> str:
@@ -391,6 +494,19 @@ def main(argv: list[str] | None = None) -> int:
         help="group sizes to measure collectives at (default 2,4); compute runs on the first",
     )  # fmt: skip
     k.set_defaults(fn=_calibrate)
+    ls = sub.add_parser("ls", description=helps["ls"])
+    ls.set_defaults(fn=_ls)
+    a = sub.add_parser("attach", description=helps["attach"])
+    a.add_argument("name")
+    a.add_argument(
+        "-i", "--interactive", action="store_true",
+        help="a Python prompt with the mesh as pm (exiting it detaches)",
+    )  # fmt: skip
+    a.add_argument("--log", type=int, default=20, metavar="N", help="log lines to show (20)")
+    a.set_defaults(fn=_attach)
+    st = sub.add_parser("stop", description=helps["stop"])
+    st.add_argument("name")
+    st.set_defaults(fn=_stop)
     v = sub.add_parser("version", description=helps["version"])
     v.set_defaults(fn=lambda _: print(__import__("monarch_dsl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -302,6 +302,14 @@ def _positional_range(fn: Callable) -> tuple[int, int]:
     return r
 
 
+def reserve_ids(upto: int) -> None:
+    """Actor ids up to ``upto`` are taken (by the actors of a persistent mesh just attached):
+    new actors get higher ones."""
+    global _actor_ids
+    nxt = next(_actor_ids)
+    _actor_ids = itertools.count(max(nxt, upto + 1))
+
+
 def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn needs a subclass of md.Actor, got {cls!r}")

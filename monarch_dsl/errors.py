@@ -53,6 +53,11 @@ class SpawnError(SupervisionError):
     """A worker could not start (its setup raised, it died, or it did not join in time)."""
 
 
+class AttachError(MonarchError):
+    """``md.attach(name)`` found no such persistent mesh, or its keeper refused (another
+    controller holds it, or the secret did not match)."""
+
+
 class RemoteError(MonarchError):
     """A tensor command failed on a worker; raised when its result (or anything computed from
     it) is fetched, or at ``stop()`` if nobody fetched it. ``rank``/``coords``: where it failed

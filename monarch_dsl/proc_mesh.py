@@ -13,12 +13,16 @@ import numpy as np
 
 from monarch_dsl import _build
 from monarch_dsl import actor as _actor
+from monarch_dsl import persistent as _persistent
+from monarch_dsl.errors import AttachError
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
-from monarch_dsl.runtime import codesync, controller, forkserver, serialize, transport
+from monarch_dsl.runtime import codesync, controller, forkserver, registry, serialize, transport
+from monarch_dsl.runtime.messages import Inventory
 from monarch_dsl.tensor import activation as _activation
 
 DEFAULT_TIMEOUT = 120.0
+DEFAULT_IDLE_TIMEOUT = 3600.0  # a persistent mesh with no controller for this long ends
 STOP_SYNC_TIMEOUT = 60.0  # stop() waits this long for the workers to finish their commands
 
 atexit.register(controller.stop_all)
@@ -62,6 +66,71 @@ class ProcMesh(Mesh):
         job.stop()
         if unseen:
             raise job.remote_error(unseen[0], observed=True)
+
+    # ---- persistent meshes ---------------------------------------------------------------
+    @property
+    def name(self) -> str | None:
+        """The name of a persistent mesh (``spawn_procs(name=..., persistent=True)``)."""
+        return self._job.name
+
+    def detach(self) -> None:
+        """Leave this persistent mesh running without this controller (what exiting does):
+        what was sent is finished first; the workers keep their actors and pinned tensors and
+        wait for ``md.attach(name)``. Every handle of this controller on it is then dead."""
+        job = self._job
+        if job.keeper is None:
+            raise RuntimeError("only a persistent mesh (spawn_procs(persistent=True)) detaches")
+        for finish in list(job.before_stop):
+            finish(STOP_SYNC_TIMEOUT)
+        job.detach()
+
+    def _inventory(self) -> list[dict]:
+        """What the live workers of this mesh hold beyond a controller (messages.Inventory)."""
+        ranks = tuple(int(r) for r in self.ranks if int(r) not in self._job.dead)
+        fut = self._job.request(ranks, lambda call_id: Inventory(call_id), finish=list)
+        return fut.get(DEFAULT_TIMEOUT)
+
+    def actors(self, name: str) -> _actor.ActorMesh:
+        """The actor mesh spawned under ``name`` on these processes (by this controller or, on
+        a persistent mesh, an earlier one), with its state; the latest if several were."""
+        found: dict[int, tuple] = {}
+        names: set[str] = set()
+        for inv in self._inventory():
+            for actor_id, actor_name, where, dims, sizes, ranks in inv["actors"]:
+                names.add(actor_name)
+                if actor_name == name:
+                    found[actor_id] = (where, dims, sizes, ranks)
+        if not found:
+            raise KeyError(
+                f"no actor named {name!r} on {self} (actors here: {sorted(names) or 'none'})"
+            )
+        actor_id = max(found)
+        (module, qualname, payload), dims, sizes, ranks = found[actor_id]
+        try:
+            cls = serialize.loads(payload)
+        except Exception as e:  # noqa: BLE001 - whatever unpickling raises: say what to do
+            raise ImportError(
+                f"actor {name!r} is a {module}.{qualname}, which this process cannot load "
+                f"({type(e).__name__}: {e}); make its module importable here (sys.path)"
+            ) from None
+        procs = self._derive(tuple(dims), np.array(ranks).reshape(sizes))
+        return _actor.ActorMesh(cls, name, actor_id, procs, procs)
+
+    def pinned(self, name: str) -> Any:
+        """The mesh tensor pinned as ``name`` (``md.pin``) on these processes."""
+        info = None
+        names: set[str] = set()
+        for inv in self._inventory():
+            names.update(inv["pinned"])
+            info = info or inv["pinned"].get(name)
+        if info is None:
+            raise KeyError(
+                f"no tensor pinned as {name!r} on {self} (pinned: {sorted(names) or 'none'})"
+            )
+        shape, dtype, dims, sizes, ranks = info
+        mesh = self._derive(tuple(dims), np.array(ranks).reshape(sizes))
+        with mesh.activate():
+            return _persistent.loader(tuple(shape), dtype)(name)
 
     def run_spmd(
         self,
@@ -172,12 +241,39 @@ class LocalHost:
         env: Mapping[str, str] | None = None,
         setup: Callable[[], Any] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        name: str | None = None,
+        persistent: bool = False,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ) -> ProcMesh:
         """Start one worker process per rank of ``per_host`` (e.g. ``{"gpu": 4}``, or
         ``{"host": 2, "gpu": 4}`` to fake 2 hosts). ``env`` is added to each worker's
         environment; ``setup()`` runs in each worker before it joins (a raise there is reported
-        as ``md.SpawnError`` with the worker's stderr)."""
+        as ``md.SpawnError`` with the worker's stderr).
+
+        ``persistent=True`` (with a ``name``): the workers, their actors and pinned tensors
+        outlive this controller -- exiting (or crashing, or ``pm.detach()``) leaves them to
+        ``md.attach(name)`` from another process -- until ``idle_timeout`` seconds pass with
+        no controller attached, or ``pm.stop()``. Its workers come from a keeper of their own
+        (a fresh interpreter: seconds, where other meshes take milliseconds)."""
         dims, sizes = _check_shape(per_host if per_host is not None else {"gpu": 1}, "spawn_procs")
+        if not isinstance(persistent, bool):
+            raise TypeError(f"persistent must be a bool, got {persistent!r}")
+        if persistent:
+            if name is None:
+                raise ValueError("a persistent mesh needs a name: spawn_procs(name=..., ...)")
+            registry.check_name(name)
+            if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)):
+                raise TypeError(f"idle_timeout must be seconds, got {idle_timeout!r}")
+            if not idle_timeout > 0:
+                raise ValueError(f"idle_timeout must be > 0, got {idle_timeout}")
+            old = registry.read(name)
+            if old is not None and old.alive():
+                raise ValueError(
+                    f"a persistent mesh named {name!r} is running (keeper pid {old.pid}): "
+                    f"md.attach({name!r}) joins it, `monarch-dsl stop {name}` ends it"
+                )
+        elif name is not None:
+            raise ValueError("name= names a persistent mesh: pass persistent=True too")
         if env is not None and not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
@@ -199,11 +295,16 @@ class LocalHost:
             if _build.ensure() is None:
                 env["MD_EXECUTOR"] = "python"
         label = ",".join(f"{d}={s}" for d, s in zip(dims, sizes))
-        job = controller.Job(dims, sizes)
+        job = controller.Job(dims, sizes, token=transport.new_token())
         controller.register(job)
         local = sizes[-1] if dims[0] == "host" and len(dims) > 1 else job.world
+        progress = _progress_printer(label, _quiet())
         try:
-            job.start_local(local, env, setup_bytes, timeout, _progress_printer(label, _quiet()))
+            if persistent:
+                assert name is not None
+                job.start_persistent(name, idle_timeout, local, env, setup_bytes, timeout, progress)
+            else:
+                job.start_local(local, env, setup_bytes, timeout, progress)
         except BaseException:
             job.stop()
             raise
@@ -220,6 +321,46 @@ def _root(job: controller.Job) -> ProcMesh:
 
 
 _this_host = LocalHost()
+
+
+def attach(name: str, *, timeout: float = DEFAULT_TIMEOUT) -> ProcMesh:
+    """The persistent mesh ``name`` (``spawn_procs(name=name, persistent=True)``), from any
+    process of the same user: its workers connect to this controller, with their actors
+    (``pm.actors(name)``) and pinned tensors (``pm.pinned(name)``); no process starts. One
+    controller at a time: attaching to a mesh another controller holds raises
+    ``md.AttachError`` (detach or stop it there first)."""
+    registry.check_name(name)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0, got {timeout}")
+    rec = registry.read(name)
+    if rec is None or not rec.alive():
+        if rec is not None:
+            registry.remove(name)
+        running = ", ".join(r.name for r in registry.records()) or "none"
+        raise AttachError(
+            f"no persistent mesh named {name!r} is running (running: {running}; "
+            f"`monarch-dsl ls` lists them)"
+        )
+    job = controller.Job(tuple(rec.dims), tuple(rec.sizes), token=bytes.fromhex(rec.secret))
+    controller.register(job)
+    try:
+        keeper, attached, fds = forkserver.ForkServerClient.attach_keeper(
+            rec.socket, bytes.fromhex(rec.secret), job.address, timeout
+        )
+    except (ConnectionRefusedError, OSError) as e:
+        job.stop()
+        raise AttachError(f"cannot attach to persistent mesh {name!r}: {e}") from None
+    label = f"{name} (attached)"
+    try:
+        progress = _progress_printer(label, _quiet())
+        job.adopt(name, keeper, attached.pids, attached.exited, fds, timeout, progress)
+    except BaseException:
+        job.stop(detach=True)
+        raise
+    pm = _root(job)
+    ids = [a[0] for inv in pm._inventory() for a in inv["actors"]]
+    _actor.reserve_ids(max(ids, default=0))
+    return pm
 
 
 def this_host() -> LocalHost:

@@ -23,7 +23,7 @@ from typing import Any
 from monarch_dsl.errors import ActorError, RemoteError, SpawnError, SupervisionError
 from monarch_dsl.runtime import logs, transport
 from monarch_dsl.runtime.context import Point
-from monarch_dsl.runtime.forkserver import describe_status, fork_server
+from monarch_dsl.runtime.forkserver import ForkServerClient, describe_status, fork_server
 from monarch_dsl.runtime.future import Future, before_block
 from monarch_dsl.runtime.messages import (
     Configure,
@@ -32,6 +32,7 @@ from monarch_dsl.runtime.messages import (
     FetchFailed,
     ForkWorkers,
     Hello,
+    KeeperConfig,
     Reply,
     StopWorker,
 )
@@ -180,6 +181,12 @@ class Job:
         self.hellos: dict[int, Hello] = {}
         self.pids: dict[int, int] = {}  # local workers: rank -> pid
         self.stderr: dict[int, Any] = {}  # local workers: rank -> log pipe
+        self.pipes: list[Any] = []  # local workers' stdout and stderr pipes (logs.forwarder)
+        # A persistent mesh (spawn_procs(name=, persistent=True), md.attach): its name and
+        # our channel to its keeper (forkserver.Keeper); None for any other job.
+        self.name: str | None = None
+        self.keeper: ForkServerClient | None = None
+        self._adopted = False  # attached to a running persistent mesh (not started by us)
         self.worker_env: dict[str, str] = {}  # local workers: the env they were started with
         self.dead: dict[int, SupervisionError] = {}
         self.exit_status: dict[int, int] = {}
@@ -245,7 +252,22 @@ class Job:
             logs.forwarder().add(out_r, label, is_err=False)
             self.stderr[rank] = logs.forwarder().add(err_r, label, is_err=True)
             fds += [out_w, err_w]
-        request = ForkWorkers(
+        request = self._fork_request(local_world_size, env, setup)
+        try:
+            pids = server.fork(request, fds, timeout)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for rank, pid in enumerate(pids):
+            self.pids[rank] = pid
+            server.watch_exit(pid, lambda status, rank=rank: self._on_exit(rank, status))
+        self.wait_joined(timeout, progress)
+
+    def _fork_request(
+        self, local_world_size: int, env: dict[str, str], setup: bytes | None
+    ) -> ForkWorkers:
+        """Every worker of this job, joining us, with this process's sys.path and cwd."""
+        return ForkWorkers(
             0,
             self.address,
             self.token,
@@ -257,20 +279,86 @@ class Job:
             os.getcwd(),
             setup,
         )
-        try:
-            pids = server.fork(request, fds, timeout)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        for rank, pid in enumerate(pids):
-            self.pids[rank] = pid
-            server.watch_exit(pid, lambda status, rank=rank: self._on_exit(rank, status))
+
+    def start_persistent(
+        self,
+        name: str,
+        idle_timeout: float,
+        local_world_size: int,
+        env: dict[str, str],
+        setup: bytes | None,
+        timeout: float,
+        progress: Callable[[int, int], None],
+    ) -> None:
+        """Start a keeper for persistent mesh ``name`` (forkserver.Keeper: a fresh interpreter
+        that outlives us), have it fork every worker, and wait until all have joined."""
+        self.worker_env = dict(env)
+        config = KeeperConfig(name, self.token, self.dims, self.sizes, idle_timeout)
+        keeper = ForkServerClient.start_keeper(config, timeout)
+        self.name, self.keeper = name, keeper
+        request = self._fork_request(local_world_size, env, setup)
+        pids, fds = keeper.fork_keeper(request, timeout)
+        self._take_workers(keeper, pids, fds)
         self.wait_joined(timeout, progress)
 
+    def adopt(
+        self,
+        name: str,
+        keeper: ForkServerClient,
+        pids: Sequence[int],
+        exited: dict[int, int],
+        fds: Sequence[int],
+        timeout: float,
+        progress: Callable[[int, int], None],
+    ) -> None:
+        """Drive persistent mesh ``name``, whose keeper just let us attach (``md.attach``):
+        its workers are connecting to us. Those that died while no controller was attached
+        (``exited``: rank -> status) are dead here from the start: every call involving them
+        raises ``SupervisionError`` naming them (``pm.stop()`` still works)."""
+        self.name, self.keeper = name, keeper
+        self._adopted = True
+        for rank, status in exited.items():
+            self.exit_status[rank] = status
+            self.dead[rank] = self._died_detached(rank, status)
+        self._take_workers(keeper, pids, fds)
+        self.wait_joined(timeout, progress)
+
+    def _died_detached(self, rank: int, status: int) -> SupervisionError:
+        return SupervisionError(
+            f"worker {self.describe(rank)} {describe_status(status)} while no controller was "
+            f"attached to persistent mesh {self.name!r}",
+            rank=rank,
+            coords=self.coords(rank),
+        )
+
+    def _take_workers(self, server: ForkServerClient, pids: Sequence[int], fds: Sequence[int]):
+        for rank, pid in enumerate(pids):
+            label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
+            self.pipes.append(logs.forwarder().add(fds[2 * rank], label, is_err=False))
+            self.stderr[rank] = logs.forwarder().add(fds[2 * rank + 1], label, is_err=True)
+            self.pipes.append(self.stderr[rank])
+            self.pids[rank] = pid
+            server.watch_exit(pid, lambda status, rank=rank: self._on_exit(rank, status))
+
+    def detach(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Leave a persistent mesh running without us: close our connections (each worker
+        drops what it held for us and waits for the next controller) and our channel to its
+        keeper. Calls still pending fail."""
+        if self.keeper is None:
+            raise RuntimeError("only a persistent mesh can be detached from")
+        self.stop(timeout, detach=True)
+
     def wait_joined(self, timeout: float, progress: Callable[[int, int], None]) -> None:
+        """Wait until every worker has joined (attached to a persistent mesh: or is dead)."""
         deadline = time.monotonic() + timeout
+
+        def waiting() -> bool:
+            if self._adopted:
+                return any(r not in self.hellos and r not in self.dead for r in range(self.world))
+            return len(self.hellos) < self.world
+
         with self._cond:
-            while len(self.hellos) < self.world and self._startup_failure is None:
+            while waiting() and self._startup_failure is None:
                 progress(len(self.hellos), self.world)
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -286,7 +374,7 @@ class Job:
                 self._cond.wait(left)
             failure = self._startup_failure
         if failure is not None:
-            self.stop()
+            self.stop(detach=self._adopted)  # (a mesh we attached to outlives our failure)
             raise failure
         progress(self.world, self.world)
         configure = transport.encode(Configure(self.dims, self.sizes))
@@ -301,6 +389,10 @@ class Job:
         with self._cond:
             self.exit_status[rank] = status
             self._cond.notify_all()
+            if self._adopted and rank not in self.hellos and rank not in self.dead:
+                # (a persistent mesh's worker that died as we attached: dead from the start)
+                self.dead[rank] = self._died_detached(rank, status)
+                return
             if rank not in self.hellos and not self.stopping and self._startup_failure is None:
                 self._startup_failure = SpawnError(
                     f"worker {self.describe(rank)} failed to start: it {describe_status(status)}",
@@ -629,12 +721,19 @@ class Job:
                 ) from None
 
     # ------------------------------------------------------------------ stop
-    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT, detach: bool = False) -> None:
+        """Stop the workers (``detach``: a persistent mesh's workers stay, for the next
+        controller)."""
         with self._cond:
             if self.stopped:
                 return
             self.stopping = True
             conns = dict(self.conns)
+        if detach:
+            for conn in conns.values():
+                conn.close()
+            with self._cond:
+                self.conns.clear()
         stop = transport.encode(StopWorker())
         for conn in conns.values():
             try:
@@ -646,12 +745,19 @@ class Job:
             leftover = dict(self.conns)
         for conn in leftover.values():
             conn.close()
-        for rank, pid in self.pids.items():
-            if rank not in self.exit_status:
-                try:
-                    os.kill(pid, signal.SIGKILL)  # only our own workers, by pid
-                except ProcessLookupError:
-                    pass
+        if self.keeper is not None:
+            if not detach:
+                self.keeper.shutdown_keeper()  # it ends what is left of the mesh, and exits
+            self.keeper.close()
+            for pipe in self.pipes:
+                logs.forwarder().remove(pipe)
+        else:
+            for rank, pid in self.pids.items():
+                if rank not in self.exit_status:
+                    try:
+                        os.kill(pid, signal.SIGKILL)  # only our own workers, by pid
+                    except ProcessLookupError:
+                        pass
         self.stopped = True
         try:
             os.write(self._wake_w, b"x")
@@ -689,9 +795,9 @@ def register(job: Job) -> None:
 
 
 def stop_all() -> None:
-    """atexit: stop every job this controller started."""
+    """atexit: stop every job this controller started (a persistent mesh's: detach from it)."""
     for job in list(_jobs):
         try:
-            job.stop(timeout=2.0)
+            job.stop(timeout=2.0, detach=job.keeper is not None)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass

@@ -53,6 +53,8 @@ class ReferenceExecutor:
         self.reply_failure = reply_failure
         self.report = report  # a root failure, for the controller to raise if nobody fetches
         self.store: dist.Store | None = None
+        self.store_address: tuple[str, int] | None = None
+        self._store_lock = threading.Lock()
         self.groups: dict[tuple[int, ...], Any] = {}
         self.functions: dict[bytes, Callable] = {}
         self.handlers = {
@@ -346,7 +348,21 @@ class ReferenceExecutor:
 
     # ------------------------------------------------------------------ collectives
     def use_store(self, host: str, port: int) -> None:
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        """Where the controller's store is: joined at the first collective (on the stream
+        that needs it), not here -- the worker's message loop must never wait on a store (a
+        controller that died just after sending this would hold it for the store's timeout,
+        and a persistent mesh's worker could not go back to waiting for the next one)."""
+        self.store_address = (host, port)
+        self.store = None
+
+    def _store(self) -> dist.Store:
+        with self._store_lock:
+            if self.store is None:
+                if self.store_address is None:
+                    raise RuntimeError("collectives are not set up on this worker")
+                host, port = self.store_address
+                self.store = dist.TCPStore(host, port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+            return self.store
 
     def process_group(self, members: list[int], stream: str = "main") -> Any:
         """The gloo group of ``members`` for ``stream``: streams run concurrently, so each has
@@ -354,9 +370,7 @@ class ReferenceExecutor:
         key = (stream, *members)
         group = self.groups.get(key)
         if group is None:
-            if self.store is None:
-                raise RuntimeError("collectives are not set up on this worker")
-            prefix = dist.PrefixStore(f"md/{stream}/" + ",".join(map(str, members)), self.store)
+            prefix = dist.PrefixStore(f"md/{stream}/" + ",".join(map(str, members)), self._store())
             # Shared memory between ranks of one host (CPU tensors); gloo otherwise.
             from monarch_dsl.runtime import shm
 

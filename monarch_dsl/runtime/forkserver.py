@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import hmac
 import itertools
 import logging
 import os
@@ -51,18 +52,27 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 
 from monarch_dsl.errors import SpawnError
+from monarch_dsl.mesh import coords_of_index
 from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import (
+    Attach,
+    Attached,
+    AttachRefused,
     ChildExited,
     Forked,
     ForkScripts,
     ForkServerReady,
     ForkServerUnsafe,
     ForkWorkers,
+    KeeperConfig,
+    Reconnect,
+    Shutdown,
+    StopWorker,
 )
 
 log = logging.getLogger("monarch_dsl")
@@ -125,37 +135,69 @@ class ForkServer:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.wake_fds = (wake_r, wake_w)
-        sel = selectors.DefaultSelector()
-        sel.register(self.chan, selectors.EVENT_READ, "chan")
-        sel.register(wake_r, selectors.EVENT_READ, "child")
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.chan, selectors.EVENT_READ, "chan")
+        self.sel.register(wake_r, selectors.EVENT_READ, "child")
+        self.started()
         _send(self.chan, ForkServerReady(os.getpid(), self.forked))
         while True:
-            for key, _ in sel.select():
-                if key.data == "chan":
-                    self.on_request()
+            for key, _ in self.sel.select(self.select_timeout()):
+                self.on_event(key)
+            self.tick()
+
+    # Hooks of the keeper (a subclass): the plain fork server has no timers or other sockets.
+    def started(self) -> None:
+        pass
+
+    def select_timeout(self) -> float | None:
+        return None
+
+    def tick(self) -> None:
+        pass
+
+    def child_close(self) -> None:
+        """In a child just forked: close what is this process's own."""
+        self.chan.close()
+        for fd in self.wake_fds:
+            os.close(fd)
+
+    def on_event(self, key: selectors.SelectorKey) -> None:
+        if key.data == "chan":
+            self.on_request()
+        elif key.data == "child":
+            try:
+                os.read(self.wake_fds[0], 4096)
+            except BlockingIOError:
+                pass
+            self.reap()
+
+    def on_controller_lost(self) -> None:
+        """The controller is gone: so are its workers and scripts."""
+        self.kill_children()
+        os._exit(0)
+
+    def kill_children(self) -> None:
+        for pid in self.children:
+            try:
+                if pid in self.groups:
+                    os.killpg(pid, signal.SIGKILL)
                 else:
-                    try:
-                        os.read(wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                    self.reap()
+                    os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def on_request(self) -> None:
         try:
             data, fds, _, _ = socket.recv_fds(self.chan, MAX_MESSAGE, MAX_FDS)
         except OSError:
             data, fds = b"", []
-        if not data:  # the controller is gone: so are its workers and scripts
-            for pid in self.children:
-                try:
-                    if pid in self.groups:
-                        os.killpg(pid, signal.SIGKILL)
-                    else:
-                        os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            os._exit(0)
+        if not data:
+            self.on_controller_lost()
+            return
         msg = pickle.loads(data)
+        self.handle(msg, fds)
+
+    def handle(self, msg, fds: list[int]) -> None:
         pids = []
         if isinstance(msg, ForkWorkers):
             for i, rank in enumerate(msg.ranks):
@@ -180,9 +222,24 @@ class ForkServer:
                 return
             self.children.discard(pid)
             self.groups.discard(pid)
-            _send(self.chan, ChildExited(pid, status))
+            self.exited(pid, status)
 
-    def fork(self, body: Callable[[], int], out_fd: int, err_fd: int, fds, *, group: bool) -> int:
+    def exited(self, pid: int, status: int) -> None:
+        try:
+            _send(self.chan, ChildExited(pid, status))
+        except OSError:  # the controller is going (its channel's end is read next)
+            pass
+
+    def fork(
+        self,
+        body: Callable[[], int],
+        out_fd: int,
+        err_fd: int,
+        fds,
+        *,
+        group: bool,
+        keep: int = -1,
+    ) -> int:
         """Fork a child that writes to ``out_fd``/``err_fd``, runs ``body()`` and exits with
         the code it returns; ``group``: the child leads a new process group."""
         for stream in (sys.stdout, sys.stderr):
@@ -207,13 +264,12 @@ class ForkServer:
                 os.setpgid(0, 0)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            self.chan.close()
-            for fd in self.wake_fds:
-                os.close(fd)
+            self.child_close()
             os.dup2(out_fd, 1)
             os.dup2(err_fd, 2)
             for fd in fds:
-                os.close(fd)
+                if fd != keep:
+                    os.close(fd)
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.close(devnull)
@@ -235,9 +291,11 @@ class ForkServer:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _worker_body(msg: ForkWorkers, rank: int) -> Callable[[], int]:
+    def _worker_body(msg: ForkWorkers, rank: int, keeper_fd: int = -1) -> Callable[[], int]:
         def body() -> int:
             os.environ.update(msg.env)
+            if keeper_fd >= 0:  # a persistent mesh's worker: its channel to the keeper
+                os.environ["MONARCH_DSL_KEEPER_FD"] = str(keeper_fd)
             os.environ["LOCAL_RANK"] = str(msg.ranks.index(rank))
             sys.path[:] = list(msg.sys_path)
             try:
@@ -258,6 +316,313 @@ class ForkServer:
     @staticmethod
     def _script_body(msg: ForkScripts, env: dict[str, str]) -> Callable[[], int]:
         return lambda: run_script(msg.script, msg.args, env, msg.sys_path, msg.cwd, msg.module)
+
+
+# =============================================================================== keeper
+
+KEEPER_STOP_GRACE = 5.0  # seconds stopped workers get to exit before they are killed
+
+
+class Keeper(ForkServer):
+    """The fork server of a persistent mesh (``spawn_procs(name=, persistent=True)``).
+
+    A fresh interpreter in its own session, so it outlives the controller that started it. It
+    is the workers' parent and holds, for each, the read ends of its stdout and stderr pipes and
+    a control channel (a socketpair; the worker finds its end in ``MONARCH_DSL_KEEPER_FD``).
+    While a controller is attached, it has dups of the pipes and reads them; the keeper only
+    reports exits. When the controller's channel closes (it exited, crashed or detached), the
+    keeper drains the pipes into the mesh's log file and waits, on its Unix socket
+    (``registry.paths``), for a controller that sends the mesh's secret and ``Attach``: it hands
+    that one the pipes and tells every worker (``Reconnect``) to connect to it. A second
+    controller while one is attached is refused. With no controller for ``idle_timeout``
+    seconds, or on ``Shutdown`` (``pm.stop()``), it stops the workers (``StopWorker`` over
+    their channels; killed after ``KEEPER_STOP_GRACE`` s), removes the mesh's record and exits.
+    If it dies, the workers die with it (their parent-death signal)."""
+
+    def __init__(self, chan: socket.socket, config: KeeperConfig):
+        super().__init__(chan, forked_from_controller=False)
+        self.config = config
+        self.listener: socket.socket | None = None
+        self.pids: list[int] = []  # by rank
+        self.rank_of: dict[int, int] = {}
+        self.exit_status: dict[int, int] = {}  # rank -> status, of the workers gone
+        self.controls: dict[int, socket.socket] = {}  # rank -> the keeper's end
+        self.pipes: list[int] = []  # read ends: 2 per rank (stdout, stderr), rank order
+        self.labels: dict[int, str] = {}  # read end -> "[dims] " prefix
+        self.draining: set[int] = set()
+        self.attached: bool = True
+        self.detached_at: float | None = None
+        self.stopping_at: float | None = None
+        self.log_file = None
+        self.record = None  # registry.Record, written when started
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def started(self) -> None:
+        from monarch_dsl.runtime import registry
+
+        record, sock_path, log_path = registry.paths(self.config.name)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.log_file = open(fd, "wb", buffering=0)  # noqa: SIM115 - lives as long as we do
+        os.dup2(fd, 2)  # our own errors go there too
+        try:
+            sock_path.unlink()
+        except FileNotFoundError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(sock_path))
+        os.chmod(sock_path, 0o600)
+        self.listener.listen(8)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listener")
+        self.record = registry.Record(
+            name=self.config.name,
+            pid=os.getpid(),
+            socket=str(sock_path),
+            secret=self.config.secret.hex(),
+            dims=list(self.config.dims),
+            sizes=list(self.config.sizes),
+            idle_timeout=self.config.idle_timeout,
+            created=time.time(),
+            hostname=socket.gethostname(),
+            log=str(log_path),
+            controller=os.getppid(),
+            since=time.time(),
+        )
+        registry.write(self.record)
+
+    def set_controller(self, pid: int) -> None:
+        """Record who drives the mesh now (``monarch-dsl ls`` shows it)."""
+        from monarch_dsl.runtime import registry
+
+        self.record.controller, self.record.since = pid, time.time()
+        try:
+            registry.write(self.record)
+        except OSError as e:
+            self.note(f"could not update the record: {e}")
+
+    def select_timeout(self) -> float | None:
+        now = time.monotonic()
+        if self.stopping_at is not None:
+            return max(0.0, self.stopping_at + KEEPER_STOP_GRACE - now)
+        if self.detached_at is not None:
+            return max(0.0, self.detached_at + self.config.idle_timeout - now)
+        return None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.stopping_at is not None:
+            if now >= self.stopping_at + KEEPER_STOP_GRACE:
+                self.kill_children()
+        elif self.detached_at is not None and now >= self.detached_at + self.config.idle_timeout:
+            self.note(f"no controller for {self.config.idle_timeout:g} s (idle_timeout): stopping")
+            self.stop_workers()
+        if self.pids and not self.children and (not self.attached or self.stopping_at):
+            self.finish()
+
+    def child_close(self) -> None:
+        super().child_close()
+        if self.listener is not None:
+            self.listener.close()
+        for ctl in self.controls.values():
+            ctl.close()
+        for fd in self.pipes:
+            os.close(fd)
+        if self.log_file is not None:
+            self.log_file.close()
+
+    def on_event(self, key: selectors.SelectorKey) -> None:
+        if key.data == "listener":
+            self.accept()
+        elif isinstance(key.data, tuple) and key.data[0] == "pipe":
+            self.drain(key.data[1])
+        elif isinstance(key.data, tuple) and key.data[0] == "control":
+            self.sel.unregister(key.fileobj)  # (a worker's end closed: reap says why)
+        else:
+            super().on_event(key)
+
+    def on_controller_lost(self) -> None:
+        self.sel.unregister(self.chan)
+        self.chan.close()
+        self.attached = False
+        if self.stopping_at is not None:
+            return
+        self.detached_at = time.monotonic()
+        self.note("the controller detached")
+        self.set_controller(0)
+        for fd in self.pipes:
+            if fd not in self.draining:
+                self.sel.register(fd, selectors.EVENT_READ, ("pipe", fd))
+                self.draining.add(fd)
+
+    def handle(self, msg, fds: list[int]) -> None:
+        if isinstance(msg, ForkWorkers) and not self.pids:
+            self.fork_workers(msg)
+        elif isinstance(msg, Shutdown):
+            self.stop_workers()
+        else:
+            super().handle(msg, fds)
+
+    def exited(self, pid: int, status: int) -> None:
+        rank = self.rank_of.get(pid)
+        if rank is not None:
+            self.exit_status[rank] = status
+            ctl = self.controls.pop(rank, None)
+            if ctl is not None:
+                try:
+                    self.sel.unregister(ctl)
+                except (KeyError, ValueError):
+                    pass
+                ctl.close()
+        if self.attached:
+            super().exited(pid, status)
+        elif rank is not None:
+            self.note(f"worker rank {rank} (pid {pid}) {describe_status(status)}")
+
+    # ---- workers -----------------------------------------------------------------------------
+    def fork_workers(self, msg: ForkWorkers) -> None:
+        ends = []
+        for rank in msg.ranks:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ends.append((rank, out_w, err_w, theirs))
+            self.controls[rank] = mine  # (all ours before any fork: each child closes them)
+            self.sel.register(mine, selectors.EVENT_READ, ("control", rank))
+            coords = coords_of_index(rank, self.config.sizes)
+            label = ",".join(f"{d}={c}" for d, c in zip(self.config.dims, coords))
+            for fd in (out_r, err_r):
+                self.pipes.append(fd)
+                self.labels[fd] = f"[{label}] "
+        theirs_fds = [
+            fd for _, out_w, err_w, theirs in ends for fd in (out_w, err_w, theirs.fileno())
+        ]
+        for rank, out_w, err_w, theirs in ends:
+            body = self._worker_body(msg, rank, keeper_fd=theirs.fileno())
+            pid = self.fork(body, out_w, err_w, theirs_fds, group=False, keep=theirs.fileno())
+            self.pids.append(pid)
+            self.rank_of[pid] = rank
+        for _, out_w, err_w, theirs in ends:
+            os.close(out_w)
+            os.close(err_w)
+            theirs.close()
+        socket.send_fds(
+            self.chan, [pickle.dumps(Attached(msg.request_id, tuple(self.pids)))], self.pipes
+        )
+
+    def stop_workers(self) -> None:
+        if self.stopping_at is None:
+            self.stopping_at = time.monotonic()
+        for ctl in self.controls.values():
+            try:
+                _send(ctl, StopWorker())
+            except OSError:
+                pass
+
+    def finish(self) -> None:
+        from monarch_dsl.runtime import registry
+
+        record, sock_path, _ = registry.paths(self.config.name)
+        for path in (record, sock_path):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self.note("stopped")
+        os._exit(0)
+
+    # ---- controllers -------------------------------------------------------------------------
+    def accept(self) -> None:
+        assert self.listener is not None
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            conn.settimeout(KEEPER_HANDSHAKE_TIMEOUT)
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            uid = int.from_bytes(creds[4:8], sys.byteorder)
+            secret = conn.recv(256)
+            data = conn.recv(MAX_MESSAGE)  # (read before answering: unread data resets)
+            if uid != os.getuid() or not hmac.compare_digest(secret, self.config.secret):
+                _send(conn, AttachRefused("wrong secret (only the mesh's owner can attach)"))
+                conn.close()
+                return
+            msg = pickle.loads(data)  # (only from the owner, who knows the secret)
+            if not isinstance(msg, Attach):
+                raise ValueError(f"expected Attach, got {type(msg).__name__}")
+            if self.attached or self.stopping_at is not None:
+                why = "is stopping" if self.stopping_at is not None else "has a controller"
+                _send(
+                    conn,
+                    AttachRefused(
+                        f"persistent mesh {self.config.name!r} {why}: one controller at a time "
+                        f"(detach or stop the other first)"
+                    ),
+                )
+                conn.close()
+                return
+            conn.settimeout(None)
+        except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+            self.note(f"refused a connection: {e}")
+            conn.close()
+            return
+        for fd in self.draining:
+            self.sel.unregister(fd)
+        self.draining.clear()
+        self.chan = conn
+        self.sel.register(conn, selectors.EVENT_READ, "chan")
+        self.attached = True
+        self.detached_at = None
+        self.note(f"controller pid {msg.pid} attached")
+        self.set_controller(msg.pid)
+        attached = Attached(0, tuple(self.pids), dict(self.exit_status))
+        socket.send_fds(conn, [pickle.dumps(attached)], self.pipes)
+        for ctl in self.controls.values():
+            try:
+                _send(ctl, Reconnect(msg.address))
+            except OSError:
+                pass
+
+    # ---- logs --------------------------------------------------------------------------------
+    def drain(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self.sel.unregister(fd)
+            self.draining.discard(fd)
+            return
+        prefix = self.labels.get(fd, "").encode()
+        lines = data.splitlines(keepends=True)
+        self.write_log(b"".join(prefix + line for line in lines))
+
+    def note(self, text: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.write_log(f"monarch_dsl keeper {stamp}: {text}\n".encode())
+
+    def write_log(self, data: bytes) -> None:
+        if self.log_file is not None:
+            try:
+                self.log_file.write(data)
+            except OSError:
+                pass
+
+
+KEEPER_HANDSHAKE_TIMEOUT = 5.0
+
+
+def keeper_main() -> None:
+    """Entry point of a persistent mesh's keeper: ``python -c _KEEPER FD``; the first message
+    on the channel is its ``KeeperConfig``."""
+    os.environ["MONARCH_DSL_ROLE"] = "keeper"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    chan = socket.socket(fileno=int(sys.argv[1]))
+    config = pickle.loads(chan.recv(MAX_MESSAGE))
+    import torch  # noqa: F401 - imported once, here
+
+    from monarch_dsl.runtime import worker  # noqa: F401
+
+    Keeper(chan, config).serve()
 
 
 # =============================================================================== scripts
@@ -383,6 +748,7 @@ def describe_status(status: int | None) -> str:
 # The command of a fresh-interpreter fork server (not ``python -m`` this module: importing
 # monarch_dsl imports it, and runpy would run a second copy as __main__).
 _FRESH = "from monarch_dsl.runtime.forkserver import main; main()"
+_KEEPER = "from monarch_dsl.runtime.forkserver import keeper_main; keeper_main()"
 
 
 class ForkServerClient:
@@ -399,6 +765,7 @@ class ForkServerClient:
         self._ids = itertools.count(1)
         self.mode = ""
         self._stderr_path = ""
+        self._closed = False
 
     # ------------------------------------------------------------------ start
     def ensure_started(self, timeout: float = 120.0) -> None:
@@ -461,12 +828,14 @@ class ForkServerClient:
         self._chan, self._pid = parent, pid
         return msg
 
-    def _start_fresh(self, timeout: float) -> None:
+    def _start_fresh(self, timeout: float, keeper: KeeperConfig | None = None) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd, self._stderr_path = tempfile.mkstemp(prefix="monarch_dsl-forkserver-", suffix=".err")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if keeper is not None:
+            _send(parent, keeper)  # (read first thing, before torch is imported)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _FRESH, str(child.fileno())],
+            [sys.executable, "-c", _KEEPER if keeper else _FRESH, str(child.fileno())],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             stderr=fd,
@@ -515,6 +884,81 @@ class ForkServerClient:
         socket.send_fds(self._chan, [pickle.dumps(request)], list(fds))
         return fut.get(timeout)
 
+    # ------------------------------------------------------------------ keepers
+    @classmethod
+    def start_keeper(cls, config: KeeperConfig, timeout: float) -> ForkServerClient:
+        """A new keeper (a persistent mesh's fork server, see ``Keeper``) and our channel."""
+        client = cls()
+        client._start_fresh(timeout, keeper=config)
+        client.mode = "keeper"
+        client._start_reader()
+        return client
+
+    def fork_keeper(
+        self, request: ForkWorkers, timeout: float
+    ) -> tuple[tuple[int, ...], list[int]]:
+        """A keeper's workers for ``request``: their pids, and the read ends of their stdout
+        and stderr pipes (2 per rank, rank order; ours to close)."""
+        fut: Future = Future()
+        request = request._replace(request_id=next(self._ids))
+        self._requests[request.request_id] = fut
+        assert self._chan is not None
+        _send(self._chan, request)
+        pids, fds, _ = fut.get(timeout)
+        return pids, fds
+
+    @classmethod
+    def attach_keeper(
+        cls, path: str, secret: bytes, address: str, timeout: float
+    ) -> tuple[ForkServerClient, Attached, list[int]]:
+        """Join the keeper listening at ``path`` as the controller whose workers connect to
+        ``address``: (our channel, its ``Attached``: the workers' pids and the exit status of
+        those gone, their pipes' read ends). Raises
+        ``ConnectionRefusedError`` with the keeper's reason when it says no."""
+        chan = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        chan.settimeout(timeout)
+        try:
+            chan.connect(path)
+            chan.send(secret)
+            _send(chan, Attach(address, os.getpid()))
+            data, fds, _, _ = socket.recv_fds(chan, MAX_MESSAGE, MAX_FDS)
+        except BaseException:
+            chan.close()
+            raise
+        msg = pickle.loads(data) if data else None
+        if not isinstance(msg, Attached):
+            chan.close()
+            for fd in fds:
+                os.close(fd)
+            reason = msg.reason if isinstance(msg, AttachRefused) else "the keeper hung up"
+            raise ConnectionRefusedError(reason)
+        chan.settimeout(None)
+        client = cls()
+        client._chan, client.mode = chan, "keeper"
+        client._start_reader()
+        return client, msg, fds
+
+    def shutdown_keeper(self) -> None:
+        """Tell our keeper the mesh is stopped (it ends the workers and exits)."""
+        chan = self._chan
+        if chan is not None:
+            try:
+                _send(chan, Shutdown())
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close our channel (a keeper then waits for the next controller)."""
+        with self._lock:
+            chan, self._chan = self._chan, None
+            self._closed = True
+        if chan is not None:
+            try:
+                chan.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            chan.close()
+
     def watch_exit(self, pid: int, callback: Callable[[int], None]) -> None:
         """Call ``callback(status)`` (from the reader thread) when ``pid`` exits."""
         with self._lock:
@@ -525,12 +969,13 @@ class ForkServerClient:
         callback(status)
 
     def _read_loop(self) -> None:
-        assert self._chan is not None
+        chan = self._chan
+        assert chan is not None
         while True:
             try:
-                data = self._chan.recv(1 << 20)
+                data, fds, _, _ = socket.recv_fds(chan, MAX_MESSAGE, MAX_FDS)
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
                 self._on_lost()
                 return
@@ -539,6 +984,13 @@ class ForkServerClient:
                 fut = self._requests.pop(msg.request_id, None)
                 if fut is not None:
                     fut.set_result(msg.pids)
+            elif isinstance(msg, Attached):  # a keeper's workers: their pids and pipes
+                fut = self._requests.pop(msg.request_id, None)
+                if fut is not None:
+                    fut.set_result((msg.pids, fds, msg.exited))
+                else:
+                    for fd in fds:
+                        os.close(fd)
             elif isinstance(msg, ChildExited):
                 with self._lock:
                     cb = self._exit_watchers.pop(msg.pid, None)
@@ -552,6 +1004,8 @@ class ForkServerClient:
             self._chan = None
             watchers, self._exit_watchers = self._exit_watchers, {}
             requests, self._requests = self._requests, {}
+        if self._closed:  # we closed it (a controller detaching from a keeper)
+            return
         err = SpawnError("the monarch_dsl fork server died")
         for fut in requests.values():
             fut.set_exception(err)

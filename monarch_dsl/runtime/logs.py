@@ -56,6 +56,14 @@ class LogForwarder:
         with self._lock:
             self._read(pipe)
 
+    def remove(self, pipe: _Pipe) -> None:
+        """Print what the pipe holds now, then stop reading it and close our end (a
+        controller detaching from a persistent mesh: its keeper reads the pipe again)."""
+        with self._lock:
+            self._read(pipe)
+            if not pipe.closed:
+                self._close(pipe)
+
     def stderr_tail(self, pipe: _Pipe | None, max_lines: int = 60) -> str:
         if pipe is None:
             return ""
@@ -88,18 +96,22 @@ class LogForwarder:
             except OSError:
                 chunk = b""
             if not chunk:
-                if pipe.partial:
-                    self._emit(pipe, pipe.partial + b"\n")
-                    pipe.partial = b""
-                pipe.closed = True
-                self._sel.unregister(pipe.fd)
-                os.close(pipe.fd)
+                self._close(pipe)
                 return
             data = pipe.partial + chunk
             cut = data.rfind(b"\n") + 1
             pipe.partial = data[cut:]
             if cut:
                 self._emit(pipe, data[:cut])
+
+    def _close(self, pipe: _Pipe) -> None:
+        """Caller holds the lock: print the unfinished last line, stop reading, close."""
+        if pipe.partial:
+            self._emit(pipe, pipe.partial + b"\n")
+            pipe.partial = b""
+        pipe.closed = True
+        self._sel.unregister(pipe.fd)
+        os.close(pipe.fd)
 
     def _emit(self, pipe: _Pipe, data: bytes) -> None:
         if pipe.is_err:

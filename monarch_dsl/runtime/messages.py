@@ -155,6 +155,15 @@ class WriteFiles(NamedTuple):
     files: tuple[tuple[str, bytes, int], ...]
 
 
+class Inventory(NamedTuple):
+    """Controller -> worker: what lives here beyond a controller -- its actors and pinned
+    tensors. Answered with a ``Reply`` of ``{"actors": [(actor_id, name, (class module,
+    class qualname, the class pickled), dims, sizes, ranks)], "pinned": {name: (shape, dtype,
+    dims, sizes, ranks)}}``."""
+
+    call_id: int
+
+
 # The messages of worker connections, in wire order: a frame carries ``(index, *fields)``, a
 # plain tuple, which pickles ~4x faster than the NamedTuple itself (no class lookup, no
 # __reduce_ex__ call). Append new types at the end.
@@ -173,6 +182,7 @@ WIRE_TYPES: tuple[type, ...] = (
     SyncCode,
     ListStaleFiles,
     WriteFiles,
+    Inventory,
 )
 WIRE_INDEX: dict[type, int] = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 
@@ -231,3 +241,52 @@ class ForkServerUnsafe(NamedTuple):
 class ChildExited(NamedTuple):
     pid: int
     status: int  # as from os.waitpid
+
+
+# --------------------------------------------------------------------------- persistent meshes
+# A persistent mesh's fork server is its keeper (forkserver.py): a fresh interpreter in its own
+# session that outlives controllers. Its channel to the controller that started it is the usual
+# socketpair; a later controller reaches it on its Unix socket (registry.py) with ``Attach``.
+
+
+class KeeperConfig(NamedTuple):
+    """Controller -> keeper, the first message: become the keeper of mesh ``name``."""
+
+    name: str
+    secret: bytes
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    idle_timeout: float
+
+
+class Attach(NamedTuple):
+    """A controller -> the keeper's socket, after the mesh's secret (raw bytes, the first
+    packet): let me drive the mesh; the workers are to connect to ``address``."""
+
+    address: str
+    pid: int
+
+
+class Attached(NamedTuple):
+    """Keeper -> controller: the workers' pids by rank (their stdout and stderr pipes' read
+    ends come with it, 2 per rank in rank order). Each worker is told to connect to the
+    controller's ``address``. Also the answer to ``ForkWorkers`` in keeper mode."""
+
+    request_id: int
+    pids: tuple[int, ...]
+    exited: dict[int, int] = {}  # rank -> exit status (os.waitpid's), of those already gone
+
+
+class AttachRefused(NamedTuple):
+    reason: str
+
+
+class Reconnect(NamedTuple):
+    """Keeper -> a detached worker: connect to the controller at ``address``."""
+
+    address: str
+
+
+class Shutdown(NamedTuple):
+    """Controller -> keeper: the mesh is stopped (``pm.stop()``): end the workers, remove the
+    record, exit."""

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch_dsl.runtime import codesync, context, transport
+from monarch_dsl.runtime import codesync, context, serialize, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -29,6 +29,8 @@ from monarch_dsl.runtime.messages import (
     FailureReport,
     FetchFailed,
     Hello,
+    Inventory,
+    Reconnect,
     Reply,
     RunBatch,
     SetupCollectives,
@@ -37,15 +39,31 @@ from monarch_dsl.runtime.messages import (
 )
 
 current: Worker | None = None  # this process's worker (for introspection from endpoints)
+# Tensors kept by name (``md.pin``): on a persistent mesh they outlive the controller that made
+# them (the executor's refs do not: a detached worker drops them). name -> (tensor, dims,
+# sizes, ranks of the mesh it was pinned on).
+pinned: dict[str, tuple[Any, tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = {}
 FLUSH_AFTER = 0.0005  # seconds a finished reply may wait for the ones after it
+DETACH_CLOSE_TIMEOUT = 5.0  # a detached worker waits this long for its streams to finish
 
 
 class Worker:
-    def __init__(self, conn: transport.Connection, rank: int, device: Any):
+    def __init__(
+        self,
+        conn: transport.Connection,
+        rank: int,
+        device: Any,
+        keeper: socket.socket | None = None,
+        token: bytes = b"",
+    ):
         self.conn = conn
         self.rank = rank
         self.device = device  # worker_device(), told to the controller in Hello
+        # A persistent mesh's worker: its channel to the keeper, and the mesh's token.
+        self.keeper = keeper
+        self.token = token
         self.actors: dict[int, tuple[Any, context.Point]] = {}
+        self.actor_info: dict[int, tuple[str, tuple, tuple, tuple]] = {}  # name, dims, sizes, ranks
         self._loop: asyncio.AbstractEventLoop | None = None
         self._methods: dict[tuple[type, str], tuple[Callable, bool]] = {}
         # Replies made while more requests are already queued go out together (one syscall,
@@ -63,6 +81,7 @@ class Worker:
             StopWorker: self.stop,
             RunBatch: self.run_batch,
             SetupCollectives: self.setup_collectives,
+            Inventory: self.inventory,
         }
         self.handlers.update(codesync.worker_handlers(self))  # pm.sync_code, pm.sync_files
 
@@ -72,7 +91,10 @@ class Worker:
             try:
                 msg = self.conn.recv(self.flush)
             except (EOFError, OSError):
-                _exit(0)  # the controller is gone: so are we
+                if self.keeper is None:
+                    _exit(0)  # the controller is gone: so are we
+                self.conn = self.detached()  # a persistent mesh: wait for the next one
+                continue
             except (transport.ProtocolError, MemoryError) as e:
                 print(f"monarch_dsl worker {self.rank}: {e!r}; closing", file=sys.stderr)
                 _exit(1)
@@ -91,7 +113,48 @@ class Worker:
             try:
                 self.conn.send_encoded(parts)
             except OSError:
+                self.lost()
+
+    def lost(self) -> None:
+        """Sending to the controller failed: it is gone. A persistent mesh's worker notices
+        in its loop (and waits for the next controller); any other exits."""
+        if self.keeper is None:
+            _exit(0)
+
+    def detached(self) -> transport.Connection:
+        """The controller of this persistent mesh's worker is gone: drop its tensor state
+        (its refs, streams and process groups; pinned tensors and actors stay), then wait for
+        the keeper to say where the next controller is, and join it. Exits when the keeper
+        says stop or is gone."""
+        self.conn.close()
+        self._outbox = []
+        if self._executor is not None:
+            try:  # (a stream still stuck after this, in a dead peer's collective, is left)
+                self._executor.close(DETACH_CLOSE_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a broken executor must not keep the worker
+                traceback.print_exc()
+            self._executor = None
+        assert self.keeper is not None
+        while True:
+            try:
+                data = self.keeper.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
                 _exit(0)
+            msg = pickle.loads(data)
+            if isinstance(msg, StopWorker):
+                _exit(0)
+            if isinstance(msg, Reconnect):
+                try:
+                    return _join(msg.address, self.token, self.rank, self.device)
+                except (OSError, transport.ProtocolError) as e:
+                    print(
+                        f"monarch_dsl worker {self.rank}: could not join the controller at "
+                        f"{msg.address}: {e}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     def reply(self, msg: Any) -> None:
         try:
@@ -119,7 +182,7 @@ class Worker:
                 )
             )
         except OSError:
-            _exit(0)
+            self.lost()
 
     def error(self, call_id: int, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -145,7 +208,23 @@ class Worker:
         finally:
             context.reset_current_point(token)
         self.actors[msg.actor_id] = (instance, point)
+        self.actor_info[msg.actor_id] = (msg.name, msg.dims, msg.sizes, msg.ranks)
         self.reply(Reply(msg.call_id, self.rank, None))
+
+    def inventory(self, msg: Inventory) -> None:
+        actors = []
+        for actor_id, (name, dims, sizes, ranks) in self.actor_info.items():
+            cls = type(self.actors[actor_id][0])
+            # The class travels as bytes, unpickled only by pm.actors: a controller that
+            # cannot import its module still gets the rest (and a clear error there).
+            payload, _ = serialize.dumps(cls)
+            where = (cls.__module__, cls.__qualname__, payload)
+            actors.append((actor_id, name, where, dims, sizes, ranks))
+        kept = {
+            name: (tuple(t.shape), t.dtype, dims, sizes, ranks)
+            for name, (t, dims, sizes, ranks) in pinned.items()
+        }
+        self.reply(Reply(msg.call_id, self.rank, {"actors": actors, "pinned": kept}))
 
     def endpoint(self, cls: type, name: str) -> tuple[Callable, bool]:
         """The endpoint function ``name`` of ``cls``, and whether it is async."""
@@ -293,9 +372,19 @@ def connect_and_serve(
     _limit_threads(local_world_size)
     import torch  # noqa: F401 - a worker always has torch, whatever the endpoints need
 
+    keeper = None
+    fd = os.environ.pop("MONARCH_DSL_KEEPER_FD", "")
+    if fd:  # a persistent mesh's worker (forkserver.Keeper)
+        keeper = socket.socket(fileno=int(fd))
+    device = worker_device()
+    conn = _join(address, token, rank, device)
+    Worker(conn, rank, device, keeper, token).run()
+
+
+def _join(address: str, token: bytes, rank: int, device: Any) -> transport.Connection:
+    """Connect to the controller at ``address`` and say who this worker is."""
     sock = transport.dial(address)
     transport.handshake_dialer(sock, token)
     conn = transport.Connection(sock, peer=address)
-    device = worker_device()
     conn.send(Hello(rank, os.getpid(), socket.gethostname(), device.type))
-    Worker(conn, rank, device).run()
+    return conn
