@@ -205,9 +205,9 @@ def test_controller_killed_then_a_worker_killed_while_detached(started):
 
 def test_an_abandoned_mesh_ends_after_idle_timeout(started):
     name, starter = started("exit", idle=1.0)
-    starter.wait(timeout=60)
-    rec = registry.read(name)
+    rec = registry.read(name)  # (the starter is still attached: the clock has not started)
     workers = _children(rec.pid)
+    starter.wait(timeout=60)
     _gone(rec, workers)  # no controller for 1 s: workers stopped, record removed
     with open(rec.log) as f:
         log = f.read()
