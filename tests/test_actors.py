@@ -163,6 +163,39 @@ def test_reply_that_cannot_be_pickled_is_an_error(counters):
     assert one.get.call_one().get(timeout=30) == 10
 
 
+def test_a_class_the_workers_cannot_import_is_an_error_not_a_hang(mesh4, tmp_path, monkeypatch):
+    # A module only this process can import (the workers' sys.path was set when they started):
+    # the workers cannot read the spawn message; the caller hears why instead of waiting.
+    (tmp_path / "only_here.py").write_text(
+        "import monarch_dsl as md\n\nclass Here(md.Actor):\n    @md.endpoint\n"
+        "    def ping(self):\n        return 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from only_here import Here
+
+    with pytest.raises(md.ActorError, match="could not read the SpawnActor.*only_here"):
+        mesh4.spawn("here", Here)
+    counters = mesh4.spawn("c", Counter, 1)  # the mesh is fine
+    assert list(counters.get.call().get().values()) == [1, 1, 1, 1]
+
+
+def test_a_reply_the_controller_cannot_read_is_an_error_not_a_hang(mesh4):
+    class Maker(md.Actor):  # travels by value
+        @md.endpoint
+        def make(self):
+            import sys
+            import types
+
+            mod = types.ModuleType("only_on_the_worker")  # importable there, not here
+            exec("class Thing:\n    pass\n", mod.__dict__)
+            sys.modules[mod.__name__] = mod
+            return mod.Thing()
+
+    maker = mesh4.spawn("maker", Maker)
+    with pytest.raises(md.RemoteError, match="could not be read here.*only_on_the_worker"):
+        maker.make.call().get(timeout=60)
+
+
 def test_arguments_that_cannot_be_pickled_are_rejected_before_sending(counters):
     import threading
 

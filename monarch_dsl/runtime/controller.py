@@ -549,6 +549,17 @@ class Job:
             self._deliver(rank, msg.call_id, None, self.remote_error(msg.failure, observed=True))
         elif cls is FailureReport:
             self.failures.append(msg.failure)
+        elif cls is transport.UndecodableMessage and msg.call_id is not None:
+            # A reply this process cannot load (e.g. an object of a module it cannot import):
+            # the call fails with why, instead of waiting forever.
+            err = RemoteError(
+                f"the {msg.kind} from worker {self.describe(rank)} could not be read here: "
+                f"{msg.reason}",
+                rank=rank,
+                coords=self.coords(rank),
+                error=msg.reason,
+            )
+            self._deliver(rank, msg.call_id, None, err)
         else:
             log.warning("monarch_dsl: dropped a message from %s: %r", self.describe(rank), msg)
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import logging
 import os
+import pickle
 import secrets
 import socket
 import struct
@@ -346,17 +348,53 @@ def _loads(payload, buffers) -> Any:
         wire = serialize.loads(payload, buffers)
         return WIRE_TYPES[wire[0]](*wire[1:])
     except Exception as e:  # noqa: BLE001 - anything a bad pickle (or tuple) raises
-        return UndecodableMessage(f"{type(e).__name__}: {e}")
+        return UndecodableMessage(f"{type(e).__name__}: {e}", *_which(payload, buffers))
+
+
+class _Missing:
+    """Stands in for a class or function this process cannot import (``_which``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _Tolerant(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except Exception:  # noqa: BLE001 - a module missing here: keep reading
+            return _Missing
+
+
+def _which(payload, buffers) -> tuple[str, int | None]:
+    """The kind of message an undecodable frame is, and its call id when it has one: the
+    frame read again with what cannot be imported here replaced (so the caller waiting for
+    the answer gets an error instead of nothing)."""
+    try:
+        wire = _Tolerant(io.BytesIO(payload), buffers=buffers).load()
+        kind = WIRE_TYPES[wire[0]]
+    except Exception:  # noqa: BLE001 - not even that
+        return "", None
+    call_id = None
+    if kind._fields and kind._fields[0] == "call_id" and isinstance(wire[1], int):
+        call_id = wire[1]
+    return kind.__name__, call_id
 
 
 class UndecodableMessage:
-    """Stands in for a frame whose pickle could not be loaded (the receiver logs and drops it)."""
+    """Stands in for a frame whose pickle could not be loaded: ``kind`` and ``call_id`` when
+    they could be read (the receiver fails that call with ``reason``), else it is dropped."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, kind: str = "", call_id: int | None = None):
         self.reason = reason
+        self.kind = kind
+        self.call_id = call_id
 
     def __repr__(self) -> str:
-        return f"UndecodableMessage({self.reason!r})"
+        return f"UndecodableMessage({self.kind or 'a message'}: {self.reason!r})"
 
 
 class Connection:

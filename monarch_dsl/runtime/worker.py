@@ -99,6 +99,17 @@ class Worker:
                 print(f"monarch_dsl worker {self.rank}: {e!r}; closing", file=sys.stderr)
                 _exit(1)
             handler = self.handlers.get(type(msg))
+            if type(msg) is transport.UndecodableMessage and msg.call_id is not None:
+                # e.g. an actor whose class's module cannot be imported here: say so to the
+                # caller (it would wait forever for an answer that never comes)
+                self.error(
+                    msg.call_id,
+                    RuntimeError(
+                        f"worker {self.rank} could not read the {msg.kind} message sent to it: "
+                        f"{msg.reason}"
+                    ),
+                )
+                continue
             if handler is None:
                 print(
                     f"monarch_dsl worker {self.rank}: dropped a message it cannot run: {msg!r}",
