@@ -19,15 +19,23 @@ blocks). Cases:
 - ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
   ``md.Simulator`` (when it exists in this version).
 
-Memory (compiled cases): the workers' peak resident memory over 3 calls in a steady state
-(after 3 calls; ``VmHWM`` after resetting it through ``/proc/self/clear_refs``) above their
-resident memory before the case's state was put on them, against the simulator's peak of one
-call (inputs included). The workers run with
-``MALLOC_MMAP_THRESHOLD_`` fixed (glibc then maps every large tensor on its own and unmaps it
-when freed, so resident memory follows live tensors instead of the allocator's free lists).
+Memory (compiled cases): the bytes of the tensors each worker allocates, byte exact, from
+torch's profiler (``profile_memory``: each CPU allocation and free on the worker's main stream
+thread, where the C++ runtime runs a plan, collectives included, and where the arguments are
+copied; started through ``@md.remote`` functions before the case's state is on the workers;
+only blocks allocated since then count). Measured: the peak over 3 calls in a steady state
+(after 3 calls; each call's result fetched before the next: calls issued back to back also
+hold the next call's argument copies briefly beside the last call's) above the bytes live
+when a call starts; predicted: ``plan.simulate()``'s ``peak_memory - resident_memory`` plus
+the whole copies of the local tensor arguments every worker receives. Also printed: what
+stays between calls, predicted (``resident_memory``) and measured (live at the calls' start);
+the measured one also holds the buffers of the first call's plan (compiled from the local
+modules, then replaced by the plan for the state on the workers; the runtime keeps a plan's
+buffers while the plan exists). Resident set size (``VmHWM``) is no reference: it counts
+pages and allocator caches, and the profiler's own memory.
 
 Printed per case: predicted, measured, error ((predicted - measured) / measured). Goals (issue
-13): median |error| <= 10%, max <= 25% for time; within 10% for memory.
+13): median |error| <= 10%, max <= 25% for time; within 10% for memory (the peak in a call).
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
-# Before any worker starts (the setting is read when a process starts): see the docstring.
+# Before any worker starts (read when a process starts): glibc maps every large tensor on its
+# own. Set when memory was measured as resident pages; kept so that times stay comparable.
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the workers' profiler: no log lines
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -194,28 +204,73 @@ def predict_eager(fn, profile, steps: int) -> float:
 
 
 # ---- the workers' memory -----------------------------------------------------------------------
+# Every tensor a worker allocates for a plan run -- compute steps, collectives' buffers, the
+# arguments' copies -- is allocated on its main stream's thread (cpp/program.cpp runs the whole
+# plan there, collectives included), where remote functions run too. torch's profiler with
+# profile_memory reports each CPU allocation and free made on the thread that started it, byte
+# exact ([memory] events); a free of a block allocated before it started is not reported, so
+# the trace starts before the case's state is put on the workers.
+
+MARK = "md-bench-memory-mark"
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+def _trace() -> dict:
+    """This worker's tracing state (remote functions are sent by value: no module globals)."""
+    import types
+
+    return sys.modules.setdefault("_md_bench_memory", types.ModuleType("_md_bench_memory")).__dict__
 
 
 @md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
-def reset_peak():
-    """This worker's resident bytes now, its peak reset to them (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return torch.tensor([_status("VmRSS")])
+def start_memory_trace():
+    """Start tracing this worker's tensor allocations (on this thread: the main stream's)."""
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+    prof.__enter__()
+    _trace()["profiler"] = prof
+    return torch.zeros(1, dtype=torch.int64)
 
 
 @md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
-def read_peak():
-    """This worker's peak resident bytes since the last ``reset_peak``."""
-    return torch.tensor([_status("VmHWM")])
+def mark_memory():
+    """Mark the start of the measured calls in the trace."""
+    with torch.profiler.record_function(MARK):
+        pass
+    return torch.zeros(1, dtype=torch.int64)
+
+
+@md.remote(propagate=lambda: torch.empty(2, dtype=torch.int64, device="meta"))
+def stop_memory_trace():
+    """Stop tracing; of the tensors allocated since the start (by their addresses: not a block
+    of an earlier case freed meanwhile), [the peak bytes live after the mark above those live
+    at the mark, the bytes live at the mark]."""
+    from torch._C._profiler import _EventType
+
+    prof = _trace().pop("profiler")
+    prof.__exit__(None, None, None)
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        elif e.tag == _EventType.TorchOp and e.name == MARK:
+            events.append((e.start_time_ns, None, 0))
+    sizes: dict[int, int] = {}
+    live, at_mark, peak = 0, None, 0
+    for _, ptr, size in sorted(events, key=lambda e: e[0]):
+        if ptr is None:
+            at_mark = peak = live
+        elif size > 0:
+            sizes[ptr] = size
+            live += size
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(ptr, 0)
+    if at_mark is None:
+        raise RuntimeError("stop_memory_trace: no mark_memory in the trace")
+    return torch.tensor([peak - at_mark, at_mark])
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -232,25 +287,24 @@ def _timed(run: Callable[[int], None], steps: int) -> float:
         gc.enable()
 
 
-def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int]]:
-    """Seconds per call (median of ``blocks`` blocks) and each rank's peak bytes above its
-    resident memory during one call."""
+def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int], list[int]]:
+    """Seconds per call (median of ``blocks`` blocks); each rank's peak tensor bytes during
+    calls in a steady state above those live when a call starts, and those (what stays
+    between calls, above what was there before the case)."""
     mesh = pm.rename(x=case.dim)
+    gc.collect()  # the cases before: their tensors freed on the workers before tracing starts
     step, args = case.make()
     with mesh.activate():
-        base = reset_peak()  # before the case's state is on the workers
-        md.inspect(base)
+        md.inspect(start_memory_trace())  # before the case's state is on the workers
         for _ in range(3):  # compiles, puts the state on the workers, reaches a steady state
             out = step(*args)
         md.inspect(out)
-        md.inspect(reset_peak())  # the peak of the steady state only (not the state's upload)
-        for _ in range(3):
-            out = step(*args)
-        md.inspect(out)
-        peak = read_peak()
+        mark_memory()
+        for _ in range(3):  # one call at a time (see the docstring)
+            md.inspect(step(*args))
+        trace = stop_memory_trace()
         ranks = range(mesh.sizes[case.dim])
-        before = [int(md.inspect(base, **{case.dim: r})[0]) for r in ranks]
-        after = [int(md.inspect(peak, **{case.dim: r})[0]) for r in ranks]
+        traced = [md.inspect(trace, **{case.dim: r}).tolist() for r in ranks]
 
         def run(n: int) -> None:
             for _ in range(n):
@@ -260,10 +314,12 @@ def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int]]:
         one = _timed(run, 3)
         n = max(3, int(BLOCK_SECONDS / max(one, 1e-5)))
         times = [_timed(run, n) for _ in range(blocks)]
-    return statistics.median(times), [a - b for a, b in zip(after, before)]
+    return statistics.median(times), [t[0] for t in traced], [t[1] for t in traced]
 
 
-def predict_compiled(case: Case, profile) -> tuple[float, list[int]]:
+def predict_compiled(case: Case, profile) -> tuple[float, list[int], list[int]]:
+    """Seconds per call; each rank's predicted peak bytes during a call above those resident
+    when it starts, and those."""
     step, args = case.make()
     plan = step.compile(*args, mesh=md.Mesh.from_string(f"{case.dim}=2"))
     report = plan.simulate(profile=profile)
@@ -273,8 +329,12 @@ def predict_compiled(case: Case, profile) -> tuple[float, list[int]]:
         report.step_time, profile, len(plan.inputs),
         [a.numel() * a.element_size() for a in args], ranks=2,
     )  # fmt: skip
-    resident = getattr(report, "resident_memory", None) or {r: 0 for r in report.peak_memory}
-    return per_call, [report.peak_memory[r] - resident[r] for r in sorted(resident)]
+    # A local tensor argument reaches every worker whole (md.to_mesh's copy) beside its part
+    # there (the plan's input): the whole copies come with the call too.
+    sent = sum(a.numel() * a.element_size() for a in args)
+    ranks = sorted(report.peak_memory)
+    in_call = [report.peak_memory[r] - report.resident_memory[r] + sent for r in ranks]
+    return per_call, in_call, [report.resident_memory[r] for r in ranks]
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -298,13 +358,13 @@ def main() -> None:
             steps = 20
             p_time = predict_eager(fn, profile, steps)
             m_time = measure_eager(pm, fn, opts.blocks, steps)
-            rows.append((name, p_time, m_time, None, None))
+            rows.append((name, p_time, m_time, None, None, None, None))
             print(f"  {name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
                   file=sys.stderr, flush=True)  # fmt: skip
         for case in cases:
-            p_time, p_mem = predict_compiled(case, profile)
-            m_time, m_mem = measure_compiled(pm, case, opts.blocks)
-            rows.append((case.name, p_time, m_time, p_mem, m_mem))
+            p_time, p_mem, p_res = predict_compiled(case, profile)
+            m_time, m_mem, m_res = measure_compiled(pm, case, opts.blocks)
+            rows.append((case.name, p_time, m_time, p_mem, m_mem, p_res, m_res))
             print(f"  {case.name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
@@ -312,9 +372,10 @@ def main() -> None:
     print(f"simulator accuracy, profile {profile.name} ({profile.notes or 'calibrated'}), "
           f"{os.cpu_count()} cores, 2 ranks")  # fmt: skip
     print(f"{'case':<16} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   "
-          f"{'pred. MiB':>9} {'meas. MiB':>9} {'error':>7}")  # fmt: skip
+          f"{'pred. MiB':>9} {'meas. MiB':>9} {'error':>7}   "
+          f"{'resident MiB pred/meas':>22}")  # fmt: skip
     errors, mem_errors = [], []
-    for name, pt, mt, pm_, mm in rows:
+    for name, pt, mt, pm_, mm, pr, mr in rows:
         e = _err(pt, mt)
         errors.append(abs(e))
         if pm_ is None:
@@ -324,7 +385,8 @@ def main() -> None:
         me = _err(pmib, mmib) if mmib > 0 else float("nan")
         mem_errors.append(abs(me))
         print(f"{name:<16} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}   "
-              f"{pmib:9.2f} {mmib:9.2f} {me:+7.1%}")  # fmt: skip
+              f"{pmib:9.3f} {mmib:9.3f} {me:+7.1%}   "
+              f"{max(pr) / 2**20:10.3f} /{max(mr) / 2**20:10.3f}")  # fmt: skip
     print(f"time: median |error| {statistics.median(errors):.1%} (goal <= 10%), "
           f"max {max(errors):.1%} (goal <= 25%)")  # fmt: skip
     if mem_errors:

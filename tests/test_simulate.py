@@ -21,7 +21,12 @@ import monarch_dsl as md
 from monarch_dsl import isa
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.profile import BUILTIN
-from monarch_dsl.compiler.simulate import simulate_program
+from monarch_dsl.compiler.simulate import (
+    kept_buffers,
+    runs_in_place,
+    simulate_program,
+    writes_out,
+)
 from monarch_dsl.isa import Slot
 
 # ---- every step kind ---------------------------------------------------------------------------
@@ -66,16 +71,142 @@ def test_the_simulator_runs_every_step_kind():
 def test_memory_views_share_storage_and_frees_release_it():
     f = "float32"
     steps = (
-        isa.Compute(name="aten.view.default", args=(Slot(0), [16]), outs=(1,)),
+        isa.Compute(name="aten.view.default", args=(Slot(0), [32768]), outs=(1,)),
         isa.Compute(name="aten.mul.Tensor", args=(Slot(1), Slot(1)), outs=(2,), frees=(1,)),
         isa.Compute(name="aten.add.Tensor", args=(Slot(2), Slot(2)), outs=(3,), frees=(2,)),
         isa.Compute(name="aten.mul.Tensor", args=(Slot(3), Slot(3)), outs=(4,), frees=(3,)),
     )
-    program = isa.Program("mem", ("x",), (1,), steps, 5, (0,), (4,), ((16,),), (f,))
-    types = [((4, 4), f)] + [((16,), f)] * 4
-    report = simulate_program(program, types, "cpu-local")
-    # the input (64 B), never the view; at most two 64 B results alive at once
-    assert report.peak_memory == {0: 64 + 2 * 64}
+    program = isa.Program("mem", ("x",), (1,), steps, 5, (0,), (4,), ((32768,),), (f,))
+    types = [((256, 128), f)] + [((32768,), f)] * 4
+    report = simulate_program(program, types, "cpu-local", held=())
+    # the input (128 KiB), never the view; at most two 128 KiB results alive at once (results
+    # above PLANNED_BYTES: the runtime keeps no buffer for them)
+    assert report.peak_memory == {0: 3 * 131072} and report.resident_memory == {0: 131072}
+
+
+def _program(steps, n, inputs, outputs, types, sizes=(1,)):
+    dims = tuple(f"d{i}" for i in range(len(sizes)))
+    shapes = tuple(types[o][0] for o in outputs)
+    dtypes = tuple(types[o][1] for o in outputs)
+    return isa.Program("mem", dims, sizes, tuple(steps), n, inputs, outputs, shapes, dtypes)
+
+
+def test_small_results_are_written_into_buffers_kept_between_calls():
+    """As cpp/program.cpp plans memory: a result of at most PLANNED_BYTES from an op with an
+    out= overload is written into the previous run's result (resident, nothing new in the
+    call), unless the caller still holds that result (the previous call's output): then it is
+    made anew while the old one is held."""
+    f = "float32"
+    steps = [
+        isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(0)), outs=(1,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(1), 2.0), outs=(2,), frees=(1,)),
+    ]
+    types = [((16, 16), f)] * 3  # 1 KiB each
+    program = _program(steps, 3, (0,), (2,), types)
+    assert writes_out("aten.mm.default") and writes_out("aten.mul.Tensor")
+    assert not writes_out("aten.sum.dim_IntList")  # (its out= kernel is no CPU kernel)
+    alone = simulate_program(program, types, "cpu-local", held=())
+    assert alone.resident_memory == {0: 3 * 1024} and alone.peak_memory == {0: 3 * 1024}
+    held = simulate_program(program, types, "cpu-local")  # the caller holds the last output
+    assert held.resident_memory == {0: 3 * 1024}  # x, mm's buffer, the previous output
+    assert held.peak_memory == {0: 4 * 1024}  # mul's result made anew
+
+
+def test_an_op_with_an_in_place_twin_runs_in_place_on_a_dying_argument():
+    """relu with no out= overload runs as relu_ when its argument dies at the step and nothing
+    else holds it: no new storage."""
+    f = "float32"
+    big = ((256, 128), f)  # 128 KiB: no kept buffers
+    assert runs_in_place("aten.relu.default") and not runs_in_place("aten.mm.default")
+
+    def peak(frees: tuple[int, ...], outputs: tuple[int, ...]) -> int:
+        steps = [
+            isa.Compute(name="aten.mul.Tensor", args=(Slot(0), 2.0), outs=(1,)),
+            isa.Compute(name="aten.relu.default", args=(Slot(1),), outs=(2,), frees=frees),
+        ]
+        program = _program(steps, 3, (0,), outputs, [big] * 3)
+        return simulate_program(program, [big] * 3, "cpu-local", held=()).peak_memory[0]
+
+    assert peak((1,), (2,)) == 2 * 131072  # x and mul's result, written by relu_
+    assert peak((), (1, 2)) == 3 * 131072  # mul's result lives on: relu makes its own
+
+
+def test_the_memory_model_plans_the_steps_the_runtime_plans():
+    """kept_buffers and runs_in_place against the C++ runtime's own counts on a second run
+    (nothing of the first held): the steps that wrote the previous run's result, and those of
+    them that ran in place."""
+    from monarch_dsl import _core
+    from monarch_dsl.compiler.lower import core_steps
+
+    core = _core.require()
+    f = "float32"
+    steps = [
+        isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(0)), outs=(1,)),
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(1), 0.5), outs=(2,), frees=(1,)),
+        isa.Compute(name="aten.relu.default", args=(Slot(2),), outs=(3,), frees=(2,)),
+        isa.Compute(name="aten.le.Scalar", args=(Slot(3), 0.0), outs=(4,)),
+        isa.Compute(name="aten.sum.dim_IntList", args=(Slot(3), [1]), outs=(5,)),
+        isa.Compute(name="aten.gelu.default", args=(Slot(3),), outs=(6,), frees=(3,)),
+        isa.Compute(name="aten.cat.default", args=([Slot(6), Slot(0)],), outs=(7,)),
+        isa.Compute(name="aten.mm.default", args=(Slot(8), Slot(8)), outs=(9,)),  # 256 KiB
+    ]
+    types = [((16, 16), f)] * 4 + [((16, 16), "bool"), ((16,), f), ((16, 16), f), ((32, 16), f)]
+    types += [((256, 256), f)] * 2
+    program = _program(steps, 10, (0, 8), (4, 5, 7, 9), types)
+    kept = kept_buffers(program, types, (0,))
+    assert sorted(kept) == [0, 1, 5, 6]  # mm, mul, gelu, cat; not le, sum, the big mm
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
+    for _ in range(2):
+        env = core.Env(10)
+        env[0], env[8] = torch.randn(16, 16), torch.randn(256, 256)
+        assert compiled.run(env, 0, len(steps)) == -1, compiled.last_error()
+        del env
+    # relu wrote mul's buffer in place: a reuse that is no kept buffer of its own
+    assert compiled.reused() == len(kept) + 1 and compiled.in_place() == 1
+
+
+def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
+    """A collective off main is started at its step and finished at its result's first use,
+    holding its arguments until then; its result goes into the all-reduce buffer the runtime
+    keeps."""
+    f = "float32"
+    big, w = ((256, 128), f), ((128, 128), f)  # 128 KiB, 64 KiB
+
+    def report(stream: str):
+        c = dict(dims=(0,), shapes=((256, 128),), dtype=f)
+        steps = [
+            isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,)),
+            isa.AllReduce(args=(Slot(2),), outs=(3,), frees=(2,), stream=stream, **c),
+            isa.Compute(name="aten.mul.Tensor", args=(Slot(0), 3.0), outs=(4,)),
+            isa.Compute(name="aten.sum.default", args=(Slot(3),), outs=(5,), frees=(3,)),
+        ]
+        types = [big, w, big, big, big, ((), f)]
+        program = _program(steps, 6, (0, 1), (4, 5), types, sizes=(2,))
+        return simulate_program(program, types, "cpu-local", held=())
+
+    kib = 1024
+    held, waited = report("comms"), report("main")
+    # resident: x, w and the all-reduce's buffer
+    assert held.resident_memory[0] == waited.resident_memory[0] == (128 + 64 + 128) * kib
+    assert held.peak_memory[0] == (320 + 128 + 128) * kib  # mm's result lives until sum
+    assert waited.peak_memory[0] == (320 + 128) * kib + 4  # mm freed as the all-reduce ends
+
+
+def test_a_call_s_arguments_are_not_resident():
+    """resident_memory is what stays between calls: not the call's own arguments."""
+    model = nn.Linear(256, 256, bias=False)
+
+    def loss(x):
+        return model(x).sum()
+
+    def mem(batch: int):
+        plan, _ = compile_step(loss, (torch.randn(batch, 256),), {}, (("dp", 1),))
+        return plan.simulate()
+
+    a, b = mem(128), mem(256)
+    assert a.resident_memory == b.resident_memory
+    # the bigger batch: 128 more rows of x and of x @ w.T, 128 KiB each
+    assert b.peak_memory[0] - a.peak_memory[0] == 2 * 128 * 256 * 4
 
 
 # ---- compiled plans ----------------------------------------------------------------------------

@@ -21,15 +21,24 @@ shape and dtype (``SlotType``) beside the program. For a compiled plan they come
 plan's types (``slot_types``: the slot numbering ``lower`` gives). The communication steps'
 own ``shapes`` are not needed.
 
-Memory (per rank, in program order, as a caching allocator sees it): the inputs (parameters,
-optimizer state, batch) are resident on the ranks that use them; each step's outputs are
-allocated; views and in-place ops (``ops.ALIASING``, an in-place op's result) share their
-input's storage; a storage is released when the last slot on it is freed (``frees``); a
-bucketed all-reduce holds its flat buffer while it runs. The peak per rank is reported.
+Memory (per rank, in program order, as the C++ runtime, ``cpp/program.cpp``, allocates it
+in a steady state of calls): resident when a call starts are the inputs (parameters,
+optimizer state, batch) on the ranks that use them, the previous call's outputs (the caller's
+handles; a state output the next call takes as an input is counted once, as that input) and
+the buffers the runtime keeps between runs (``kept_buffers``: each all-reduce's result, a
+bucket's flat tensor; the result of a step with an ``out=`` overload up to
+``PLANNED_BYTES``, unless the caller holds it). Each step's outputs are allocated, except
+into a kept buffer; views and in-place ops (``ops.ALIASING``, an in-place op's result; an op
+with an in-place twin whose first argument dies at the step, as ``relu_`` for ``relu``)
+share their input's storage; a storage is released when the last slot on it is freed
+(``frees``); a collective off ``main`` holds its arguments until its result is first used.
+``SimReport.peak_memory`` is the peak per rank, ``resident_memory`` the resident part.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +47,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from monarch_dsl import isa
 from monarch_dsl.compiler import timeline
@@ -84,7 +95,8 @@ class SimReport:
     """What a simulated run predicts. Times in seconds, memory in bytes; ``compute_time``,
     ``comm_time`` and ``exposed_comm_time`` are the busiest rank's (comm not hidden behind
     compute on another stream of its rank is exposed); ``per_stream``: busy seconds per (rank,
-    stream), waits excluded."""
+    stream), waits excluded; ``peak_memory`` per rank, of which ``resident_memory`` is live
+    when the call starts (see the module's docstring)."""
 
     events: list[SimEvent]
     step_time: float
@@ -94,6 +106,7 @@ class SimReport:
     exposed_comm_time: float
     per_stream: dict[tuple[int, str], float] = field(default_factory=dict)
     profile: str = ""
+    resident_memory: dict[int, int] = field(default_factory=dict)
 
     def trace(self) -> dict[str, Any]:
         """The events in the Chrome / Perfetto ``traceEvents`` JSON format: one complete
@@ -266,8 +279,99 @@ def steady_step_time(
     return pace
 
 
+# The results the C++ runtime writes again in later runs instead of allocating them
+# (cpp/program.cpp's kPlannedBytes): a step with an out= overload whose result has at most
+# these bytes.
+PLANNED_BYTES = 64 << 10
+
+
+@functools.cache
+def _schemas(name: str) -> tuple[Any, Any] | None:
+    """The op ``name`` (``"aten.mm.default"``) and its overload packet, or None."""
+    ns, _, rest = name.partition(".")
+    base, _, overload = rest.rpartition(".")
+    packet = getattr(getattr(torch.ops, ns, None), base, None)
+    op = getattr(packet, overload, None) if packet is not None else None
+    return (op, packet) if op is not None else None
+
+
+def _makes_one_tensor(schema: Any) -> bool:
+    """One fresh (non-aliasing) tensor returned by a functional op that is not a view."""
+    returns = schema.returns
+    name = schema.name
+    return (
+        len(returns) == 1
+        and isinstance(returns[0].type, torch.TensorType)
+        and returns[0].alias_info is None
+        and not schema.is_mutable
+        and "view" not in name
+        and "alias" not in name
+    )
+
+
+def _same_formals(a: Any, b: Any) -> bool:
+    return all(x.name == y.name and x.kwarg_only == y.kwarg_only for x, y in zip(a, b))
+
+
+@functools.cache
+def writes_out(name: str) -> bool:
+    """Whether the C++ runtime writes step ``name``'s result into the result of its last run
+    (``out_variant`` in cpp/program.cpp): the op's ``out`` overload takes its arguments plus
+    ``out`` and has a kernel of a device of its own."""
+    found = _schemas(name)
+    if found is None or not _makes_one_tensor(found[0]._schema):
+        return False
+    op, packet = found
+    if "out" not in packet.overloads():
+        return False
+    out = packet.out._schema
+    if not any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"{out.name}.out", key)
+        for key in ("CPU", "CUDA")
+    ):
+        return False
+    formals, out_formals = op._schema.arguments, out.arguments
+    return (
+        len(out_formals) == len(formals) + 1
+        and out_formals[-1].is_out
+        and _same_formals(formals, out_formals)
+    )
+
+
+@functools.cache
+def runs_in_place(name: str) -> bool:
+    """Whether step ``name`` has an in-place twin the C++ runtime runs instead, when its first
+    argument dies at the step (``inplace_variant`` in cpp/program.cpp: ``relu`` as ``relu_``;
+    only for an op without an ``out`` overload it uses)."""
+    found = _schemas(name)
+    if found is None or writes_out(name):
+        return False
+    op, _ = found
+    schema = op._schema
+    if not _makes_one_tensor(schema) or not schema.arguments:
+        return False
+    ns, _, rest = name.partition(".")
+    base, _, overload = rest.rpartition(".")
+    twin = _schemas(f"{ns}.{base}_.{overload}")
+    if twin is None:
+        return False
+    formals, twin_formals = schema.arguments, twin[0]._schema.arguments
+    first = twin_formals[0] if twin_formals else None
+    return (
+        len(twin_formals) == len(formals)
+        and _same_formals(formals, twin_formals)
+        and first is not None
+        and first.alias_info is not None
+        and first.alias_info.is_write
+        and isinstance(first.type, torch.TensorType)
+    )
+
+
 class _Memory:
-    """One rank's allocations: storages by id, the slots on each, the live total and peak."""
+    """One rank's allocations: storages by id, the slots on each, the live total and peak.
+    ``kept``: step index -> the storage (a negative id) of the buffer the runtime keeps for
+    that step's result; ``pending``: a collective's result slot -> its arguments, held until
+    that result is first used."""
 
     def __init__(self) -> None:
         self.root: dict[int, int] = {}  # slot -> storage
@@ -275,6 +379,9 @@ class _Memory:
         self.size: dict[int, int] = {}  # storage -> bytes
         self.live = 0
         self.peak = 0
+        self.kept: dict[int, int] = {}
+        self.pending: dict[int, list[int]] = {}
+        self._holders = -(1 << 40)  # ids of hold()'s references, below the kept buffers'
 
     def new(self, slot: int, size: int) -> None:
         self.root[slot] = slot
@@ -298,13 +405,53 @@ class _Memory:
         if self.refs[r] == 0:
             self.live -= self.size.pop(r)
 
+    def hold(self, results: Sequence[int], args: Sequence[int]) -> None:
+        """Keep the storages of ``args`` until one of ``results`` is used (``settle``)."""
+        keys = []
+        for a in args:
+            self._holders -= 1
+            self.alias(self._holders, a)
+            keys.append(self._holders)
+        for r in results:
+            self.pending[r] = keys
+
+    def settle(self, slot: int) -> None:
+        keys = self.pending.pop(slot, None)
+        if keys is None:
+            return
+        for r in [r for r, k in self.pending.items() if k is keys]:
+            del self.pending[r]
+        for k in keys:
+            self.free(k)
+
+    def held_alone(self, slot: int) -> bool:
+        """Whether nothing but ``slot`` (and a kept buffer) holds ``slot``'s storage."""
+        r = self.root.get(slot)
+        return r is not None and self.refs[r] == 1 + (r < 0)
+
     def mark(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.live + extra)
 
 
-def _allocate(step: isa.Step, types: Sequence[SlotType], mem: _Memory) -> None:
-    """The storage of ``step``'s outputs: shared with its input for views and in-place ops,
-    new otherwise (a bucket's flat buffer counts while it runs)."""
+def _in_place_arg(step: isa.Compute, types: Sequence[SlotType], mem: _Memory) -> int | None:
+    """The slot step runs in place on (``runs_in_place``), or None: its first argument, used
+    once, dying at the step, held by nothing else, and like the result."""
+    if len(step.outs) != 1 or not step.args or not isinstance(step.args[0], Slot):
+        return None
+    a = step.args[0].index
+    uses = sum(s.index == a for s in isa.leaves((step.args, step.kwargs), Slot))
+    if a not in step.frees or uses != 1 or types[a] != types[step.outs[0]]:
+        return None
+    if not mem.held_alone(a) or not runs_in_place(step.name):
+        return None
+    return a
+
+
+def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -> None:
+    """The storage of step ``k``'s outputs: shared with its input for views and in-place ops,
+    the buffer the runtime keeps for it (``mem.kept``), else new; a multi-tensor all-reduce's
+    results are views of one flat tensor."""
+    kept = mem.kept.get(k)
     if isinstance(step, isa.Compute):
         base, inplace = base_name(step.name) if "." in step.name else (step.name, False)
         if inplace and base.startswith(FOREACH) and step.args:
@@ -316,18 +463,51 @@ def _allocate(step: isa.Step, types: Sequence[SlotType], mem: _Memory) -> None:
             mem.mark()
             return
         first = isa.leaves(step.args, Slot)[:1]
-        if first and (inplace or base in ALIASING):
+        at = _in_place_arg(step, types, mem) if kept is None else None
+        if first and (inplace or base in ALIASING) or at is not None:
             mem.alias(step.outs[0], first[0].index)
             for o in step.outs[1:]:
                 mem.new(o, nbytes(types[o]))
             mem.mark()
             return
-    for o in step.outs:
-        mem.new(o, nbytes(types[o]))
-    flat = 0
-    if isinstance(step, isa.AllReduce) and len(step.args) > 1:
-        flat = sum(nbytes(types[s.index]) for s in isa.leaves(step.args, Slot))
-    mem.mark(flat)
+    if kept is not None:
+        for o in step.outs:
+            mem.alias(o, kept)
+    elif isinstance(step, isa.AllReduce) and len(step.outs) > 1:
+        mem.new(step.outs[0], sum(nbytes(types[o]) for o in step.outs))
+        for o in step.outs[1:]:
+            mem.alias(o, step.outs[0])
+    else:
+        for o in step.outs:
+            mem.new(o, nbytes(types[o]))
+    mem.mark()
+
+
+def kept_buffers(
+    program: Program, types: Sequence[SlotType], coords: Coords, held: Sequence[int] = ()
+) -> dict[int, int]:
+    """Step index -> bytes of the buffer the C++ runtime keeps between runs for that step's
+    result on the rank at ``coords``: every all-reduce's (its flat result: the runtime keeps
+    two, one of them the previous call's result while the caller holds it); a compute step's
+    whose op ``writes_out`` a result of at most ``PLANNED_BYTES`` that is not one of ``held``
+    (results the caller holds across the next run: the runtime allocates those anew)."""
+    out: dict[int, int] = {}
+    held_set = set(held)
+    for k, step in enumerate(program.steps):
+        if not step.runs_on(coords):
+            continue
+        size = sum(nbytes(types[o]) for o in step.outs)
+        if isinstance(step, isa.AllReduce):
+            out[k] = size
+        elif (
+            isinstance(step, isa.Compute)
+            and len(step.outs) == 1
+            and 0 < size <= PLANNED_BYTES
+            and step.outs[0] not in held_set
+            and writes_out(step.name)
+        ):
+            out[k] = size
+    return out
 
 
 def simulate_program(
@@ -335,10 +515,15 @@ def simulate_program(
     types: Sequence[SlotType],
     profile: ProfileLike = None,
     host_of: Callable[[Coords, int], int] | None = None,
+    held: Sequence[int] | None = None,
+    args: Sequence[int] = (),
 ) -> SimReport:
     """Run ``program`` on every rank with costs instead of values. ``types[slot]``: each slot's
     local shape and dtype. ``host_of(coords, rank)``: the host of a rank (default: by the
-    profile's ``ranks_per_host``, or the coordinate along a mesh dim named ``host``)."""
+    profile's ``ranks_per_host``, or the coordinate along a mesh dim named ``host``).
+    ``held``: the output slots whose previous values the caller holds while a call runs
+    (default: every output; not those the next call takes as inputs). ``args``: the inputs
+    that come with the call (its arguments, on every rank: not resident between calls)."""
     prof = DeviceProfile.get(profile)
     if len(types) != program.n_slots:
         raise ValueError(f"{len(types)} slot types for a program of {program.n_slots} slots")
@@ -360,14 +545,56 @@ def simulate_program(
         for u in step.uses():
             if u in homes:
                 homes[u].update(c for c in ranks if step.runs_on(c))
+    held = program.outputs if held is None else held
+    resident: dict[int, int] = {}
     for c in ranks:
-        for s in program.inputs:
-            if c in homes[s] or not homes[s]:
-                mem[c].new(s, nbytes(types[s]))
-        mem[c].mark()
+        inputs = [s for s in program.inputs if c in homes[s] or not homes[s] or s in args]
+        kept, held_bytes = _steady(program, types, c, inputs, held)
+        m = mem[c]
+        for k, size in kept.items():
+            m.new(-(k + 1), size)
+            m.kept[k] = -(k + 1)
+        m.live += held_bytes  # (freed by no step of this call)
+        for s in inputs:
+            if s not in args:
+                m.new(s, nbytes(types[s]))
+        resident[index[c]] = m.live
+        for s in inputs:
+            if s in args:
+                m.new(s, nbytes(types[s]))
+        m.mark()
     events: list[SimEvent] = []
     play_program(program, types, prof, index, hosts, {c: 0.0 for c in ranks}, events, mem)
-    return _report(events, {index[c]: mem[c].peak for c in ranks}, prof.name)
+    report = _report(events, {index[c]: mem[c].peak for c in ranks}, prof.name)
+    return dataclasses.replace(report, resident_memory=resident)
+
+
+def _steady(
+    program: Program,
+    types: Sequence[SlotType],
+    coords: Coords,
+    inputs: Sequence[int],
+    held: Sequence[int],
+) -> tuple[dict[int, int], int]:
+    """The buffers the runtime keeps on the rank at ``coords`` (``kept_buffers``), and the
+    bytes of the previous call's ``held`` outputs there (their storages, found by a run of the
+    allocations; not those of the ``inputs``). A kept compute result the caller holds is not
+    kept: the runtime allocates it anew."""
+    kept = kept_buffers(program, types, coords)
+    dry = _Memory()
+    for s in inputs:
+        dry.new(s, nbytes(types[s]))
+    for k, size in kept.items():
+        dry.new(-(k + 1), size)
+        dry.kept[k] = -(k + 1)
+    for k, step in enumerate(program.steps):
+        if step.runs_on(coords):
+            _allocate(k, step, types, dry)
+            for s in step.frees:
+                dry.free(s)
+    roots = {dry.root[o] for o in held if o in dry.root} - set(inputs)
+    taken = {-r - 1 for r in roots if r < 0 and isinstance(program.steps[-r - 1], isa.Compute)}
+    return {k: v for k, v in kept.items() if k not in taken}, sum(dry.size[r] for r in roots)
 
 
 def play_program(
@@ -406,7 +633,7 @@ def play_program(
         for o in step.outs:
             ready[c][o] = end
 
-    for step in program.steps:
+    for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
         if isinstance(step, isa.COLLECTIVES):
             for group in groups(active, step.dims):
@@ -446,9 +673,18 @@ def play_program(
         else:
             raise TypeError(f"the simulator has no handler for {type(step).__name__}")
         for c in active:
-            _allocate(step, types, mem[c])
+            m = mem[c]
+            for u in step.uses():
+                m.settle(u)
+            _allocate(k, step, types, m)
+            if isinstance(step, isa.COLLECTIVES) and step.stream != "main":
+                # started now, finished at its result's first use: it holds its arguments
+                m.hold(step.outs, [s.index for s in isa.leaves(step.args, Slot)])
             for s in step.frees:
-                mem[c].free(s)
+                m.free(s)
+    for c in ranks:
+        for slot in list(mem[c].pending):
+            mem[c].settle(slot)
     return {c: max([begin[c], *(t for (r, _), t in free_at.items() if r == c)]) for c in ranks}
 
 
@@ -529,7 +765,13 @@ def simulate_plan(plan: Plan, mesh: Any = None, profile: ProfileLike = None) -> 
     """``plan.simulate()``: one call of the compiled step, every rank, with ``profile``'s costs
     (a built-in name, a path, a ``DeviceProfile``; None: ``"cpu-local"``)."""
     _check_mesh(plan, mesh)
-    return simulate_program(lower(plan), slot_types(plan), profile)
+    program = lower(plan)
+    # The previous call's outputs the caller holds while a call runs: not those the next
+    # call takes back as inputs (a parameter's gradient, optimizer state): counted there.
+    names = {i.name for i in plan.inputs}
+    held = [s for s, o in zip(program.outputs, plan.outputs) if o.name not in names]
+    args = [s for s, i in zip(program.inputs, plan.inputs) if i.kind == "arg"]
+    return simulate_program(program, slot_types(plan), profile, held=held, args=args)
 
 
 def plan_memory(plan: Plan) -> dict[int, int]:
@@ -551,6 +793,10 @@ __all__ = [
     "compute_time",
     "comm_time",
     "steady_step_time",
+    "kept_buffers",
+    "writes_out",
+    "runs_in_place",
+    "PLANNED_BYTES",
     "traffic",
     "family",
 ]
