@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch_dsl.runtime import context, transport
+from monarch_dsl.runtime import context, remote_pdb, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -295,6 +295,7 @@ def connect_and_serve(
     sock = transport.dial(address)
     transport.handshake_dialer(sock, token)
     conn = transport.Connection(sock, peer=address)
+    remote_pdb.install(address, token, rank)  # breakpoint() pauses its thread, not the worker
     device = worker_device()
     conn.send(Hello(rank, os.getpid(), socket.gethostname(), device.type))
     Worker(conn, rank, device).run()
