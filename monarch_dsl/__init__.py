@@ -20,6 +20,7 @@ from monarch_dsl.errors import (
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.proc_mesh import LocalHost, ProcMesh, RemoteHosts, remote_hosts, this_host
 from monarch_dsl.runtime.context import Point, current_rank
+from monarch_dsl.runtime.debugger import debug
 from monarch_dsl.tensor import (
     Borrow,
     Stream,
@@ -91,6 +92,7 @@ __all__ = [
     "SupervisionError",
     "ValueMesh",
     "current_rank",
+    "debug",
     "distribute",
     "fully_shard",
     "endpoint",
