@@ -86,6 +86,14 @@ class Session:
                 self._cond.notify_all()
             on_close(self)
 
+    def claim(self) -> bool:
+        """Take the session for one console's ``attach`` (False: another console has it)."""
+        with self._cond:
+            if self.attached:
+                return False
+            self.attached = True
+            return True
+
     def send(self, line: str) -> None:
         """One command for pdb (the caller checked that pdb is waiting)."""
         with self._cond:
@@ -139,6 +147,7 @@ class Sessions:
         self.consoles: set[Console] = set()
         self._cond = threading.Condition()
         self._server: DebugServer | None = None
+        self._server_error: OSError | None = None
 
     def add(self, hello: DebugHello, conn: transport.Connection) -> Session:
         """From ``Job._admit``: a worker's thread stopped in ``breakpoint()``."""
@@ -153,15 +162,17 @@ class Sessions:
             # Consoles that showed their table already hear of it; the others will show it.
             consoles = [c for c in self.consoles if c.showing]
             anyone = bool(self.consoles)
-            self._cond.notify_all()
         threading.Thread(
             target=session.read_forever, args=(self._remove,), name="md-debug-session", daemon=True
         ).start()
+        self.server()  # so that another terminal can attach too
         note = f"\n[rank {sid} stopped in {session.where[0]} at {session.location}]\n"
         for console in consoles:
             console.notify(note)
         if not anyone:
             self.announce()
+        with self._cond:  # waiters go on once the table is out (it goes before their output)
+            self._cond.notify_all()
         return session
 
     def _remove(self, session: Session) -> None:
@@ -201,11 +212,8 @@ class Sessions:
         if not stopped:
             return
         how = "md.debug() in this process"
-        try:
+        if self.server() is not None:
             how += f", or `monarch-dsl debug --pid {os.getpid()}` from another terminal"
-            self.server()
-        except OSError as e:
-            how += f" (monarch-dsl debug is not available: {e})"
         n = len(stopped)
         print(
             f"monarch_dsl: {n} rank{'s' if n != 1 else ''} stopped in breakpoint()\n"
@@ -214,10 +222,15 @@ class Sessions:
             flush=True,
         )
 
-    def server(self) -> DebugServer:
+    def server(self) -> DebugServer | None:
+        """The socket ``monarch-dsl debug`` connects to (None: it could not be made)."""
         with self._cond:
-            if self._server is None:
-                self._server = DebugServer(self)
+            if self._server is None and self._server_error is None:
+                try:
+                    self._server = DebugServer(self)
+                except OSError as e:
+                    self._server_error = e
+                    print(f"monarch_dsl: monarch-dsl debug is not available: {e}", file=sys.stderr)
             return self._server
 
 
@@ -353,10 +366,9 @@ class Console:
         return chosen
 
     def attach(self, session: Session) -> None:
-        if session.attached:
+        if not session.claim():
             self.say(f"rank {session.id} is attached from another console\n")
             return
-        session.attached = True
         try:
             self.say(f"attached to rank {session.id} (`detach` leaves it stopped)\n")
             session.ready(time.monotonic() + self.command_timeout)  # a new stop: its prompt
@@ -439,6 +451,9 @@ def socket_dir() -> str:
 
 
 def _peer_uid(sock: socket.socket) -> int:
+    """The uid of a Unix socket's peer (Linux); elsewhere the 0700 directory is the guard."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return os.getuid()
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
 
