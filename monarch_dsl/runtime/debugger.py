@@ -515,7 +515,8 @@ class DebugServer:
 def controllers() -> list[int]:
     """The pids of this user's live controllers that have a debugger socket."""
     try:
-        names = os.listdir(socket_dir())
+        where = socket_dir()
+        names = os.listdir(where)
     except OSError:
         return []
     pids = []
@@ -524,7 +525,11 @@ def controllers() -> list[int]:
         if ext == ".sock" and stem.isdigit():
             try:
                 os.kill(int(stem), 0)
-            except ProcessLookupError:
+            except ProcessLookupError:  # a controller that was killed: its socket is stale
+                try:
+                    os.unlink(os.path.join(where, name))
+                except OSError:
+                    pass
                 continue
             except PermissionError:
                 pass
