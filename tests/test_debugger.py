@@ -202,8 +202,9 @@ def test_breakpoint_in_a_remote_function_and_cast_to_several_ranks(terminals, tm
 
 def test_monarch_dsl_debug_attaches_from_another_terminal(terminals, tmp_path):
     main = controller(terminals, ENDPOINT_SCRIPT, tmp_path, "--cli")
-    main.expect(r"first reply 40\n")
     pid = int(main.expect(r"`monarch-dsl debug --pid (\d+)`").group(1))
+    main.pos = 0  # (the table on stderr and the reply on stdout come in either order)
+    main.expect(r"first reply 40\n")
     assert pid == main.proc.pid
     client = terminals([sys.executable, "-m", "monarch_dsl", "debug", "--pid", str(pid)], tmp_path)
     client.expect(r"\n  1 +Worker +gpu=1 .*Worker\.work.*\n\(md-debug\) ")
