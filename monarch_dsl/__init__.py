@@ -30,6 +30,7 @@ from monarch_dsl.proc_mesh import (
 )
 from monarch_dsl.persistent import pin, unpin
 from monarch_dsl.runtime.context import Point, current_rank
+from monarch_dsl.runtime.debugger import debug
 from monarch_dsl.tensor import (
     Borrow,
     Stream,
@@ -106,6 +107,7 @@ __all__ = [
     "SupervisionError",
     "ValueMesh",
     "current_rank",
+    "debug",
     "distribute",
     "fully_shard",
     "endpoint",

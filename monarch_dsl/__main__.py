@@ -267,6 +267,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug(args: argparse.Namespace) -> int:
+    from monarch_dsl.runtime import debugger
+
+    return debugger.client(args.pid)
+
+
 # Every subcommand: (name, one line, an example). `monarch-dsl --help` lists them.
 COMMANDS = [
     (
@@ -288,6 +294,11 @@ COMMANDS = [
         "build",
         "compile the C++ runtime for the installed torch now (else: on first use)",
         "monarch-dsl build",
+    ),
+    (
+        "debug",
+        "attach to the ranks stopped in breakpoint() of a running controller (as md.debug())",
+        "monarch-dsl debug --pid 12345",
     ),
     (
         "plan",
@@ -459,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(fn=_worker)
     b = sub.add_parser("build", description=helps["build"])
     b.set_defaults(fn=_build)
+    d = sub.add_parser("debug", description=helps["debug"])
+    d.add_argument(
+        "--pid", type=int, default=None,
+        help="the controller's pid (the table of stopped ranks names it; needed when several "
+        "controllers have ranks stopped)",
+    )  # fmt: skip
+    d.set_defaults(fn=_debug)
     for name, fn in (("plan", _plan), ("simulate", _simulate)):
         c = sub.add_parser(name, description=helps[name])
         c.add_argument("target", metavar="FILE:FN", help="a file and its step function")

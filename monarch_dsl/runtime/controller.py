@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_dsl.errors import ActorError, RemoteError, SpawnError, SupervisionError
-from monarch_dsl.runtime import logs, transport
+from monarch_dsl.runtime import debugger, logs, transport
 from monarch_dsl.runtime.context import Point
 from monarch_dsl.runtime.forkserver import ForkServerClient, describe_status, fork_server
 from monarch_dsl.runtime.future import Future, before_block
 from monarch_dsl.runtime.messages import (
     Configure,
+    DebugHello,
     ErrorReply,
     FailureReport,
     FetchFailed,
@@ -499,6 +500,9 @@ class Job:
             conn = transport.Connection(sock, peer)
             hello = conn.recv()
             sock.settimeout(None)
+            if isinstance(hello, DebugHello):  # a worker's thread stopped in breakpoint()
+                debugger.sessions().add(hello, conn)
+                return
             if not isinstance(hello, Hello):
                 raise transport.ProtocolError(f"expected Hello, got {type(hello).__name__}")
             with self._cond:

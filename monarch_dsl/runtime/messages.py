@@ -164,6 +164,46 @@ class Inventory(NamedTuple):
     call_id: int
 
 
+# --------------------------------------------------------------------------- debugger sessions
+# A worker's ``breakpoint()`` dials the controller's listener on a connection of its own (so the
+# paused thread's pdb never shares the worker's main connection); see runtime/debugger.py.
+
+
+class DebugHello(NamedTuple):
+    """First message of a debugger connection (instead of ``Hello``): who stopped, and where."""
+
+    rank: int  # in the actor mesh (or the remote function's mesh)
+    coords: tuple[tuple[str, int], ...]
+    worker_rank: int  # in the process mesh
+    pid: int
+    hostname: str
+    actor: str  # the actor's class, "@remote" for a remote function, "-" outside both
+    function: str
+    filename: str
+    lineno: int
+
+
+class DebugOutput(NamedTuple):
+    """Text pdb wrote; ``waiting``: pdb is at its prompt, reading the next command."""
+
+    text: str
+    waiting: bool
+
+
+class DebugWhere(NamedTuple):
+    """The paused thread stopped again, somewhere else (after ``next``, ``step``, ...)."""
+
+    function: str
+    filename: str
+    lineno: int
+
+
+class DebugInput(NamedTuple):
+    """One command line for the paused rank's pdb (controller -> worker)."""
+
+    line: str
+
+
 # The messages of worker connections, in wire order: a frame carries ``(index, *fields)``, a
 # plain tuple, which pickles ~4x faster than the NamedTuple itself (no class lookup, no
 # __reduce_ex__ call). Append new types at the end.
@@ -183,6 +223,10 @@ WIRE_TYPES: tuple[type, ...] = (
     ListStaleFiles,
     WriteFiles,
     Inventory,
+    DebugHello,
+    DebugOutput,
+    DebugWhere,
+    DebugInput,
 )
 WIRE_INDEX: dict[type, int] = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch_dsl.runtime import codesync, context, serialize, transport
+from monarch_dsl.runtime import codesync, context, remote_pdb, serialize, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -397,5 +397,6 @@ def _join(address: str, token: bytes, rank: int, device: Any) -> transport.Conne
     sock = transport.dial(address)
     transport.handshake_dialer(sock, token)
     conn = transport.Connection(sock, peer=address)
+    remote_pdb.install(address, token, rank)  # breakpoint() pauses its thread, not the worker
     conn.send(Hello(rank, os.getpid(), socket.gethostname(), device.type))
     return conn
