@@ -17,7 +17,9 @@ blocks). Cases:
   over tp=2 (one all-reduce forward, one backward), batch 64, SGD;
 - ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
 - ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
-  ``md.Simulator`` (when it exists in this version).
+  ``md.Simulator`` (when it exists in this version): its step time, which on a host with
+  fewer cores than ranks + controller is at least their CPU over the cores, as a compiled
+  step's (``compiler/simulate.py:cpu_bound``).
 
 Memory (compiled cases): the workers' peak resident memory over 3 calls in a steady state
 (after 3 calls; ``VmHWM`` after resetting it through ``/proc/self/clear_refs``) above their
