@@ -17,7 +17,9 @@ blocks). Cases:
   over tp=2 (one all-reduce forward, one backward), batch 64, SGD;
 - ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
 - ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
-  ``md.Simulator`` (when it exists in this version).
+  ``md.Simulator`` (when it exists in this version): its step time, which on a host with
+  fewer cores than ranks + controller is at least their CPU over the cores, as a compiled
+  step's (``compiler/simulate.py:cpu_bound``).
 
 Memory (compiled cases): the bytes of the tensors each worker allocates, byte exact, from
 torch's profiler (``profile_memory``: each CPU allocation and free on the worker's main stream

@@ -16,8 +16,14 @@ Everything is measured on real local workers, through the runtime the steps use:
   (``fit_matmul``); float64 / bfloat16 / float16 at one size give their peaks relative to
   float32's. Rates are work / (time - dispatch overhead), as the simulator adds the overhead
   back (``compiler/simulate.py:compute_time``).
-- **Overheads seen from the controller** (same mesh): ``controller_overhead``, the wall time
-  the controller spends issuing one eager op (``y = x + 1``, a few thousand in a row); what a
+- **Overheads seen from the controller** (same mesh): eager programs (``EAGER_TERMS``: ``y =
+  x + 1``, ``reduce_``, a borrow and its drop, ``autograd.grad`` of a chain of ops,
+  ``md.grad_generator`` over a chain of layers), each run on the mesh (the controller's CPU,
+  all its threads, and the workers') and on an ``md.Simulator`` (how often it charges each
+  term), give the controller's CPU per instruction (``controller_overhead``,
+  ``controller_reduce``, ``controller_borrow``, ``controller_backward``,
+  ``controller_switch``: each program's CPU less what the terms before it explain) and the
+  workers' per eager op beyond its compute (``eager_op_overhead``); what a
   call of a compiled step costs beyond its steps, called back to back while the ranks are
   busy (``_calls``, ``_call_costs``): the controller's CPU per call and per input, a local
   argument's sending, and the workers' ``plan_overhead``
@@ -82,7 +88,7 @@ class Settings:
     reps: int  # timed repetitions of each measurement (after a warm-up)
     run_seconds: float  # the length of one timed run of a compute measurement
     dtypes: bool  # float64 / bfloat16 / float16 peaks (else float32's ratios below)
-    eager_ops: int  # eager ops in a row (controller_overhead)
+    eager_ops: int  # eager ops in a row (controller_overhead; the other terms' as long)
     plan_calls: int  # compiled-step calls in a row (plan_overhead, ...)
 
 
@@ -96,7 +102,7 @@ FULL = Settings(
     reps=7,
     run_seconds=0.03,
     dtypes=True,
-    eager_ops=2000,
+    eager_ops=1000,
     plan_calls=200,
 )
 QUICK = Settings(
@@ -494,7 +500,8 @@ def measure(
     workers_cpu = 0.0
     per_op: dict[str, float] = {}
     comm: dict[tuple[str, int, str, int], float] = {}
-    eager = eager_wall = 0.0
+    eager: dict[str, float] = {}
+    worker_op = eager_wall = 0.0
     calls: dict[str, tuple[Any, float, float]] = {}
     try:
         for i, n in enumerate(sizes):
@@ -503,13 +510,13 @@ def measure(
                 pm = this_host().spawn_procs({"r": n})
             try:
                 bar.step(f"{n} workers up")
+                _set_up_collectives(pm)
+                probe = pm.spawn("calibrate", Probe, list(pm.ranks))
                 if i == 0:
-                    eager, eager_wall = _eager_op(pm, s.eager_ops, s.reps)
+                    eager, worker_op, eager_wall = _eager_costs(pm, probe, s)
                     bar.step("eager ops")
                     calls = _calls(pm, s.plan_calls, s.reps)
                     bar.step("compiled step calls")
-                _set_up_collectives(pm)
-                probe = pm.spawn("calibrate", Probe, list(pm.ranks))
                 backends = probe.backends.call().get().values()[0]
                 if i == 0:
                     for spec in specs:
@@ -533,6 +540,9 @@ def measure(
         bar.close()
     cal = _profile(s, sizes, per_op, comm, eager, quick)
     cal.eager_wall = eager_wall
+    cal.profile = _replace(
+        cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
+    )
     if calls:
         cal.profile = _call_costs(cal.profile, calls, sizes[0])
         cal.calls = {
@@ -622,25 +632,114 @@ def _replace(p: DeviceProfile, **changes: Any) -> DeviceProfile:
     return dataclasses.replace(p, **changes)
 
 
-def _eager_op(pm: Any, ops: int, reps: int) -> tuple[float, float]:
-    """(controller seconds per eager op issued, wall seconds per op until all ran): ``y = x +
-    1`` on an 8-element mesh tensor, ``ops`` in a row, median of ``reps``."""
+# Eager programs that each add one term of the controller's cost per instruction
+# (``compiler/simulate_eager.py``), in the order they are solved: (name, the term).
+EAGER_TERMS = (
+    ("y = x + 1", "op"),
+    ("reduce_", "reduce"),
+    ("borrow, drop", "borrow"),
+    ("autograd.grad", "backward"),
+    ("grad_generator", "switch"),
+)
+EAGER_CHAIN = 8  # ops in the chain the backward programs differentiate
+# Repetitions of each program: ``Settings.eager_ops`` over these (about as long each).
+EAGER_DIVISOR = {"op": 1, "reduce": 4, "borrow": 4, "backward": 16, "switch": 32}
+
+
+def _eager_setup(name: str, mesh: Any) -> Any:
+    """The state of eager program ``name`` on ``mesh`` (tiny tensors: the workers' compute is
+    negligible, the controller's work is what is measured)."""
+    from monarch_dsl.tensor import Stream
+    from monarch_dsl.tensor.movement import to_mesh
+
+    if name == "autograd.grad":
+        return to_mesh(torch.ones(8), mesh).requires_grad_()
+    if name == "grad_generator":
+        return [to_mesh(torch.ones(8), mesh).requires_grad_() for _ in range(EAGER_CHAIN)]
+    if name == "borrow, drop":
+        return to_mesh(torch.ones(8), mesh), Stream("calibrate")
+    return to_mesh(torch.ones(8), mesh)
+
+
+def _eager_body(name: str, state: Any, dim: str, n: int) -> Any:
+    """``n`` repetitions of eager program ``name``; returns a mesh tensor to wait for."""
+    from monarch_dsl.grads import grad_generator
+
+    if name == "y = x + 1":
+        for _ in range(n):
+            y = state + 1
+        return y
+    if name == "reduce_":
+        for _ in range(n):
+            state.reduce_(dim, "avg")
+        return state
+    if name == "borrow, drop":
+        x, stream = state
+        for _ in range(n):
+            _, borrow = stream.borrow(x)
+            borrow.drop()
+        return x
+    if name == "autograd.grad":  # a chain of multiplications and its backward pass
+        for _ in range(n):
+            h = state
+            for _ in range(EAGER_CHAIN):
+                h = h * 1.5
+            (g,) = torch.autograd.grad(h.sum(), [state])
+        return g
+    if name == "grad_generator":  # a chain of layers; each gradient used as it comes
+        for _ in range(n):
+            h = state[0]
+            for w in state[1:]:
+                h = h * w
+            for g in grad_generator(h.sum(), reversed(state)):
+                y = g + 1
+        return y
+    raise ValueError(f"unknown eager program {name!r}")
+
+
+def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], float, float]:
+    """The controller's CPU seconds for each term of ``EAGER_TERMS``, the workers' CPU
+    seconds per eager op (``y = x + 1``), and the wall seconds per op until all ran.
+
+    Each program of ``EAGER_TERMS`` is run on ``pm`` (the controller's CPU, all its threads,
+    and the workers' over ``n`` repetitions, median of ``reps``) and on an ``md.Simulator``
+    (how many times it charges each term for the same repetitions); each program's CPU less
+    what the terms solved before it explain, over the times it charges its own term, is that
+    term."""
+    from monarch_dsl.simulator import Simulator
     from monarch_dsl.tensor import inspect
 
-    issue, wall = [], []
-    with pm.activate():
-        x = torch.ones(8)
-        inspect(x + 1)
-        for _ in range(reps):
-            start = time.perf_counter()
-            for _ in range(ops):
-                y = x + 1
-            issued = time.perf_counter()
-            inspect(y)
-            done = time.perf_counter()
-            issue.append((issued - start) / ops)
-            wall.append((done - start) / ops)
-    return statistics.median(issue), statistics.median(wall)
+    n = pm.sizes["r"]
+    sim = Simulator(hosts=1, gpus=n, profile=BUILTIN["cpu-local"])  # (counts only)
+    terms: dict[str, float] = {}
+    worker_op = wall_op = 0.0
+    for name, term in EAGER_TERMS:
+        reps_n = max(4, s.eager_ops // EAGER_DIVISOR[term])
+        with sim.mesh.activate():
+            state = _eager_setup(name, sim.mesh)
+            inspect(_eager_body(name, state, "gpu", 2))
+            before = dict(sim.job.sim.charged)
+            inspect(_eager_body(name, state, "gpu", reps_n))
+            counts = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
+        cpu, workers, wall = [], [], []
+        with pm.activate():
+            state = _eager_setup(name, pm)
+            inspect(_eager_body(name, state, "r", 2))
+            for _ in range(min(s.reps, 5)):
+                w0 = probe.cpu_seconds.call().get().values()
+                start, c0 = time.perf_counter(), time.process_time()
+                inspect(_eager_body(name, state, "r", reps_n))
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - start)
+                w1 = probe.cpu_seconds.call().get().values()
+                workers.append(max(b - a for a, b in zip(w0, w1)))
+        explained = sum(terms[k] * counts[k] for k in terms)
+        terms[term] = max(0.0, (statistics.median(cpu) - explained) / max(1, counts[term]))
+        if term == "op":
+            worker_op = statistics.median(workers) / reps_n
+            wall_op = statistics.median(wall) / reps_n
+    sim.mesh.stop()
+    return terms, worker_op, wall_op
 
 
 LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the controller link)
@@ -813,7 +912,7 @@ def _profile(
     sizes: tuple[int, ...],
     per_op: dict[str, float],
     comm: dict[tuple[str, int, str, int], float],
-    eager: float,
+    eager: dict[str, float],
     quick: bool,
 ) -> Calibration:
     dispatch = per_op["dispatch"]
@@ -901,7 +1000,11 @@ def _profile(
         inter_host="gloo",
         ranks_per_host=placeholder.ranks_per_host,
         memory_capacity=_memory_bytes(),
-        controller_overhead=eager,
+        controller_overhead=eager.get("op", placeholder.controller_overhead),
+        controller_reduce=eager.get("reduce", 0.0),
+        controller_borrow=eager.get("borrow", 0.0),
+        controller_backward=eager.get("backward", 0.0),
+        controller_switch=eager.get("switch", 0.0),
         matmul_curve=mm_curve,
         bandwidth_curve=bw_curve,
         matmul_passes=passes,
@@ -985,7 +1088,16 @@ def table(cal: Calibration) -> str:
     out.append("")
     out.append("overheads")
     out.append(f"  dispatch, per op of a compiled plan (C++)   {_us(p.dispatch_overhead):>10s}")
-    out.append(f"  controller, per eager op issued             {_us(p.controller_overhead):>10s}")
+    out.append("  eager programs: the controller's CPU (all its threads) per instruction")
+    for label, value in (
+        ("an op (controller_overhead)", p.controller_overhead),
+        ("a reduce (controller_reduce)", p.controller_reduce),
+        ("a borrow or its drop (controller_borrow)", p.controller_borrow),
+        ("+ issued by backward (controller_backward)", p.controller_backward),
+        ("+ the issuing thread changed (controller_switch)", p.controller_switch),
+    ):
+        out.append(f"    {label:<48s} {_us(value):>10s}")
+    out.append(f"  a worker, per eager op beyond its compute    {_us(p.eager_op_overhead):>10s}")
     out.append(f"  eager op, wall per op until the workers ran {_us(cal.eager_wall):>10s}")
     out.append("  compiled steps, called back to back: per call, the controller's CPU, the steps")
     for key, (t, c, steps) in cal.calls.items():

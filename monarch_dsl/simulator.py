@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
 from monarch_dsl.compiler.simulate import SimEvent, SimReport
-from monarch_dsl.compiler.simulate_eager import EagerSimulator
+from monarch_dsl.compiler.simulate_eager import EagerSimulator, Issued
 from monarch_dsl.errors import SupervisionError
 from monarch_dsl.proc_mesh import ProcMesh, _root
 from monarch_dsl.remote import function_of
@@ -81,6 +81,7 @@ class SimJob:
         self.failures: list[tuple] = []
         self.observed: set[tuple] = set()
         self.pending: dict[int, tuple[Future, Callable[[list], Any] | None, list, list]] = {}
+        self.issued: dict[int, Issued] = {}  # id(instruction) -> how it was issued (_SimEngine)
         self.lock = threading.RLock()
         self.sim = EagerSimulator(
             dims,
@@ -119,7 +120,8 @@ class SimJob:
         if isinstance(msg, RunBatch):
             # (from the user's thread under pm.activate(): the values made here are local)
             with self.lock, _disable_current_modes():
-                self.sim.run(ranks, msg.items)
+                issued = [self.issued.pop(id(ins), None) for _, ins in msg.items]
+                self.sim.run(ranks, msg.items, issued)
         elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
             raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
 
@@ -151,6 +153,19 @@ class SimJob:
             p[0].set_exception(SupervisionError("the simulated mesh was stopped"))
 
 
+class _SimEngine(Engine):
+    """The tensor engine of a simulated mesh: records how each instruction was issued (its
+    thread; in autograd's backward pass or not) for the controller's costs
+    (``compiler/simulate_eager.py``)."""
+
+    job: SimJob
+
+    def append(self, mesh: int, ins: Any) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        self.job.issued[id(ins)] = Issued(threading.get_ident(), backward)
+        super().append(mesh, ins)
+
+
 class Simulator:
     """``md.Simulator(hosts=1, gpus=4, trace_mode="stream_only", profile=None)``: ``sim.mesh``
     (dims ``("host", "gpu")``) takes any eager program and runs none of it; ``sim.events``,
@@ -177,7 +192,7 @@ class Simulator:
         self.profile = DeviceProfile.get(profile)
         self.trace_mode = trace_mode
         self.job = SimJob(("host", "gpu"), (hosts, gpus), self.profile, trace_mode)
-        engine = Engine(self.job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
+        engine = _SimEngine(self.job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
         engine.store = "simulated"  # collectives need no store: there are no process groups
         self.job.extensions[EXTENSION] = engine
         self.job.before_stop.append(engine.sync)

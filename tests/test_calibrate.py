@@ -16,7 +16,12 @@ import monarch_dsl as md
 from monarch_dsl import calibrate, isa
 from monarch_dsl.__main__ import main
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path, interpolate
-from monarch_dsl.compiler.simulate import compute_time, simulate_program, steady_step_time
+from monarch_dsl.compiler.simulate import (
+    compute_time,
+    cpu_bound,
+    simulate_program,
+    steady_step_time,
+)
 from monarch_dsl.isa import Slot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +56,7 @@ def test_profile_json_round_trip_with_the_measured_fields(tmp_path):
     assert loaded.matmul_curve == MATMUL and loaded.links["shm@4"] == Link(3e-5, 2e9)
     # a file written before these fields existed still loads, with them empty
     old = BUILTIN["h100"].to_json()
-    for key in ("matmul_curve", "bandwidth_curve", "plan_overhead"):
+    for key in ("matmul_curve", "bandwidth_curve", "plan_overhead", "controller_reduce"):
         del old[key]
     assert DeviceProfile.from_json(json.loads(json.dumps(old))) == BUILTIN["h100"]
     with pytest.raises(ValueError, match="unknown device profile fields"):
@@ -187,11 +192,14 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     ]
     assert all(math.isfinite(v) and v > 0 for v in rates), rates
     latencies = [link.latency for link in p.links.values()]
-    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies]
+    eager = [p.controller_reduce, p.controller_borrow, p.controller_backward]
+    eager += [p.controller_switch, p.eager_op_overhead]
+    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies, *eager]
     assert all(math.isfinite(v) and v >= 0 for v in others), others
     assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
     assert p.links["shm"] == p.links["shm@2"]
-    for section in ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  "):
+    sections = ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  ")
+    for section in (*sections, "a reduce (controller_reduce)", "per eager op beyond"):
         assert section in r.stdout, section
     assert f"wrote {out}" in r.stdout
     # the profile simulates a compiled step
@@ -284,3 +292,10 @@ def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
     assert steady_step_time(0.0, p, 10, (10**6,), ranks=2) == pytest.approx(3e-4 + 1e-5 + 2e-3)
     shared = dataclasses.replace(p, host_cores=2)  # 3 processes on 2 cores: CPU sets the pace
     assert steady_step_time(1e-3, shared, 10, (), ranks=2) == pytest.approx((3e-4 + 2 * 1.1e-3) / 2)
+
+
+def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_short():
+    p = dataclasses.replace(BUILTIN["cpu-local"], host_cores=2)
+    assert cpu_bound(1.0, [2.0, 3.0], p) == pytest.approx(3.0)  # 3 processes, 2 cores
+    assert cpu_bound(1.0, [2.0], p) == 0.0  # a core each
+    assert cpu_bound(1.0, [2.0, 3.0], dataclasses.replace(p, host_cores=0)) == 0.0  # unknown

@@ -289,3 +289,133 @@ def test_ddp_overlap_lesson():
     assert comm_a == pytest.approx(comm_b) == pytest.approx(comm_c)
     assert a == pytest.approx(comm_a) and b == pytest.approx(a)
     assert 0 < c < b / 1.5, (a, b, c)
+
+
+def _costed(**terms) -> md.DeviceProfile:
+    """The placeholder CPU profile, its eager controller terms all 0 but ``terms``."""
+    import dataclasses
+
+    from monarch_dsl.compiler.profile import BUILTIN
+
+    base = BUILTIN["cpu-local"]
+    zero = dict(
+        controller_overhead=0.0,
+        controller_reduce=0.0,
+        controller_borrow=0.0,
+        controller_backward=0.0,
+        controller_switch=0.0,
+        eager_op_overhead=0.0,
+        host_cores=0,
+    )
+    return dataclasses.replace(base, **{**zero, **terms})
+
+
+def _controller(profile, program) -> tuple[float, dict[str, int]]:
+    """The controller's CPU seconds (its issue clock) for ``program(mesh)`` on 2 simulated
+    ranks, and the terms charged."""
+    sim = md.Simulator(gpus=2, profile=profile)
+    with sim.mesh.activate():
+        program(sim.mesh)
+    sim.summary()
+    return sim.job.sim.issued, dict(sim.job.sim.charged)
+
+
+def _reduces(mesh):
+    x = torch.ones(64)
+    for _ in range(3):
+        x.reduce_("gpu", "avg")
+
+
+def _borrows(mesh):
+    comms = md.Stream("comms")
+    x = torch.ones(64)
+    for _ in range(3):
+        _, borrow = comms.borrow(x)
+        borrow.drop()
+
+
+def _backward(mesh):
+    w = md.to_mesh(torch.ones(8), mesh).requires_grad_()
+    h = w
+    for _ in range(4):
+        h = h * w
+    torch.autograd.grad(h.sum(), [w])
+
+
+def _generator(mesh):
+    ws = [md.to_mesh(torch.ones(8), mesh).requires_grad_() for _ in range(4)]
+    h = ws[0]
+    for w in ws[1:]:
+        h = h * w
+    for g in md.grad_generator(h.sum(), list(reversed(ws))):
+        g + 1
+
+
+def test_the_controller_is_charged_by_instruction_kind():
+    """A reduce costs controller_reduce, a borrow and its drop controller_borrow each, in
+    place of controller_overhead (which they cost with 0)."""
+    t, charged = _controller(_costed(controller_reduce=1e-3, controller_overhead=1e-6), _reduces)
+    assert charged["reduce"] == 3
+    assert t == pytest.approx(3e-3 + 1e-6 * charged["op"])
+    t, charged = _controller(_costed(controller_overhead=1e-6), _reduces)
+    assert t == pytest.approx(1e-6 * (3 + charged["op"]))  # no controller_reduce: an op's
+    t, charged = _controller(_costed(controller_borrow=1e-3, controller_overhead=1e-6), _borrows)
+    assert charged["borrow"] == 6
+    assert t == pytest.approx(6e-3 + 1e-6 * charged["op"])
+
+
+def test_backward_and_a_change_of_issuing_thread_cost_the_controller_more():
+    """Ops autograd's backward pass issues cost controller_backward more; md.grad_generator's
+    handing of each gradient between its thread and the caller's costs controller_switch at
+    each change of the issuing thread."""
+    base, charged = _controller(_costed(controller_overhead=1e-6), _backward)
+    more, _ = _controller(_costed(controller_overhead=1e-6, controller_backward=1e-3), _backward)
+    assert charged["backward"] >= 4 and charged["switch"] == 0
+    assert more - base == pytest.approx(1e-3 * charged["backward"])
+    base, charged = _controller(_costed(controller_overhead=1e-6), _generator)
+    more, _ = _controller(_costed(controller_overhead=1e-6, controller_switch=1e-3), _generator)
+    # the forward pass, then backward's thread; the gradients go to the caller's thread
+    # (g + 1) and back to backward's while it has ops left to issue
+    assert charged["switch"] >= 6
+    assert more - base == pytest.approx(1e-3 * charged["switch"])
+
+
+def test_an_eager_op_costs_a_worker_its_overhead_too():
+    def program(mesh):
+        x = torch.ones(8)
+        x + 1
+        x.reduce("gpu", "sum")
+
+    def spans(profile):
+        sim = md.Simulator(gpus=2, profile=profile)
+        with sim.mesh.activate():
+            program(sim.mesh)
+        return [e.end - e.start for e in _busy(sim, "compute") + _busy(sim, "comm")]
+
+    plain, more = spans(_costed()), spans(_costed(eager_op_overhead=1e-3))
+    assert len(plain) == len(more) >= 4
+    assert all(b - a == pytest.approx(1e-3) for a, b in zip(plain, more))
+
+
+def test_ranks_and_controller_sharing_cores_bound_the_step_time():
+    """2 ranks and the controller on 2 cores: the step takes at least their CPU seconds over
+    2 (compiler/simulate.cpu_bound); with a core each, the timeline's span."""
+
+    def program(mesh):
+        x = torch.ones(256, 256)
+        for _ in range(20):
+            x = x @ x
+
+    def report(profile):
+        sim = md.Simulator(gpus=2, profile=profile)
+        with sim.mesh.activate():
+            program(sim.mesh)
+        return sim.summary(), sim.job.sim.issued
+
+    own, _ = report(_costed(controller_overhead=1e-3, host_cores=4))
+    shared, controller = report(_costed(controller_overhead=1e-3, host_cores=2))
+    span = max(e.end for e in own.events) - min(e.start for e in own.events)
+    assert own.step_time == pytest.approx(span)
+    busy = sum(e.end - e.start for e in own.events if e.kind != "wait")
+    assert shared.step_time == pytest.approx(max(span, (controller + busy) / 2))
+    assert shared.step_time > 1.2 * own.step_time

@@ -104,6 +104,17 @@ class DeviceProfile:
     the ranks of a host and its controller share (0: not shared). See
     ``compiler/simulate.py:steady_step_time``.
 
+    The controller's CPU per eager instruction (``compiler/simulate_eager.py``; all of its
+    threads: issuing, pickling and sending the batches): ``controller_overhead`` per
+    instruction, ``controller_reduce`` per ``Reduce`` and ``controller_borrow`` per
+    ``BorrowBegin`` / ``BorrowEnd`` in its place (0: ``controller_overhead``),
+    ``controller_backward`` more per instruction issued by autograd's backward pass (its graph
+    walk, the backward formulas' Python), ``controller_switch`` each time the issuing thread
+    changes (``md.grad_generator``'s helper thread handing a gradient over and taking it back:
+    a condition variable, the GIL). ``eager_op_overhead``: a worker's seconds per eager
+    instruction beyond the op's compute (receiving and decoding it, the executor's
+    bookkeeping, its stream's queue).
+
     ``matmul_passes``: 0 for the roofline; else a matmul's memory traffic adds to its
     arithmetic instead of hiding under it, and its inputs cross memory this many times (a
     CPU's BLAS packs them into blocks before multiplying: it reads them, writes the packed
@@ -129,6 +140,11 @@ class DeviceProfile:
     plan_issue_per_input: float = 0.0
     host_cores: int = 0
     matmul_passes: float = 0.0
+    controller_reduce: float = 0.0
+    controller_borrow: float = 0.0
+    controller_backward: float = 0.0
+    controller_switch: float = 0.0
+    eager_op_overhead: float = 0.0
     notes: str = field(default="", compare=False)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -291,6 +307,14 @@ H100 = DeviceProfile(
     # the controller's Python issuing an eager op, as measured on a CPU host here
     # (benchmarks/tensor_engine.py: ~7-9 us an op); a host CPU is a host CPU
     controller_overhead=8e-6,
+    # The controller's CPU for eager instructions beyond an op's, and a worker's per eager
+    # instruction beyond its op: what `monarch-dsl calibrate` measured on a 2-core EPYC
+    # (rounded); instruction handling is host Python whatever the device.
+    controller_reduce=50e-6,
+    controller_borrow=5e-6,
+    controller_backward=15e-6,
+    controller_switch=90e-6,
+    eager_op_overhead=6e-6,
     notes="NVIDIA H100 SXM datasheet peaks; efficiencies and latencies are assumptions",
 )
 
@@ -326,6 +350,12 @@ CPU_LOCAL = DeviceProfile(
     inter_host="gloo",
     ranks_per_host=1 << 30,  # one host, unless the mesh has a "host" dim
     controller_overhead=8e-6,  # benchmarks/tensor_engine.py: ~7-9 us an eager op
+    # measured by `monarch-dsl calibrate` on a 2-core EPYC (rounded; see H100)
+    controller_reduce=50e-6,
+    controller_borrow=5e-6,
+    controller_backward=15e-6,
+    controller_switch=90e-6,
+    eager_op_overhead=6e-6,
     notes="uncalibrated placeholder for a 2-core CPU: run `monarch-dsl calibrate`",
 )
 

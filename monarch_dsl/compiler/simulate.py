@@ -273,10 +273,19 @@ def steady_step_time(
     if link is not None:
         controller += sum(link.time(b * ranks, 1) for b in local_bytes)
     worker = step_time + profile.plan_overhead
-    pace = max(controller, worker)
-    if profile.host_cores and ranks + 1 > profile.host_cores:
-        pace = max(pace, (controller + ranks * worker) / profile.host_cores)
-    return pace
+    return max(controller, worker, cpu_bound(controller, [worker] * ranks, profile))
+
+
+def cpu_bound(controller: float, ranks: Sequence[float], profile: DeviceProfile) -> float:
+    """The least wall time in which a host's controller (``controller`` CPU seconds) and its
+    ranks (each busy for its seconds of ``ranks``) can all run, where they are more processes
+    than the host's ``host_cores`` and must share them: their CPU seconds over the cores (a
+    rank waiting in a shared-memory collective spins, so its busy time is CPU time); 0 where
+    each has a core of its own (or ``host_cores`` is unknown). The one contention rule of
+    compiled steps (``steady_step_time``) and eager programs (``simulate_eager.py``)."""
+    if profile.host_cores and len(ranks) + 1 > profile.host_cores:
+        return (controller + sum(ranks)) / profile.host_cores
+    return 0.0
 
 
 # The results the C++ runtime writes again in later runs instead of allocating them
@@ -797,6 +806,7 @@ __all__ = [
     "writes_out",
     "runs_in_place",
     "PLANNED_BYTES",
+    "cpu_bound",
     "traffic",
     "family",
 ]

@@ -5,18 +5,26 @@ Values are meta tensors: each rank has a ref table of them, so every shape and d
 torch's own (a ``CallOp`` runs its aten op on the meta tensors of its inputs; ranks whose
 inputs are the same meta tensors share one run). The model, per rank:
 
-- **Controller.** The controller issues one instruction every ``controller_overhead`` seconds
-  of the profile (``Delete``, ``DefineMesh`` and ``DefinePlan`` are free): an instruction
-  cannot start on a worker before it was issued. Time the user's Python spends between ops is
-  not modelled.
+- **Controller.** The controller's CPU per instruction it issues (``Delete``, ``DefineMesh``
+  and ``DefinePlan`` are free): ``controller_overhead``, or ``controller_reduce`` for a
+  ``Reduce`` and ``controller_borrow`` for a ``BorrowBegin`` / ``BorrowEnd`` (they build more:
+  a reduce's output description, a borrow's bookkeeping); ``controller_backward`` more for an
+  instruction autograd's backward pass issued (``Issued.backward``: its graph walk and the
+  backward formulas run on the controller too), and ``controller_switch`` more when the
+  thread issuing instructions changed (``Issued.thread``: ``md.grad_generator`` hands each
+  gradient from its helper thread to the caller and back). The instructions are issued one
+  after another at that pace: one cannot start on a worker before it was issued. Time the
+  user's Python spends between ops is not modelled.
 - **Streams.** Each stream of each rank has a clock: an instruction starts when its stream has
   finished the previous one and the controller has issued it, and takes its cost.
 - **Compute** (``CallOp``): the roofline time of ``compiler/simulate.compute_time`` for the
-  op's input and output shapes (the one cost function of compiled and eager programs); a
-  ``CallFunction`` (``@md.remote``) costs the time to read its inputs and write its outputs.
+  op's input and output shapes (the one cost function of compiled and eager programs) plus
+  the profile's ``eager_op_overhead`` (what a worker spends on an eager instruction beyond
+  the op: receiving and decoding it, the executor's bookkeeping); a ``CallFunction``
+  (``@md.remote``) costs the time to read its inputs and write its outputs, plus the same.
 - **Collectives** (``Reduce``): start when every member of the group has reached them, end
   together after ``comm_time`` (the alpha-beta model of the profile's link, intra-host or
-  inter-host by the mesh dim ``host``).
+  inter-host by the mesh dim ``host``) plus ``eager_op_overhead``.
 - **Transfers** (``to_mesh``): each pair is a send of ``comm_time``; the receiver has the
   value when both the send has ended and it reached the receive.
 - **Borrows.** ``BorrowBegin``: the borrowing stream waits until the origin stream has reached
@@ -28,12 +36,19 @@ inputs are the same meta tensors share one run). The model, per rank:
 - **Memory.** A ref's storage is allocated when made; views and in-place results share their
   input's storage (the same meta storage); a storage is freed when the last ref on it is
   deleted. During a compiled step, the program's own peak comes on top of what is live.
+- **Shared cores.** Where a host's ranks and the controller are more processes than its
+  ``host_cores`` (2 ranks and a controller on 2 cores), they take turns on the cores: the
+  step time is at least their CPU seconds over the cores (``simulate.cpu_bound``, the rule of
+  compiled steps' ``steady_step_time`` too; the controller's on the first host). A bound on
+  the report's ``step_time`` rather than a stretched timeline: which process the OS runs
+  when is not something the model knows, and the timeline keeps each instruction's own cost.
 - ``Fetch`` replies zeros of the value's shape and dtype (a barrier replies None); a failing
   op (a bad shape) fails its outputs as on the workers, and fetching them raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -55,6 +70,7 @@ from monarch_dsl.compiler.simulate import (
     _report,
     comm_time,
     compute_time,
+    cpu_bound,
     play_program,
 )
 from monarch_dsl.isa import Slot, collectives
@@ -68,6 +84,18 @@ ReplyFailure = Callable[[int, int, Failure], None]  # (call id, rank, failure tu
 FunctionShapes = Callable[[bytes, tuple[Any, ...], dict[str, Any]], Any]
 
 _FREE = (isa.Delete, isa.DefineMesh, isa.DefinePlan)  # cost the controller nothing
+
+
+class Issued(NamedTuple):
+    """How the controller issued an instruction: the ``thread`` that issued it (an id) and
+    whether autograd's ``backward`` pass did (``md.Simulator``'s engine records them)."""
+
+    thread: int
+    backward: bool
+
+
+# The controller's CPU seconds for an instruction are the sum of these terms (``charged``).
+CONTROLLER_TERMS = ("op", "reduce", "borrow", "backward", "switch")
 
 
 class Failed(NamedTuple):
@@ -170,6 +198,10 @@ class EagerSimulator:
         self.floor: dict[tuple[int, str], tuple[float, str]] = {}  # wait for this first
         self.events: list[SimEvent] = []
         self.issued = 0.0  # when the controller issued the latest instruction
+        self.thread: int | None = None  # the thread that issued it
+        # How many times each of CONTROLLER_TERMS was charged (calibration attributes measured
+        # CPU time to the terms with these counts).
+        self.charged: dict[str, int] = dict.fromkeys(CONTROLLER_TERMS, 0)
         self.handlers: dict[type, Callable[[Any, list[int]], None]] = {
             isa.CallOp: self.call_op,
             isa.CallFunction: self.call_function,
@@ -186,16 +218,24 @@ class EagerSimulator:
         }
 
     # ---- driving ---------------------------------------------------------------------------
-    def run(self, ranks: Sequence[int], items: Sequence[tuple[int, Any]]) -> None:
+    def run(
+        self,
+        ranks: Sequence[int],
+        items: Sequence[tuple[int, Any]],
+        issued: Sequence[Issued | None] | None = None,
+    ) -> None:
         """A batch of (mesh id, instruction) sent to ``ranks``: each runs on those of its
-        mesh's ranks (mesh -1: all of ``ranks``)."""
+        mesh's ranks (mesh -1: all of ``ranks``). ``issued``: how each was issued (None:
+        by one thread, outside a backward pass)."""
         posted = set(ranks)
-        for mesh, ins in items:
+        for i, (mesh, ins) in enumerate(items):
             handler = self.handlers.get(type(ins))
             if handler is None:
                 raise TypeError(f"the simulator has no handler for {type(ins).__name__}")
             if not isinstance(ins, _FREE):
-                start, self.issued = self.issued, self.issued + self.prof.controller_overhead
+                how = issued[i] if issued is not None else None
+                start = self.issued
+                self.issued += self.controller_cost(ins, how)
                 if self.trace_controller:
                     name = getattr(ins, "op", type(ins).__name__)
                     self.events.append(
@@ -207,9 +247,45 @@ class EagerSimulator:
                 here = [r for r in self.meshes[mesh].ranks if r in posted]
             handler(ins, here)
 
+    def controller_cost(self, ins: Any, how: Issued | None) -> float:
+        """The controller's CPU seconds for issuing ``ins`` (see the module's docstring),
+        counted in ``charged``."""
+        p = self.prof
+        if isinstance(ins, isa.Reduce):
+            term, cost = "reduce", p.controller_reduce or p.controller_overhead
+        elif isinstance(ins, (isa.BorrowBegin, isa.BorrowEnd)):
+            term, cost = "borrow", p.controller_borrow or p.controller_overhead
+        else:
+            term, cost = "op", p.controller_overhead
+        self.charged[term] += 1
+        if how is not None:
+            if how.backward:
+                self.charged["backward"] += 1
+                cost += p.controller_backward
+            if self.thread is not None and how.thread != self.thread:
+                self.charged["switch"] += 1
+                cost += p.controller_switch
+            self.thread = how.thread
+        return cost
+
     def report(self) -> SimReport:
         peak = {r: self.memory[r].peak for r in range(self.world)}
-        return _report(list(self.events), peak, self.prof.name)
+        out = _report(list(self.events), peak, self.prof.name)
+        # Shared cores: the CPU of each host's ranks (and of the controller, on the first
+        # host) over its cores bounds the step time.
+        busy = [0.0] * self.world
+        for e in self.events:
+            if e.kind != "wait" and e.rank >= 0:
+                busy[e.rank] += e.end - e.start
+        first = min(self.host, default=0)
+        bound = 0.0
+        for h in set(self.host):
+            controller = self.issued if h == first else 0.0
+            ranks = [busy[r] for r in range(self.world) if self.host[r] == h]
+            bound = max(bound, cpu_bound(controller, ranks, self.prof))
+        if bound > out.step_time:
+            out = dataclasses.replace(out, step_time=bound)
+        return out
 
     # ---- time --------------------------------------------------------------------------------
     def _begin(self, r: int, stream: str) -> float:
@@ -299,6 +375,7 @@ class EagerSimulator:
                     ]
                     cost_name = step_name(ins.op) if isinstance(ins, isa.CallOp) else "remote"
                     cost = op_time(cost_name, ins_t, [_type(x) for x in tensors], self.prof)
+                    cost += self.prof.eager_op_overhead
                     done[key] = (tensors, cost)
             got = done[key]
             if isinstance(got[0], list):
@@ -377,7 +454,7 @@ class EagerSimulator:
             step = kind(dims=dims, args=(Slot(0),), outs=(1,))
             types = [(shape, ins.dtype), (out_shape, ins.dtype)]
             cross = len({self.host[r] for r in members}) > 1
-            cost = comm_time(step, types, n, self.prof, cross)
+            cost = comm_time(step, types, n, self.prof, cross) + self.prof.eager_op_overhead
             start = max(self._begin(r, ins.stream) for r in members)
             for r in members:
                 self._busy(r, ins.stream, step.kind, start, start + cost, "comm")
@@ -540,4 +617,12 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
     return [_type(v) for v in env]
 
 
-__all__ = ["EagerSimulator", "Failed", "program_types", "op_time", "step_name"]
+__all__ = [
+    "EagerSimulator",
+    "Failed",
+    "Issued",
+    "CONTROLLER_TERMS",
+    "program_types",
+    "op_time",
+    "step_name",
+]
