@@ -251,11 +251,12 @@ def _ddp_exposed(variant: str) -> tuple[float, float]:
     sim = md.Simulator(hosts=1, gpus=4, profile="h100")
     comms = md.Stream("comms")
     torch.manual_seed(0)
-    layers = [nn.Linear(1024, 1024) for _ in range(4)]
+    # Big enough that the GPU's work, not the controller issuing it, sets the pace
+    layers = [nn.Linear(4096, 4096) for _ in range(4)]
     model = nn.Sequential(*layers)
     with sim.mesh.activate():
         model = md.to_mesh(model, sim.mesh)
-        loss = model(torch.rand(512, 1024)).pow(2).mean()
+        loss = model(torch.rand(8192, 4096)).pow(2).mean()
         params = list(reversed(list(model.parameters())))
         pending = None
         for grad in md.grad_generator(loss, params):
