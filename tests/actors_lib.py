@@ -87,3 +87,29 @@ class Counter(md.Actor):
 class BadInit(md.Actor):
     def __init__(self):
         raise RuntimeError("constructor failed")
+
+
+class RefTable(md.Actor):
+    """Looks into this worker's tensor ref table (what a survivor holds after a death)."""
+
+    @md.endpoint
+    def held(self, ref, timeout=10.0):
+        """What tensor ref ``ref`` holds once the instruction making it has run: ("failure",
+        its Failure tuple), ("tensor", shape), or ("missing", None) if nothing did within
+        ``timeout`` s. Then writes ``held-done`` to stderr (what came before is in the pipe)."""
+        import sys
+        import time
+
+        from monarch_dsl.runtime import worker
+        from monarch_dsl.runtime.failure import Failure
+
+        table = worker.current.executor().refs
+        deadline = time.monotonic() + timeout
+        value = table.get(ref)
+        while value is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stream thread stores it; no event reaches an endpoint
+            value = table.get(ref)
+        print("held-done", file=sys.stderr, flush=True)
+        if isinstance(value, Failure):
+            return "failure", value.as_tuple()
+        return ("missing", None) if value is None else ("tensor", tuple(value.shape))

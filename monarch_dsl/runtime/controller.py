@@ -23,6 +23,7 @@ from typing import Any
 from monarch_dsl.errors import ActorError, RemoteError, SpawnError, SupervisionError
 from monarch_dsl.runtime import debugger, logs, transport
 from monarch_dsl.runtime.context import Point
+from monarch_dsl.runtime.failure import is_communication
 from monarch_dsl.runtime.forkserver import ForkServerClient, describe_status, fork_server
 from monarch_dsl.runtime.future import Future, before_block
 from monarch_dsl.runtime.messages import (
@@ -44,6 +45,9 @@ _call_ids = itertools.count(1)
 STOP_TIMEOUT = 5.0
 CALLER_PARK = 0.005  # after a caller read replies itself, the background reader waits this long
 EXIT_STATUS_WAIT = 1.0
+# How long a survivor's failed communication waits for the death that likely caused it: its
+# peer's exit can reach the controller after the survivor's report of the broken collective.
+PEER_LOSS_WAIT = 2.0
 
 
 # =============================================================================== batching
@@ -194,6 +198,9 @@ class Job:
         self.pending: dict[int, Pending] = {}
         self.pending_by_rank: dict[int, set[int]] = {}
         self.pending_whole_job: set[int] = set()  # call ids that any worker's death fails
+        # Calls whose reply was a failed communication, held until a worker's death explains
+        # it or PEER_LOSS_WAIT passes: call id -> (deadline, rank, the RemoteError).
+        self._held: dict[int, tuple[float, int, RemoteError]] = {}
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
         # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
@@ -231,6 +238,18 @@ class Job:
         if rank in self.hellos and self.hellos[rank].hostname != socket.gethostname():
             where += f" on {self.hellos[rank].hostname}"
         return f"rank {rank} ({coords}{where})"
+
+    def death(self, rank: int) -> SupervisionError:
+        """A new SupervisionError for dead ``rank`` (each raise gets its own: one instance
+        raised again and again would carry every earlier raise's traceback)."""
+        err = self.dead[rank]
+        return SupervisionError(err.args[0], rank=err.rank, coords=err.coords, stderr=err.stderr)
+
+    def first_death(self) -> SupervisionError | None:
+        """The error of the worker that died first, if one did."""
+        for rank in list(self.dead):
+            return self.death(rank)
+        return None
 
     # ------------------------------------------------------------------ startup
     def start_local(
@@ -419,7 +438,7 @@ class Job:
                 if self._callers_reading or self.stopped:
                     self._bg_selecting = False
                     continue
-                events = self._sel.select()
+                events = self._sel.select(self._held_timeout(None))
                 self._bg_selecting = False
                 self._process(events)
 
@@ -442,6 +461,23 @@ class Job:
                     continue
                 for msg in msgs:
                     self._dispatch(rank, msg)
+        if self._held:
+            self._release_held()
+
+    def _held_timeout(self, left: float | None) -> float | None:
+        """``left``, or less: until the first held call's deadline."""
+        if not self._held:
+            return left
+        until = min(deadline for deadline, _, _ in self._held.values()) - time.monotonic()
+        return max(0.0, until if left is None else min(left, until))
+
+    def _release_held(self) -> None:
+        """Deliver the held failures that no death explained within PEER_LOSS_WAIT."""
+        now = time.monotonic()
+        for call_id, (deadline, rank, err) in list(self._held.items()):
+            if now >= deadline or call_id not in self.pending:
+                del self._held[call_id]
+                self._deliver(rank, call_id, None, err)
 
     def read_until(self, fut: Future, timeout: float | None) -> None:
         """Wait for ``fut`` by reading replies in the calling thread.
@@ -475,7 +511,7 @@ class Job:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return
-                    self._process(self._sel.select(left))
+                    self._process(self._sel.select(self._held_timeout(left)))
             finally:
                 self._read_lock.release()
         finally:
@@ -550,7 +586,7 @@ class Job:
             )
             self._deliver(rank, msg.call_id, None, err)
         elif cls is FetchFailed:
-            self._deliver(rank, msg.call_id, None, self.remote_error(msg.failure, observed=True))
+            self._fetch_failed(rank, msg.call_id, msg.failure)
         elif cls is FailureReport:
             self.failures.append(msg.failure)
         elif cls is transport.UndecodableMessage and msg.call_id is not None:
@@ -566,6 +602,23 @@ class Job:
             self._deliver(rank, msg.call_id, None, err)
         else:
             log.warning("monarch_dsl: dropped a message from %s: %r", self.describe(rank), msg)
+
+    def _fetch_failed(self, rank: int, call_id: int, failure: tuple) -> None:
+        """A fetched value had failed. A communication that raised on a survivor (its peer
+        vanished) is the dead worker's doing: the call fails with its SupervisionError --
+        also when the death is noticed up to PEER_LOSS_WAIT after this reply (the call is
+        held until then), never with the survivor's "connection closed" or a value the abort
+        left unmade."""
+        err = self.remote_error(failure, observed=True)
+        if is_communication(failure):
+            death = self.first_death()
+            if death is not None:
+                self._deliver(rank, call_id, None, death)
+                return
+            if call_id in self.pending:
+                self._held[call_id] = (time.monotonic() + PEER_LOSS_WAIT, rank, err)
+                return
+        self._deliver(rank, call_id, None, err)
 
     def _deliver(self, rank: int, call_id: int, value: Any, exc: BaseException | None) -> None:
         p = self.pending.get(call_id)
@@ -624,20 +677,22 @@ class Job:
             self.dead[rank] = err
             self.conns.pop(rank, None)
             call_ids = self.pending_by_rank.pop(rank, set()) | self.pending_whole_job
+            call_ids |= set(self._held)  # a survivor's failed communication: this death's doing
+            self._held.clear()
             self._cond.notify_all()
         for call_id in call_ids:
             p = self.pending.get(call_id)
             if p is None:
                 continue
             if p.on_item is not None:
-                p.on_item(rank, None, err)
+                p.on_item(rank, None, self.death(rank))
                 p.remaining -= 1
                 if p.remaining == 0:
                     self._forget(call_id, p)
                     p.future.set_result(None)
                 continue
             self._forget(call_id, p)
-            p.future.set_exception(err)
+            p.future.set_exception(self.death(rank))
 
     # ------------------------------------------------------------------ tensor engine
     def remote_error(self, failure: tuple, observed: bool) -> RemoteError:
@@ -657,7 +712,13 @@ class Job:
         )
 
     def unobserved_failures(self) -> list[tuple]:
-        return [f for f in self.failures if tuple(f[1:4]) not in self.observed]
+        """Root failures no fetch has raised; after a worker's death, without the survivors'
+        failed communications (the death's doing, reported as such)."""
+        return [
+            f
+            for f in self.failures
+            if tuple(f[1:4]) not in self.observed and not (self.dead and is_communication(f))
+        ]
 
     def expect(
         self, ranks: Sequence[int], finish: Callable[[list], Any] | None, whole_job: bool = False
@@ -683,9 +744,8 @@ class Job:
             raise SupervisionError("this process mesh has been stopped")
         if self.dead:
             for r in ranks:
-                err = self.dead.get(r)
-                if err is not None:
-                    raise err
+                if r in self.dead:
+                    raise self.death(r)
 
     def request(
         self,
@@ -787,6 +847,7 @@ class Job:
         os.close(self._wake_r)
         os.close(self._wake_w)
         err = SupervisionError("the process mesh was stopped")
+        self._held.clear()
         for call_id, p in list(self.pending.items()):
             self._forget(call_id, p)
             p.future.set_exception(err)

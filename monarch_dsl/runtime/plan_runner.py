@@ -24,7 +24,7 @@ from monarch_dsl.compiler.plan import TensorType
 from monarch_dsl.isa import Program, Slot, collectives
 from monarch_dsl.mesh import index_of_coords
 from monarch_dsl.runtime import exchange
-from monarch_dsl.runtime.failure import Failure
+from monarch_dsl.runtime.failure import PLAN_COMMUNICATION, Failure
 
 if TYPE_CHECKING:
     from monarch_dsl.runtime.executor import ReferenceExecutor
@@ -115,24 +115,29 @@ class PlanRunner:
                 ex.refs[local] = local_value(v, t, coords, sizes)
         core = self.core
         env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
-        compiled = self._compiled(ins.plan, program, mesh, coords, ins.stream) if core else None
         for slot, ref in zip(program.inputs, ins.inputs):
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
                 failure, v = failure or v, None  # (nothing is computed: see run_plan)
             env[slot] = v  # None: a pipeline stage's value held by other ranks
-        world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
         own = False
-        if compiled is not None:  # the whole run in C++, without the GIL
-            failed = compiled.run_plan(env, ex.device, failure is not None)
-            if failed >= 0 and failure is None:
-                bad = program.steps[failed] if failed < len(program.steps) else None
-                loc = (bad.loc if bad is not None else "") or ins.loc
-                op = bad.op if bad is not None else "plan"
-                failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
-        else:
-            failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
-        failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
+        try:
+            compiled = self._compiled(ins.plan, program, mesh, coords, ins.stream) if core else None
+            world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
+            if compiled is not None:  # the whole run in C++, without the GIL
+                failed = compiled.run_plan(env, ex.device, failure is not None)
+                if failed >= 0 and failure is None:
+                    bad = program.steps[failed] if failed < len(program.steps) else None
+                    loc = (bad.loc if bad is not None else "") or ins.loc
+                    op = bad.op if bad is not None else PLAN_COMMUNICATION
+                    failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
+            else:
+                failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
+            failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
+        except Exception as e:  # noqa: BLE001 - a communication raised (a peer died): the
+            # outputs fail with it, so a fetch says why instead of finding no value
+            if failure is None:
+                failure, own = ex.root_failure(ins.loc, PLAN_COMMUNICATION, e), True
         if failure is not None:
             ex.fail([r for r in ins.outputs if r >= 0], failure, root=own)
             return
