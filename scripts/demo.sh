@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-VENV=${VIRTUAL_ENV:-.venv}
+. scripts/venv.sh
 exec "$VENV/bin/python" examples/demo.py "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a development environment: a virtual env (.venv, unless one is active), torch, and
+# Set up a development environment: a virtual env (scripts/venv.sh says which), torch, and
 # monarch_dsl in editable mode with its dev tools. Safe to run again: it only does what is missing.
 #
 # torch: an installed torch is kept. If none is importable, TORCH_SPEC (default torch==2.13.0)
@@ -8,18 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 
-if [ -n "${VIRTUAL_ENV:-}" ]; then
-    VENV=$VIRTUAL_ENV
-else
-    VENV=.venv
-    if [ ! -x "$VENV/bin/python" ]; then
-        "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "monarch_dsl needs Python >= 3.10"'
-        echo "setup: creating $VENV (sees system packages, so an installed torch is kept)"
-        "$PYTHON" -m venv --system-site-packages "$VENV"
-    fi
+. scripts/venv.sh
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "monarch_dsl needs Python >= 3.10"'
+    echo "setup: creating $VENV (sees system packages, so an installed torch is kept)"
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+elif [ "$VENV" != .venv ] && [ "$VENV" != "${VIRTUAL_ENV:-}" ]; then
+    echo "setup: python3 belongs to the virtual env $VENV: using it"
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-VENV=${VIRTUAL_ENV:-.venv}
+. scripts/venv.sh
 "$VENV/bin/python" -m mypy
 exec "$VENV/bin/python" -m pytest "$@"
