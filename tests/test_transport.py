@@ -930,3 +930,21 @@ def test_big_part_grown_ahead_then_finished_through_the_shared_buffer():
         while not got:
             got += reader.read()
     assert torch.equal(got[0].value, t)
+
+
+def test_code_sent_by_value_keeps_its_file_and_lines():
+    """A class or function of the user's script travels by value with its file name and line
+    numbers: remote tracebacks, breakpoint() tables and errors name the user's file:line."""
+    from monarch_dsl.runtime import serialize
+
+    src = (
+        "def f(x):\n    def g():\n        return x + 1\n    return g\n\n"
+        "class C:\n    def m(self):\n        return f(1)\n"
+    )
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(src, "/home/user/train.py", "exec"), ns)
+    f2, c2 = serialize.loads(*serialize.dumps((ns["f"], ns["C"])))
+    assert f2.__code__.co_filename == "/home/user/train.py"
+    assert f2(41).__code__.co_filename == "/home/user/train.py"  # nested code too
+    assert c2.m.__code__.co_filename == "/home/user/train.py"
+    assert c2.m.__code__.co_firstlineno == 7 and f2(41)() == 42

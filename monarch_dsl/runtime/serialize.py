@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copyreg
 import io
+import marshal
 import pickle
 import sys
 import threading
+import types
 from typing import Any
 
 import cloudpickle
@@ -21,6 +23,18 @@ import cloudpickle
 # dispatch_table, and a ChainMap lookup runs Python code (it made pickling 4x slower).
 _fast_table: dict = dict(copyreg.dispatch_table)
 _cloud_table: dict = {**copyreg.dispatch_table, **cloudpickle.Pickler.dispatch_table}
+
+
+def _reduce_code(code: types.CodeType):
+    """A code object sent by value, as ``marshal`` writes it: its file name kept. (cloudpickle
+    3.1.3 writes ``<dynamic-code>`` instead, and a remote traceback, a worker's ``breakpoint()``
+    and every error naming the user's ``file:line`` would lose the file of a class or function
+    defined in ``__main__``.) Both sides run the same Python version, as cloudpickle's own
+    code objects already require."""
+    return marshal.loads, (marshal.dumps(code),)
+
+
+_cloud_table[types.CodeType] = _reduce_code
 
 
 def _rebuild_tensor(buf, dtype, shape, requires_grad):
