@@ -51,7 +51,10 @@ def grad_generator(loss: Tensor, params: Iterable[torch.Tensor]) -> Iterator[Ten
 
     def run() -> None:
         try:
-            torch.autograd.grad(loss, params, allow_unused=True)
+            # in this thread, as under activate(): a CUDA mesh tensor's backward must not go to
+            # a device thread of the controller's own GPUs (see tensor/activation.py)
+            with torch.autograd.set_multithreading_enabled(False):
+                torch.autograd.grad(loss, params, allow_unused=True)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             state["error"] = e
         with cond:

@@ -324,8 +324,10 @@ def _check_on_mesh(named: list, buffers: list, mesh: Any) -> None:
 
 @_remote_fn(propagate=lambda *ps: torch.zeros(len(ps), 8, dtype=torch.int64))
 def _local_shapes(*params):
-    """Each parameter's local (ndim, shape padded to 7) on this rank."""
-    out = torch.zeros(len(params), 8, dtype=torch.int64)
+    """Each parameter's local (ndim, shape padded to 7) on this rank, on the rank's device (a
+    CUDA worker reduces CUDA tensors only)."""
+    device = params[0].device if params else None
+    out = torch.zeros(len(params), 8, dtype=torch.int64, device=device)
     for k, p in enumerate(params):
         shape = list(p.shape)[:7]
         out[k, 0] = p.dim()

@@ -35,7 +35,11 @@ def activate(mesh: Any) -> Iterator[Any]:
     torch.manual_seed = manual_seed
     failing = False
     try:
-        with MeshMode(mesh):
+        # Autograd on mesh tensors runs in the calling thread: the engine would hand a CUDA
+        # mesh tensor's backward to a device thread of this process's own GPUs (by the tensor's
+        # device index, which the controller's view has none of: an internal assert in
+        # torch, seen on an H200), yet the work is only recorded here and runs on the workers.
+        with MeshMode(mesh), torch.autograd.set_multithreading_enabled(False):
             yield mesh
     except BaseException:
         failing = True
