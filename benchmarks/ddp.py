@@ -67,13 +67,17 @@ MODELS = {"big": (1024, 8), "tiny": (64, 4)}  # name: (width, layers)
 BLOCK_SECONDS = 0.6  # a block's length (steps chosen from the warm-up's step time)
 
 
-def make_model(name: str) -> nn.Module:
-    width, layers = MODELS[name]
+def mlp(width: int, layers: int) -> nn.Module:
+    """``layers`` x (Linear(width, width) + ReLU), seeded."""
     torch.manual_seed(0)
     mods: list[nn.Module] = []
     for _ in range(layers):
         mods += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*mods)
+
+
+def make_model(name: str) -> nn.Module:
+    return mlp(*MODELS[name])
 
 
 def global_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:

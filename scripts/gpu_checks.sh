@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checklist (GPU_CHECKS.md in the project's shared folder) as one script, for a machine
+# with a CUDA GPU: setup from the README (the CUDA torch kept, the C++ runtime built against
+# it), the gpu-marked tests on CUDA workers, the tutorial on CUDA workers, and the benchmarks'
+# GPU parts. Every step has a time limit and its own log; a failed step does not stop the next.
+#
+#     bash scripts/gpu_checks.sh [LOG_DIR] [TARBALL]   # default: gpu-logs/; TARBALL: the
+#                                                     # logs, packed again after every step
+#
+# Offline machines: put wheels of the dev extra's missing packages in .whl/ (see the README's
+# GPU section); setup then installs from there only.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGS=${1:-gpu-logs}
+TARBALL=${2:-}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 MONARCH_DSL_QUIET=1
+if [ -d .whl ]; then
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl"
+fi
+
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, its output to LOGS/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
+    tail -n 25 "$LOGS/$name.log"
+    if [ -n "$TARBALL" ]; then tar czf "$TARBALL" -C "$LOGS" .; fi
+    return $rc
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c 'import torch, sys; print("python3:", sys.prefix, "torch", torch.__version__,
+        "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+    nproc
+} >"$LOGS/machine.txt" 2>&1
+cat "$LOGS/machine.txt"
+
+if ! step setup 240 bash scripts/setup.sh; then
+    # Go on with the rest of the checklist: the package alone into python3's env.
+    step setup_fallback 150 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation \
+        -e . lark && python3 -m monarch_dsl build' || exit 1
+    VIRTUAL_ENV=$(python3 -c 'import sys; print(sys.prefix)')
+fi
+. scripts/venv.sh
+PY="$VENV/bin/python"
+step torch_kept 30 "$PY" -c 'import torch; assert torch.version.cuda, torch.__version__
+print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+step pytest_gpu 240 env MD_DEVICE=cuda "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=5
+step tutorial_cuda 60 env MD_DEVICE=cuda "$PY" examples/tutorial.py
+step bench_kernels 90 "$PY" benchmarks/kernels.py
+step bench_executor 90 "$PY" benchmarks/executor.py --reps 5
+step bench_gpu_step 150 "$PY" benchmarks/gpu_step.py
+cat "$LOGS/summary.txt"
