@@ -4,7 +4,7 @@
 
 On CUDA, for a bucket of about ``--mib`` MiB made of many tensors of mixed sizes (the
 parameters of a stack of small transformer layers), times each op of
-``monarch_dsl.parallel.kernels`` with ``KERNELS`` set to "triton" and to "torch", beside torch's
+``monarch_dsl.runtime.kernels`` with ``KERNELS`` set to "triton" and to "torch", beside torch's
 own ways of doing the same work:
 
 - flatten_scale: Triton vs torch.cat into the buffer + mul_ (the module's torch path, the
@@ -69,7 +69,7 @@ def bench(fn, reps: int, flush: torch.Tensor) -> float:
 
 def run_layout(dtype: torch.dtype, odd: bool, mib: float, reps: int) -> dict[str, dict]:
     """{op: {"bytes": moved, "rows": {name: ms}}} for one bucket layout."""
-    from monarch_dsl.parallel import kernels
+    from monarch_dsl.runtime import kernels
 
     dev = "cuda"
     shapes = bucket_shapes(int(mib * 2**20), torch.finfo(dtype).bits // 8, odd)
@@ -200,7 +200,7 @@ def report(dtype: torch.dtype, layout: str, table: dict, wins: dict) -> None:
 def cpu_check() -> None:
     """A tiny bucket through the Triton kernels under triton's interpreter, against torch."""
     os.environ["TRITON_INTERPRET"] = "1"
-    from monarch_dsl.parallel import kernels
+    from monarch_dsl.runtime import kernels
 
     try:
         import triton  # noqa: F401

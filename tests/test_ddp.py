@@ -292,3 +292,39 @@ def test_a_worker_killed_mid_training_is_named():
                 md.inspect(ddp(x))
     finally:
         pm.stop()
+
+
+@md.remote(propagate=lambda: torch.zeros(2, dtype=torch.int64))
+def _bucket_backends():
+    from monarch_dsl.runtime import kernels
+
+    probe = torch.empty(1)
+    return torch.tensor([kernels.backend(probe, op) == "triton" for op in kernels.OPS[:2]])
+
+
+def test_buckets_go_through_the_triton_kernels_where_chosen():
+    """Each bucket is one monarch_dsl::flatten_scale and one unflatten_into instruction, run by
+    the workers' kernels: here Triton's (its interpreter on CPU workers, as a CUDA worker runs
+    them compiled), chosen per mesh with MD_KERNELS. Training matches one process."""
+    pytest.importorskip("triton")
+    env = {"MD_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    pm = md.this_host().spawn_procs({"dp": 2}, env=env)
+    try:
+        local = _mlp()
+        batches = _batches(n=2)
+        with pm.activate():
+            assert md.inspect(_bucket_backends()).tolist() == [1, 1]
+            ddp = md.DistributedDataParallel(
+                md.to_mesh(copy.deepcopy(local), pm), bucket_cap_mb=0.001
+            )
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for x, y in batches:
+                xb, yb = md.distribute((x, y), {"dp": md.Shard(0)})
+                opt.zero_grad()
+                F.mse_loss(ddp(xb), yb).backward()
+                opt.step()
+            _train_local(local, torch.optim.SGD(local.parameters(), lr=0.1), batches)
+            _assert_same(ddp.module, local, pm)
+        assert len(ddp.bucket_sizes) >= 2
+    finally:
+        pm.stop()

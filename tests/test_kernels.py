@@ -1,4 +1,4 @@
-"""monarch_dsl.parallel.kernels: bucket flatten/unflatten and SGD/AdamW steps over flat buckets.
+"""monarch_dsl.runtime.kernels: bucket flatten/unflatten and SGD/AdamW steps over flat buckets.
 
 Each case runs on three paths: plain torch ops (the CPU path), torch's fused kernels (the
 "torch" choice on CUDA; torch has them on CPU too), and the Triton kernels, which triton's
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from monarch_dsl.parallel import kernels
+from monarch_dsl.runtime import kernels
 
 
 def _triton_missing() -> str | None:
@@ -319,7 +319,7 @@ def test_works_without_triton():
 import os, sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
 import torch
-from monarch_dsl.parallel import kernels
+from monarch_dsl.runtime import kernels
 ts = [torch.ones(3), torch.ones(2)]
 flat = kernels.flatten_scale(ts, 0.5)
 assert flat.tolist() == [0.5] * 5, flat
@@ -448,3 +448,25 @@ def test_kernels_compile_for_a_gpu():
         assert f"ld.global.{width}" in ptx
         assert f"sqrt.rn.f{bits}" in ptx.replace(".ftz", "")
         assert f"div.rn.f{bits}" in ptx.replace(".ftz", "")
+
+
+# ---- as torch ops (what md.DistributedDataParallel records for its buckets) ----------------
+
+
+def test_bucket_ops_match_the_functions_and_check_on_meta_tensors():
+    tensors = [torch.randn(s) for s in ODD_SHAPES]
+    flat = torch.ops.monarch_dsl.flatten_scale(tensors, 0.5)
+    assert torch.equal(flat, kernels.flatten_scale(tensors, 0.5))
+    back = [torch.empty_like(t) for t in tensors]
+    torch.ops.monarch_dsl.unflatten_into(flat, back, 2.0)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+    # the controller sees shapes only (meta tensors) and refuses a bad bucket before sending
+    meta = [t.to("meta") for t in tensors]
+    assert torch.ops.monarch_dsl.flatten_scale(meta, 1.0).shape == flat.shape
+    mixed = [meta[0], meta[1].to(torch.float64)]
+    with pytest.raises(ValueError, match="one dtype on one device"):
+        torch.ops.monarch_dsl.flatten_scale(mixed, 1.0)
+    with pytest.raises(ValueError, match="no tensors"):
+        torch.ops.monarch_dsl.flatten_scale([], 1.0)
+    with pytest.raises(ValueError, match="elements"):
+        torch.ops.monarch_dsl.unflatten_into(torch.empty(3, device="meta"), meta, 1.0)

@@ -17,7 +17,9 @@ What it does, as torch's reducer does:
   on the main stream and all-reduced on a ``comms`` stream (borrowed, so the rest of the backward
   pass keeps running on the workers' main stream meanwhile). A callback queued on autograd's
   engine runs at the end of ``backward()``: it waits for the buckets (drops the borrows) and
-  writes the averages into ``.grad``.
+  writes the averages into ``.grad``. Flattening and writing back are one instruction each
+  per bucket (``monarch_dsl::flatten_scale`` / ``unflatten_into``, ``runtime/kernels.py``):
+  Triton kernels on CUDA workers, torch on CPU ones.
 - A parameter that got no gradient in a backward pass is an error raised by that
   ``backward()`` naming the parameters (torch says only that some exist, at the next forward),
   unless ``find_unused_parameters=True``: then its bucket is reduced without it, and its
@@ -44,6 +46,7 @@ from torch import nn
 
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.remote import remote as _remote_fn
+from monarch_dsl.runtime import kernels as _kernels  # noqa: F401 - registers the bucket ops
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -212,8 +215,9 @@ class DistributedDataParallel(nn.Module):
         bucket.present = present
         if not present:
             return
-        grads = [self._params[i].grad for i in present]
-        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        grads = [self._params[i].grad.detach() for i in present]
+        # one instruction; a CUDA worker runs a Triton kernel (runtime/kernels.py)
+        flat = torch.ops.monarch_dsl.flatten_scale(grads, 1.0)
         lent, borrow = self._comms.borrow(flat, mutable=True)
         with self._comms.activate():
             lent.reduce_(self.dim, "avg")
@@ -233,11 +237,9 @@ class DistributedDataParallel(nn.Module):
                 continue
             b.borrow.drop()  # the main stream waits here for the bucket's reduce
             flat, b.flat, b.borrow = b.flat, None, None
-            sizes = [self._params[i].numel() for i in b.present]
             with torch.no_grad():
-                for i, part in zip(b.present, flat.split(sizes)):
-                    grad = self._params[i].grad
-                    grad.copy_(part.view_as(grad))
+                grads = [self._params[i].grad for i in b.present]
+                torch.ops.monarch_dsl.unflatten_into(flat, grads, 1.0)
         if unused and not self.find_unused_parameters:
             names = ", ".join(f"module.{self._names[i]}" for i in unused)
             raise RuntimeError(

@@ -383,6 +383,10 @@ def connect_and_serve(
     _limit_threads(local_world_size)
     import torch  # noqa: F401 - a worker always has torch, whatever the endpoints need
 
+    from monarch_dsl.runtime import kernels  # its ops (DDP's buckets) exist from now on
+
+    kernels.configure_from_env()
+
     keeper = None
     fd = os.environ.pop("MONARCH_DSL_KEEPER_FD", "")
     if fd:  # a persistent mesh's worker (forkserver.Keeper)

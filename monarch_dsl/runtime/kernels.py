@@ -98,6 +98,14 @@ def parse_choice(text: str) -> dict[str, str]:
 KERNELS: dict[str, str] = parse_choice(os.environ.get("MD_KERNELS", "auto"))
 
 
+def configure_from_env() -> None:
+    """``KERNELS`` from ``MD_KERNELS`` again: a worker calls this at start, since it may have
+    been forked from a process that imported this module under another environment (the
+    variable reaches a mesh's workers as ``spawn_procs(env={"MD_KERNELS": ...})``)."""
+    KERNELS.clear()
+    KERNELS.update(parse_choice(os.environ.get("MD_KERNELS", "auto")))
+
+
 @functools.cache
 def _triton_import_error() -> str | None:
     """None when triton imports, else why not (cached: a failed import is not retried)."""
@@ -769,3 +777,42 @@ def _adamw_triton(
         UPCAST=_upcast(param.dtype),
         FP64=param.dtype == torch.float64,
     )
+
+
+# ---- as torch ops: the bucket passes of a mesh tensor's DDP, run on the workers ------------
+# md.DistributedDataParallel calls these on mesh tensors: the controller records one
+# instruction per bucket (shapes from the fake implementations below) and each worker's
+# executor calls the op through the dispatcher, so a CUDA worker runs the Triton kernels
+# (benchmarks/kernels.py: faster than torch.cat / per-tensor copies on an H200) and a CPU worker
+# torch. Workers import this module at start, so the ops exist before the first instruction.
+
+
+@torch.library.custom_op(
+    "monarch_dsl::flatten_scale",
+    mutates_args=(),
+    schema="(Tensor[] tensors, float scale) -> Tensor",
+)
+def _flatten_scale_op(tensors, scale):
+    return flatten_scale(tensors, scale)
+
+
+@_flatten_scale_op.register_fake
+def _flatten_scale_fake(tensors, scale):
+    if not tensors:
+        raise ValueError("flatten_scale: no tensors")
+    _check_bucket(list(tensors), "flatten_scale")
+    return tensors[0].new_empty(sum(t.numel() for t in tensors))
+
+
+@torch.library.custom_op(
+    "monarch_dsl::unflatten_into",
+    mutates_args=("tensors",),
+    schema="(Tensor flat, Tensor(a!)[] tensors, float scale) -> ()",
+)
+def _unflatten_into_op(flat, tensors, scale):
+    unflatten_into(flat, tensors, scale)
+
+
+@_unflatten_into_op.register_fake
+def _unflatten_into_fake(flat, tensors, scale):
+    _check_flat("flat", flat, numel=sum(t.numel() for t in tensors))
