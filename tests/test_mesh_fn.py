@@ -112,6 +112,28 @@ def test_megatron_mlp_tp2_on_workers(pm):
     )
 
 
+def test_a_dim_of_size_one_needs_no_communication(pm):
+    """On dp=1 x tp=2 (the dp=0 slice) a data-parallel Megatron step communicates over tp only:
+    a shard or a partial sum over one rank is the whole value. Batches sent whole and batches
+    distributed as Shard(0) over dp both train like one process."""
+    one = pm.slice(dp=slice(0, 1))
+    step, _ = _train_on_workers(
+        one, _make(_mlp, lr=0.1), _batches(), data_parallel="dp", placements=MEGATRON_MLP
+    )
+    plans = [c.plan for c in step.cache.values()]
+    assert plans and all(c.dims == ("tp",) for p in plans for c in p.collectives)
+    assert any(p.collectives for p in plans)  # tp's all-reduces stay
+    model, opt, step_of = _make(_mlp, lr=0.1)()
+    ref = copy.deepcopy(model)
+    step = md.mesh_fn(step_of(model, opt), data_parallel="dp")
+    x, y = _batches(1)[0]
+    with one.activate():
+        xm, ym = md.distribute((x, y), {"dp": md.Shard(0)})
+        got = md.inspect(step(xm, ym))
+    want = step_of(ref, torch.optim.SGD(ref.parameters(), lr=0.1))(x, y)
+    torch.testing.assert_close(got, want.detach(), atol=ATOL, rtol=0)
+
+
 def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
     model = nn.Linear(16, 16)
 

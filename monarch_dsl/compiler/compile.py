@@ -147,6 +147,23 @@ def fully_sharded(
     return out
 
 
+def _whole_on_size_one(
+    given: dict[str, tuple[Placement, ...]],
+    gather: dict[str, str],
+    mesh: tuple[tuple[str, int], ...],
+) -> tuple[dict[str, tuple[Placement, ...]], dict[str, str]]:
+    """A mesh dim of size 1 splits nothing: a shard of the value over it, or a partial sum, is
+    the whole value. Laid out whole (``Replicate``) along such dims, the inputs need no
+    communication there (a one-GPU mesh's step has none; shards would be all-gathered over one
+    rank)."""
+    ones = [size == 1 for _, size in mesh]
+    if not any(ones):
+        return given, gather
+    whole = {k: tuple(R if one else p for one, p in zip(ones, v)) for k, v in given.items()}
+    sizes = dict(mesh)
+    return whole, {k: d for k, d in gather.items() if sizes[d] > 1}
+
+
 def compile_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -206,6 +223,7 @@ def compile_step(
     if outs and micro_batches > 1:
         mb = dims.index(MB)
         outs = {k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in outs.items()}
+    given, gather = _whole_on_size_one(given, gather, mesh)
     plan = propagate(plan, given, outs, pipeline_dim=pipeline_dim, gather=gather)
     plan = microbatch(plan)
     plan = split_stages(plan, pipeline_dim)
