@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import math
+import numbers
 import os
 import sys
 import time
@@ -17,7 +19,15 @@ from monarch_dsl import persistent as _persistent
 from monarch_dsl.errors import AttachError
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.parallel import spmd as _spmd
-from monarch_dsl.runtime import codesync, controller, forkserver, registry, serialize, transport
+from monarch_dsl.runtime import (
+    codesync,
+    controller,
+    forkserver,
+    logs,
+    registry,
+    serialize,
+    transport,
+)
 from monarch_dsl.runtime.messages import Inventory
 from monarch_dsl.tensor import activation as _activation
 
@@ -172,6 +182,31 @@ class ProcMesh(Mesh):
         relative ``dst``: relative to the workers' cwd), only the files missing or different
         there. Returns how many files and bytes were written."""
         return codesync.sync_files(self._job, tuple(self.ranks), src, dst, timeout)
+
+    def logging(self, *, aggregate_window: float | None) -> None:
+        """How the workers' output reaches this terminal (each line prefixed by its rank's
+        coordinates). ``aggregate_window=1.0``: the same line printed by several ranks within
+        1 s of the first is printed once, with the ranks that printed it (``[gpu=0-3] loss
+        1.23``, ``[host=0-1,gpu=0-3] ...``, ``[gpu=0,2] ...``); lines that differ, or come
+        later, are printed apart, in the order they first came; stdout and stderr stay apart.
+        A line waits at most the window (less once every rank has printed it). ``0`` or
+        ``None``: each line as it comes (the default). What is held is printed when the
+        window changes, a worker dies, the mesh stops, and at exit.
+
+        It applies to every process of the allocation this mesh belongs to (slices
+        included, ``run_spmd`` on them too); workers started by an external launcher
+        (``md.remote_hosts``) print on their own hosts. See runtime/logs.py."""
+        window = 0.0 if aggregate_window is None else aggregate_window
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, numbers.Real)
+            or not math.isfinite(window)
+            or window < 0
+        ):
+            raise ValueError(
+                f"aggregate_window must be seconds >= 0 (0 or None: off), got {aggregate_window!r}"
+            )
+        logs.forwarder().set_window(self._job.log_group, float(window))
 
     def activate(self):
         """``with pm.activate():`` torch calls create and run on every rank of this mesh."""

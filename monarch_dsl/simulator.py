@@ -24,7 +24,7 @@ from monarch_dsl.compiler.simulate_eager import EagerSimulator, Issued
 from monarch_dsl.errors import SupervisionError
 from monarch_dsl.proc_mesh import ProcMesh, _root
 from monarch_dsl.remote import function_of
-from monarch_dsl.runtime import controller
+from monarch_dsl.runtime import controller, logs
 from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import Hello, RunBatch, SetupCollectives
 from monarch_dsl.tensor.engine import EXTENSION, Engine
@@ -75,6 +75,7 @@ class SimJob:
         self.pids: dict[int, int] = {}
         self.dead: dict[int, Any] = {}
         self.extensions: dict[str, Any] = {}
+        self.log_group = logs.LogGroup(dims, sizes)  # (no pipes: pm.logging changes nothing)
         self.before_stop: list[Callable[[float], None]] = []
         self.stopping = False
         self.stopped = False

@@ -232,7 +232,7 @@ class _Run:
         module: bool = False,
     ):
         self.job, self.pm, self.ranks, self.script = job, pm, ranks, script
-        self.labels = [",".join(f"{d}={c}" for d, c in job.coords(r).items()) for r in ranks]
+        self.labels = [job.log_group.label([r]) for r in ranks]
         self._cond = threading.Condition()
         self.status: dict[int, int | None] = {}  # run rank -> wait status, in order of exit
         self.signalled: set[int] = set()  # ranks we stopped (their exit is no failure)
@@ -242,13 +242,13 @@ class _Run:
         server = forkserver.fork_server()
         fds: list[int] = []
         try:
-            for label in self.labels:
+            for rank in ranks:
                 out_r, out_w = os.pipe()
                 fds.append(out_w)
-                self.out.append(logs.forwarder().add(out_r, label, is_err=False))
+                self.out.append(logs.forwarder().add(out_r, job.log_group, rank, is_err=False))
                 err_r, err_w = os.pipe()
                 fds.append(err_w)
-                self.err.append(logs.forwarder().add(err_r, label, is_err=True))
+                self.err.append(logs.forwarder().add(err_r, job.log_group, rank, is_err=True))
             request = ForkScripts(
                 0, script, args, tuple(envs), tuple(sys.path), os.getcwd(), module
             )
@@ -336,8 +336,7 @@ class _Run:
             raise
         if why != "done":
             self.stop()
-        for pipe in self.out + self.err:  # everything they printed, before we return
-            logs.forwarder().drain(pipe)
+        logs.forwarder().flush(self.job.log_group)  # everything they printed, before we return
         if why == "mesh":
             dead = [r for r in self.ranks if r in self.job.dead]
             if dead:

@@ -187,6 +187,7 @@ class Job:
         self.pids: dict[int, int] = {}  # local workers: rank -> pid
         self.stderr: dict[int, Any] = {}  # local workers: rank -> log pipe
         self.pipes: list[Any] = []  # local workers' stdout and stderr pipes (logs.forwarder)
+        self.log_group = logs.LogGroup(dims, sizes)  # their labels and aggregation window
         # A persistent mesh (spawn_procs(name=, persistent=True), md.attach): its name and
         # our channel to its keeper (forkserver.Keeper); None for any other job.
         self.name: str | None = None
@@ -266,11 +267,10 @@ class Job:
         self.worker_env = dict(env)
         fds: list[int] = []
         for rank in range(self.world):
-            label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
-            logs.forwarder().add(out_r, label, is_err=False)
-            self.stderr[rank] = logs.forwarder().add(err_r, label, is_err=True)
+            logs.forwarder().add(out_r, self.log_group, rank, is_err=False)
+            self.stderr[rank] = logs.forwarder().add(err_r, self.log_group, rank, is_err=True)
             fds += [out_w, err_w]
         request = self._fork_request(local_world_size, env, setup)
         try:
@@ -352,10 +352,10 @@ class Job:
         )
 
     def _take_workers(self, server: ForkServerClient, pids: Sequence[int], fds: Sequence[int]):
+        forward = logs.forwarder().add
         for rank, pid in enumerate(pids):
-            label = ",".join(f"{d}={c}" for d, c in self.coords(rank).items())
-            self.pipes.append(logs.forwarder().add(fds[2 * rank], label, is_err=False))
-            self.stderr[rank] = logs.forwarder().add(fds[2 * rank + 1], label, is_err=True)
+            self.pipes.append(forward(fds[2 * rank], self.log_group, rank, is_err=False))
+            self.stderr[rank] = forward(fds[2 * rank + 1], self.log_group, rank, is_err=True)
             self.pipes.append(self.stderr[rank])
             self.pids[rank] = pid
             server.watch_exit(pid, lambda status, rank=rank: self._on_exit(rank, status))
@@ -402,6 +402,9 @@ class Job:
             conn.send_encoded(configure)
 
     def _stderr_of(self, rank: int) -> str:
+        """A worker failed: print what the job's workers printed (what aggregation holds
+        included, so its last lines come before the error), and give its stderr's tail."""
+        logs.forwarder().flush(self.log_group)
         return logs.forwarder().stderr_tail(self.stderr.get(rank))
 
     def _on_exit(self, rank: int, status: int) -> None:
@@ -833,6 +836,8 @@ class Job:
                         os.kill(pid, signal.SIGKILL)  # only our own workers, by pid
                     except ProcessLookupError:
                         pass
+        # Print what aggregation holds; what the stopping workers print later, per rank.
+        logs.forwarder().set_window(self.log_group, 0.0)
         self.stopped = True
         try:
             os.write(self._wake_w, b"x")
