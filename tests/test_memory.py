@@ -104,6 +104,15 @@ def test_a_touched_allocation_over_the_budget_is_an_error_not_a_kill():
         assert_every_worker_serves(pm)
 
 
+def test_a_fetch_with_no_room_for_its_copy_fails_and_the_value_stays():
+    with md.this_host().spawn_procs({"gpu": 1}, memory_limit=256 * MiB) as pm:
+        with pm.activate():
+            big = torch.ones(160 * MiB // FLOAT)  # fits; its copy for the reply does not
+            with pytest.raises(md.RemoteError, match="fetch.*asked for 160 MiB"):
+                md.inspect(big)
+            assert md.inspect(big[:2]).tolist() == [1.0, 1.0]
+
+
 # ------------------------------------------------------------------------------ actors
 
 

@@ -29,8 +29,8 @@ group maps 272 MiB in every member, none of it data. Under ``RLIMIT_AS``, 8 work
 
 What it still costs: everything private a worker maps after its start counts against the
 budget, the runtime's own included (8 MiB per thread it starts later: executor streams,
-OpenMP). Not covered: a fetch whose copy does not fit (an internal error of the worker, whose
-fetch never answers); a thread that does not fit
+OpenMP). A reply that finds no room left is sent again with ``GRACE`` bytes more (``grace``);
+a fetch whose copy does not fit is that fetch's error. Not covered: a thread that does not fit
 fails to start, as an error of what needed it (a new stream: of the batch, which ends the
 worker); libgomp exits the process when it cannot start the OpenMP threads of a parallel region
 (only where a worker runs several torch threads, and only for a stream's first parallel op made
@@ -54,12 +54,15 @@ sets it on every worker once they joined (``Configure``).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import re
 import threading
 
 ENV = "MONARCH_DSL_MEMORY_LIMIT"
+# Room beyond the budget, while the runtime reports that the budget is used up (``grace``).
+GRACE = 16 << 20
 SETTING = "spawn_procs(memory_limit=...)"
 
 
@@ -130,6 +133,7 @@ def resolve(memory_limit: int | None, env: dict[str, str], local_workers: int) -
 _budget = 0  # bytes; 0: off
 _baseline = 0  # the worker's private memory when its budget was first set
 _inherited: tuple[int, int] | None = None  # RLIMIT_DATA (soft, hard) before we changed it
+_graces = 0  # reports running in a grace()
 _lock = threading.Lock()
 
 
@@ -165,6 +169,24 @@ def set_budget(budget: int) -> None:
         _apply()
 
 
+@contextlib.contextmanager
+def grace():
+    """``GRACE`` bytes beyond the budget for the runtime to say the budget is used up: a reply
+    that found no room left (a worker used up to its last pages) is sent again in one."""
+    global _graces
+    with _lock:
+        _graces += 1
+        if _inherited is not None:
+            _apply()
+    try:
+        yield
+    finally:
+        with _lock:
+            _graces -= 1
+            if _inherited is not None:
+                _apply()
+
+
 def _apply() -> None:
     """RLIMIT_DATA from the budget (under ``_lock``)."""
     import resource
@@ -172,7 +194,7 @@ def _apply() -> None:
     assert _inherited is not None
     soft, hard = _inherited
     if _budget:
-        want = _baseline + _budget
+        want = _baseline + _budget + (GRACE if _graces else 0)
         soft = want if soft == resource.RLIM_INFINITY else min(soft, want)
         if hard != resource.RLIM_INFINITY:
             soft = min(soft, hard)

@@ -172,6 +172,13 @@ class Worker:
 
     def reply(self, msg: Any) -> None:
         try:
+            self._reply(msg)
+        except MemoryError:  # no room left to send it: this worker's budget is used up
+            with memory.grace():
+                self._reply(msg)
+
+    def _reply(self, msg: Any) -> None:
+        try:
             parts = transport.encode(msg)
             if threading.get_ident() != self._io_thread:
                 self.conn.send_encoded(parts)
