@@ -113,6 +113,28 @@ def test_a_fetch_with_no_room_for_its_copy_fails_and_the_value_stays():
             assert md.inspect(big[:2]).tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("executor", ["cpp", "python"])
+def test_a_worker_with_its_budget_used_up_starts_a_stream(executor):
+    """The runtime's own threads are not the user's: a new stream starts with no room left."""
+    env = {"MD_EXECUTOR": executor}
+    with md.this_host().spawn_procs({"gpu": 1}, env=env, memory_limit=256 * MiB) as pm:
+        with pm.activate():
+            held = []
+            for chunk in (16 * MiB, MiB):  # held until one does not fit: < 1 MiB is left
+                while True:
+                    try:
+                        t = torch.ones(chunk // FLOAT)
+                        md.inspect(t[:1])
+                        held.append(t)
+                    except md.RemoteError:
+                        break
+            assert sum(t.numel() for t in held) * FLOAT > 200 * MiB
+            with md.Stream("other").activate():
+                x = torch.ones(3) * 3
+            assert md.inspect(x).tolist() == [3.0, 3.0, 3.0]
+            assert md.inspect(held[-1][:1] + 1).tolist() == [2.0]
+
+
 # ------------------------------------------------------------------------------ actors
 
 

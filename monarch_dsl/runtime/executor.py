@@ -106,11 +106,12 @@ class ReferenceExecutor:
     def _queue(self, stream: str) -> queue.SimpleQueue:
         q = self.streams.get(stream)
         if q is None:
-            q = self.streams[stream] = queue.SimpleQueue()
+            q = queue.SimpleQueue()
             thread = threading.Thread(
                 target=self._stream_loop, args=(q,), name=f"md-stream-{stream}", daemon=True
             )
-            thread.start()
+            memory.start_thread(thread)  # (one that cannot start leaves no stream behind)
+            self.streams[stream] = q
             self.threads.append(thread)
         return q
 

@@ -15,8 +15,8 @@ Why a limit on the process and not a hook in torch's CPU allocator:
 - it bounds every allocator -- tensors, numpy arrays, Python objects, the transport's receive
   buffers -- where a hook would see tensors only and leave the rest to the OOM killer;
 - it refuses untouched memory (``torch.empty``) exactly as touched memory, at the allocation;
-- it needs no change to the C++ runtime, and works the same under ``MD_EXECUTOR=python`` and in
-  a worker without the native module.
+- it works the same under ``MD_EXECUTOR=python`` and in a worker without the native module
+  (the C++ runtime only starts its stream threads outside it, below).
 
 Why ``RLIMIT_DATA`` and not ``RLIMIT_AS`` (the address space): ``RLIMIT_AS`` also counts what
 can never be memory of this worker's own -- shared libraries' code, glibc's 64 MiB arena
@@ -28,17 +28,18 @@ group maps 272 MiB in every member, none of it data. Under ``RLIMIT_AS``, 8 work
 256 MiB budget each had no room left for their first shared-memory group.
 
 What it still costs: everything private a worker maps after its start counts against the
-budget, the runtime's own included (8 MiB per thread it starts later: executor streams,
-OpenMP). A reply that finds no room left is sent again with ``GRACE`` bytes more (``grace``);
-a fetch whose copy does not fit is that fetch's error. Not covered: a thread that does not fit
-fails to start, as an error of what needed it (a new stream: of the batch, which ends the
-worker); libgomp exits the process when it cannot start the OpenMP threads of a parallel region
-(only where a worker runs several torch threads, and only for a stream's first parallel op made
-with its budget used up); a message from the controller bigger than what is left
-(``md.to_mesh`` of a local tensor over the budget) cannot be received: the worker exits, saying
-so; a worker filled to its last pages (allocating in ever smaller pieces until one fails)
-cannot even run the Python of its own replies. Shared mappings (``share_memory_()``,
-``/dev/shm``) do not count.
+budget, the runtime's own included, but for the stacks of the executors' stream threads: where
+the budget has no room left for one, the limit grows by its size (``start_thread`` here,
+``start_thread`` in cpp/streams.cpp), so a worker whose budget is used up still starts a
+stream. A reply that finds no room left is sent again with ``GRACE`` bytes more (``grace``);
+a fetch whose copy does not fit is that fetch's error. Not covered: other threads (gloo's,
+asyncio's for async endpoints) fail to start as errors of what needed them; libgomp exits the
+process when it cannot start the OpenMP threads of a parallel region (only where a worker runs
+several torch threads, and only for a stream's first parallel op made with its budget used
+up); a message from the controller bigger than what is left (``md.to_mesh`` of a local tensor
+over the budget) cannot be received: the worker exits, saying so; a worker filled to its last
+pages (allocating in ever smaller pieces until one fails) cannot even run the Python of its
+own replies. Shared mappings (``share_memory_()``, ``/dev/shm``) do not count.
 
 Never on CUDA workers: their host memory is not what runs out first, and CUDA maps memory of
 its own that must not fail.
@@ -63,6 +64,9 @@ import threading
 ENV = "MONARCH_DSL_MEMORY_LIMIT"
 # Room beyond the budget, while the runtime reports that the budget is used up (``grace``).
 GRACE = 16 << 20
+# What the limit grows by for a thread of the runtime's that has no room left (start_thread):
+# its stack (glibc's default, RLIMIT_STACK: 8 MiB) and guard page, with room to spare.
+STACK_ROOM = 9 << 20
 SETTING = "spawn_procs(memory_limit=...)"
 
 
@@ -134,6 +138,8 @@ _budget = 0  # bytes; 0: off
 _baseline = 0  # the worker's private memory when its budget was first set
 _inherited: tuple[int, int] | None = None  # RLIMIT_DATA (soft, hard) before we changed it
 _graces = 0  # reports running in a grace()
+_grown = 0  # what the limit grew by for the runtime's own threads (start_thread)
+_set: int | None = None  # the soft limit _apply set last
 _lock = threading.Lock()
 
 
@@ -187,18 +193,40 @@ def grace():
                 _apply()
 
 
+def start_thread(thread: threading.Thread) -> None:
+    """Start ``thread``, one of the runtime's own (an executor's stream). Its stack is the
+    runtime's, not the user's: where the budget has no room left for it, the limit grows by
+    ``STACK_ROOM`` (the C++ executor's streams do the same: cpp/streams.cpp)."""
+    global _grown
+    try:
+        thread.start()
+        return
+    except RuntimeError:  # "can't start new thread"
+        with _lock:
+            if not _budget:
+                raise
+            _grown += STACK_ROOM
+            _apply()
+    thread.start()
+
+
 def _apply() -> None:
     """RLIMIT_DATA from the budget (under ``_lock``)."""
+    global _grown, _set
     import resource
 
     assert _inherited is not None
     soft, hard = _inherited
+    now = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if _set is not None and _set != resource.RLIM_INFINITY and now > _set:
+        _grown += now - _set  # grown by cpp/streams.cpp for a stream thread of its own
     if _budget:
-        want = _baseline + _budget + (GRACE if _graces else 0)
+        want = _baseline + _budget + _grown + (GRACE if _graces else 0)
         soft = want if soft == resource.RLIM_INFINITY else min(soft, want)
         if hard != resource.RLIM_INFINITY:
             soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    _set = soft
 
 
 def budget() -> int:
