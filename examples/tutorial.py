@@ -58,8 +58,9 @@ def main() -> None:
         print("recovered:", md.inspect(torch.ones(2) * 2).tolist())
 
         # Double a batch size until an allocation fails; report the largest that worked.
-        # (torch.empty: the memory is reserved, not touched, so the limit is what the
-        # workers' allocator grants rather than an out-of-memory kill.)
+        # The limit is what a worker may allocate: on a GPU, its memory; on the CPU, the
+        # worker's memory budget (a share of the host's available memory, or
+        # spawn_procs(memory_limit=...)), so the OS never kills a worker for its memory.
         size, largest = 1 << 24, None
         while size <= 1 << 50:
             try:

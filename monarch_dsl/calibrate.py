@@ -72,6 +72,7 @@ import torch
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path
 from monarch_dsl.compiler.simulate import traffic
+from monarch_dsl.runtime.memory import size_text as _size
 
 # ---- what is measured ----------------------------------------------------------------------
 
@@ -1054,14 +1055,6 @@ def _memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0.0
-
-
-def _size(nbytes: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= div:
-            v = nbytes / div
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def table(cal: Calibration) -> str:

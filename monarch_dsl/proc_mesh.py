@@ -24,6 +24,7 @@ from monarch_dsl.runtime import (
     controller,
     forkserver,
     logs,
+    memory,
     registry,
     serialize,
     transport,
@@ -279,11 +280,18 @@ class LocalHost:
         name: str | None = None,
         persistent: bool = False,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        memory_limit: int | None = None,
     ) -> ProcMesh:
         """Start one worker process per rank of ``per_host`` (e.g. ``{"gpu": 4}``, or
         ``{"host": 2, "gpu": 4}`` to fake 2 hosts). ``env`` is added to each worker's
         environment; ``setup()`` runs in each worker before it joins (a raise there is reported
         as ``md.SpawnError`` with the worker's stderr).
+
+        ``memory_limit``: each CPU worker's memory budget in bytes, beyond what it maps when it
+        starts (an allocation past it fails, as ``md.RemoteError`` or ``md.ActorError``, instead
+        of getting the worker killed by the OS); default: this host's available memory now,
+        divided among the mesh's workers (``$MONARCH_DSL_MEMORY_LIMIT`` where set); ``0``: no
+        budget. CUDA workers have none (see runtime/memory.py).
 
         ``persistent=True`` (with a ``name``): the workers, their actors and pinned tensors
         outlive this controller -- exiting (or crashing, or ``pm.detach()``) leaves them to
@@ -317,6 +325,7 @@ class LocalHost:
             raise TypeError(f"setup must be callable, got {type(setup).__name__}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
+        memory_limit = memory.check_limit(memory_limit)
         setup_bytes = None
         if setup is not None:
             payload, buffers = serialize.dumps(setup)
@@ -324,6 +333,8 @@ class LocalHost:
                 raise TypeError("setup must not close over tensors")
             setup_bytes = payload
         env = dict(env or {})
+        # The budget is resolved here, once: every worker of the mesh gets the same share.
+        env[memory.ENV] = str(memory.resolve(memory_limit, env, math.prod(sizes)))
         if env.get("MD_EXECUTOR", os.environ.get("MD_EXECUTOR", "cpp")) != "python":
             # Built here, once, before any worker starts (workers only load it). Without it
             # (no compiler, ...) ensure() says why and how to fix it, and workers run Python.
@@ -456,12 +467,22 @@ class RemoteHosts:
         return [sys.executable, "-m", "monarch_dsl", "worker", "--connect", self.address]
 
     def spawn_procs(
-        self, per_host: Mapping[str, int], *, timeout: float = DEFAULT_TIMEOUT
+        self,
+        per_host: Mapping[str, int],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        memory_limit: int | None = None,
     ) -> ProcMesh:
-        """Wait until every worker (hosts x per_host) has joined; returns their ProcMesh."""
+        """Wait until every worker (hosts x per_host) has joined; returns their ProcMesh.
+
+        ``memory_limit``: each CPU worker's memory budget in bytes, set once they joined;
+        None keeps the one each started with (``$MONARCH_DSL_MEMORY_LIMIT`` in its environment,
+        else its host's available memory divided by ``LOCAL_WORLD_SIZE``); ``0``: none."""
+        memory_limit = memory.check_limit(memory_limit)
         self.listen(per_host)
         job = self._job
         assert job is not None
+        job.memory_limit = memory_limit
         label = f"{self.hosts} remote host(s) at {job.address}"
         try:
             job.wait_joined(timeout, _progress_printer(label, _quiet()))

@@ -113,3 +113,35 @@ class RefTable(md.Actor):
         if isinstance(value, Failure):
             return "failure", value.as_tuple()
         return ("missing", None) if value is None else ("tensor", tuple(value.shape))
+
+
+class Hog(md.Actor):
+    """Allocates on request (tests/test_memory.py: the workers' memory budgets)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @md.endpoint
+    def allocate(self, numel, touch=True):
+        import torch
+
+        self.calls += 1
+        t = torch.ones(numel) if touch else torch.empty(numel)
+        return t.numel()
+
+    @md.endpoint
+    def allocate_numpy(self, numel):
+        import numpy
+
+        self.calls += 1
+        return numpy.ones(numel).size
+
+    @md.endpoint
+    def budget(self):
+        """(this worker's budget, its RLIMIT_DATA soft limit, its private memory, its pid)."""
+        import resource
+
+        from monarch_dsl.runtime import memory
+
+        soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+        return memory.budget(), soft, memory.private(), os.getpid()

@@ -27,6 +27,24 @@ def wait_until(predicate, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def doubling_search(start: int, stop: int = 1 << 50):
+    """The tutorial's "search what works" loop, under an active mesh: ``torch.empty`` sizes
+    doubling until one fails. Returns (the largest that worked, the RemoteError)."""
+    import torch
+
+    import monarch_dsl as md
+
+    size, largest = start, None
+    while size <= stop:
+        try:
+            md.inspect(torch.empty(size)[:1])
+            largest = size
+            size *= 2
+        except md.RemoteError as e:
+            return largest, e
+    raise AssertionError(f"no allocation failed, up to {stop} elements")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -38,8 +38,20 @@ def test_demo_runs():
 def test_tutorial_runs():
     text = run_example("tutorial.py", 300)
     check_tutorial(text)
-    # The same walkthrough on workers with the Python reference executor prints the same.
-    assert run_example("tutorial.py", 300, MD_EXECUTOR="python") == text
+    # The allocations that fail are over the CPU workers' memory budgets (a share of the
+    # host's available memory): an error, with every worker alive for what follows.
+    assert "failed as expected: RuntimeError: worker memory budget exceeded" in text
+    # The same walkthrough on workers with the Python reference executor prints the same,
+    # but for what depends on the memory available when each run spawned its mesh.
+    python = run_example("tutorial.py", 300, MD_EXECUTOR="python")
+    check_tutorial(python)
+    assert _budget_free(python) == _budget_free(text)
+
+
+def _budget_free(text: str) -> list[str]:
+    """The tutorial's output without the lines that depend on the workers' memory budgets."""
+    budget = ("failed as expected:", "largest batch that worked:")
+    return [line for line in text.splitlines() if not line.startswith(budget)]
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ test_examples.py."""
 
 import pytest
 import torch
+from conftest import doubling_search
 
 import monarch_dsl as md
 
@@ -69,16 +70,8 @@ def test_search_what_works_ends_in_a_cuda_oom_and_a_live_worker():
     pm = md.this_host().spawn_procs({"gpu": 1}, env={"MD_DEVICE": "cuda"})
     try:
         with pm.activate():
-            size, largest, error = 1 << 28, None, None
-            while size <= 1 << 42:
-                try:
-                    md.inspect(torch.empty(size)[:1])
-                    largest = size
-                    size *= 2
-                except md.RemoteError as e:
-                    error = e
-                    break
-            assert largest is not None and error is not None
+            largest, error = doubling_search(1 << 28, 1 << 42)
+            assert largest is not None
             assert largest * 4 <= torch.cuda.get_device_properties(0).total_memory
             assert "out of memory" in str(error).lower(), error
             x = torch.ones(1024, 1024)

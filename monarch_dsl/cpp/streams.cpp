@@ -4,7 +4,11 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <pthread.h>
 #include <pybind11/pybind11.h>
+#include <sys/resource.h>
+
+#include <system_error>
 
 namespace md::exec {
 
@@ -20,6 +24,27 @@ void start_stream_thread(const c10::Device& device) {
     c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
     cuda.setDevice(device);
     cuda.exchangeStream(cuda.getStreamFromGlobalPool(device));
+  }
+}
+
+std::thread start_thread(std::function<void()> body) {
+  try {
+    return std::thread(body);
+  } catch (const std::system_error&) {
+    struct rlimit limit;
+    if (getrlimit(RLIMIT_DATA, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) throw;
+    size_t stack = 0;
+    pthread_attr_t attr;
+    if (pthread_getattr_default_np(&attr) == 0) {
+      pthread_attr_getstacksize(&attr, &stack);
+      pthread_attr_destroy(&attr);
+    }
+    // The stack (glibc's default: RLIMIT_STACK, 8 MiB) and its guard page, with room to spare.
+    const rlim_t room = (stack > 0 ? stack : size_t{8} << 20) + (size_t{1} << 20);
+    if (limit.rlim_max != RLIM_INFINITY && limit.rlim_cur + room > limit.rlim_max) throw;
+    limit.rlim_cur += room;
+    if (setrlimit(RLIMIT_DATA, &limit) != 0) throw;
+    return std::thread(body);
   }
 }
 

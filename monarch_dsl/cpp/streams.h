@@ -29,6 +29,11 @@ void start_stream_thread(const c10::Device& device);
 // An exception that running an item let out (a bug of ours): said on stderr, under the GIL.
 void report_internal_error(const std::exception& e);
 
+// A new thread running `body`. Its stack is the runtime's, not the user's: where a worker's
+// memory budget (RLIMIT_DATA, runtime/memory.py) has no room left for it, the limit grows by
+// the stack's size. Throws std::system_error if it still cannot start.
+std::thread start_thread(std::function<void()> body);
+
 template <class Item>
 class Streams {
  public:
@@ -50,13 +55,14 @@ class Streams {
   Stream* named(const std::string& name) {
     std::lock_guard<std::mutex> g(lock_);
     if (closed_) throw std::runtime_error("the executor is closed");
-    auto& slot = streams_[name];
-    if (!slot) {
-      slot = std::make_unique<Stream>();
-      Stream* raw = slot.get();
-      raw->thread = std::thread([this, raw] { loop(*raw); });
+    auto it = streams_.find(name);
+    if (it == streams_.end()) {  // (a thread that cannot start leaves no stream behind)
+      auto stream = std::make_unique<Stream>();
+      Stream* raw = stream.get();
+      raw->thread = start_thread([this, raw] { loop(*raw); });
+      it = streams_.emplace(name, std::move(stream)).first;
     }
-    return slot.get();
+    return it->second.get();
   }
 
   void push(const std::string& name, Item item) { enqueue(*named(name), std::move(item)); }

@@ -194,6 +194,9 @@ class Job:
         self.keeper: ForkServerClient | None = None
         self._adopted = False  # attached to a running persistent mesh (not started by us)
         self.worker_env: dict[str, str] = {}  # local workers: the env they were started with
+        # A budget for the workers to take once they joined (RemoteHosts.spawn_procs; local
+        # workers get theirs at their start, runtime/memory.py); None: theirs.
+        self.memory_limit: int | None = None
         self.dead: dict[int, SupervisionError] = {}
         self.exit_status: dict[int, int] = {}
         self.pending: dict[int, Pending] = {}
@@ -397,7 +400,7 @@ class Job:
             self.stop(detach=self._adopted)  # (a mesh we attached to outlives our failure)
             raise failure
         progress(self.world, self.world)
-        configure = transport.encode(Configure(self.dims, self.sizes))
+        configure = transport.encode(Configure(self.dims, self.sizes, self.memory_limit))
         for conn in self.conns.values():
             conn.send_encoded(configure)
 

@@ -26,7 +26,7 @@ from monarch_dsl import isa
 from monarch_dsl.isa import collectives
 from monarch_dsl.isa.opnames import resolve_op
 from monarch_dsl.mesh import coords_of_index, index_of_coords
-from monarch_dsl.runtime import codesync, context, exchange
+from monarch_dsl.runtime import codesync, context, exchange, memory
 from monarch_dsl.runtime.failure import Failure
 
 if TYPE_CHECKING:
@@ -106,11 +106,12 @@ class ReferenceExecutor:
     def _queue(self, stream: str) -> queue.SimpleQueue:
         q = self.streams.get(stream)
         if q is None:
-            q = self.streams[stream] = queue.SimpleQueue()
+            q = queue.SimpleQueue()
             thread = threading.Thread(
                 target=self._stream_loop, args=(q,), name=f"md-stream-{stream}", daemon=True
             )
-            thread.start()
+            memory.start_thread(thread)  # (one that cannot start leaves no stream behind)
+            self.streams[stream] = q
             self.threads.append(thread)
         return q
 
@@ -326,7 +327,13 @@ class ReferenceExecutor:
                 Failure(self.rank, ins.loc, "fetch", f"%{ins.ref} was deleted", ""),
             )
             return
-        self.reply(ins.call_id, value.detach().to("cpu", copy=True))
+        try:
+            copy = value.detach().to("cpu", copy=True)
+        except Exception as e:  # noqa: BLE001 - no memory for the copy (its budget): say so
+            with memory.grace():  # (room to say it, were the budget used up to its last pages)
+                self.reply_failure(ins.call_id, self.root_failure(ins.loc, "fetch", e))
+            return
+        self.reply(ins.call_id, copy)
 
     def delete(self, ins: isa.Delete) -> None:
         for rid in ins.refs:

@@ -71,10 +71,13 @@ class CallEndpoint(NamedTuple):
 
 
 class Configure(NamedTuple):
-    """Sent once every worker has joined: the shape of the process mesh (for current_rank)."""
+    """Sent once every worker has joined: the shape of the process mesh (for current_rank),
+    and the memory budget of a CPU worker in bytes (0: none; None: keep the one it started
+    with, runtime/memory.py)."""
 
     dims: tuple[str, ...]
     sizes: tuple[int, ...]
+    memory_limit: int | None = None
 
 
 class SetupCollectives(NamedTuple):

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch_dsl.runtime import codesync, context, remote_pdb, serialize, transport
+from monarch_dsl.runtime import codesync, context, memory, remote_pdb, serialize, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -96,7 +96,10 @@ class Worker:
                 self.conn = self.detached()  # a persistent mesh: wait for the next one
                 continue
             except (transport.ProtocolError, MemoryError) as e:
-                print(f"monarch_dsl worker {self.rank}: {e!r}; closing", file=sys.stderr)
+                if isinstance(e, MemoryError):  # a message bigger than what its budget has left
+                    memory.annotate(e)
+                why = "; ".join((repr(e), *getattr(e, "__notes__", ())))
+                print(f"monarch_dsl worker {self.rank}: {why}; closing", file=sys.stderr)
                 _exit(1)
             handler = self.handlers.get(type(msg))
             if type(msg) is transport.UndecodableMessage and msg.call_id is not None:
@@ -169,6 +172,13 @@ class Worker:
 
     def reply(self, msg: Any) -> None:
         try:
+            self._reply(msg)
+        except MemoryError:  # no room left to send it: this worker's budget is used up
+            with memory.grace():
+                self._reply(msg)
+
+    def _reply(self, msg: Any) -> None:
+        try:
             parts = transport.encode(msg)
             if threading.get_ident() != self._io_thread:
                 self.conn.send_encoded(parts)
@@ -196,6 +206,7 @@ class Worker:
             self.lost()
 
     def error(self, call_id: int, exc: BaseException) -> None:
+        memory.annotate(exc)  # an allocation over this worker's budget says so
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if call_id < 0:  # nobody waits for this one: at least the user sees it
             print(tb, file=sys.stderr, flush=True)
@@ -299,9 +310,9 @@ class Worker:
             callbacks = dict(
                 reply=lambda call_id, value: self.reply(Reply(call_id, self.rank, value)),
                 reply_failure=lambda call_id, f: self.reply(
-                    FetchFailed(call_id, self.rank, f.as_tuple())
+                    FetchFailed(call_id, self.rank, _outgoing(f))
                 ),
-                report=lambda f: self.reply(FailureReport(self.rank, f.as_tuple())),
+                report=lambda f: self.reply(FailureReport(self.rank, _outgoing(f))),
             )
             core = _core.worker_native()  # None: MD_EXECUTOR=python, or no build (said once)
             if core is None:
@@ -320,9 +331,17 @@ class Worker:
 
     def configure(self, msg: Configure) -> None:
         context.set_process_point(context.Point.of_index(self.rank, msg.dims, msg.sizes))
+        if msg.memory_limit is not None and self.device.type == "cpu":
+            memory.set_budget(msg.memory_limit)  # RemoteHosts.spawn_procs(memory_limit=)
 
     def stop(self, msg: StopWorker) -> None:
         _exit(0)
+
+
+def _outgoing(failure) -> tuple:
+    """A failure as it leaves this worker: one that exceeded its memory budget says so."""
+    rank, line, op, error, tb = failure.as_tuple()
+    return (rank, line, op, memory.explain(error), tb)
 
 
 def worker_device():
@@ -392,6 +411,7 @@ def connect_and_serve(
     if fd:  # a persistent mesh's worker (forkserver.Keeper)
         keeper = socket.socket(fileno=int(fd))
     device = worker_device()
+    memory.apply_from_env(device, local_world_size)  # from here on, over budget is an error
     conn = _join(address, token, rank, device)
     Worker(conn, rank, device, keeper, token).run()
 
