@@ -105,7 +105,10 @@ def _segments(pids) -> list[str]:
 def _gone(rec: registry.Record, workers: list[int]) -> None:
     wait_until(lambda: not pid_alive(rec.pid), 30, "the keeper to exit")
     wait_until(lambda: not any(pid_alive(w) for w in workers), 30, "the workers to exit")
-    assert registry.read(rec.name) is None
+    left = registry.read(rec.name)
+    if left is not None:  # what the keeper said is the clue
+        log = open(rec.log).read() if os.path.exists(rec.log) else "(no log)"
+        raise AssertionError(f"the record outlived its keeper: {left}\nthe keeper's log:\n{log}")
     assert not os.path.exists(rec.socket)
     assert _segments(workers) == []
 

@@ -356,6 +356,15 @@ class Keeper(ForkServer):
         self.log_file = None
         self.record = None  # registry.Record, written when started
 
+    def serve(self) -> None:
+        try:
+            super().serve()
+        except BaseException:  # noqa: BLE001 - a bug of ours: said in the log; no mesh is left
+            traceback.print_exc()  # (stderr is the mesh's log)
+            self.note("the keeper failed (above): ending the mesh")
+            self.kill_children()
+            self.finish()
+
     # ---- hooks -------------------------------------------------------------------------------
     def started(self) -> None:
         from monarch_dsl.runtime import registry
