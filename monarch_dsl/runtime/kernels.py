@@ -95,15 +95,18 @@ def parse_choice(text: str) -> dict[str, str]:
     return choice
 
 
-KERNELS: dict[str, str] = parse_choice(os.environ.get("MD_KERNELS", "auto"))
+KERNELS: dict[str, str] = {}
 
 
 def configure_from_env() -> None:
-    """``KERNELS`` from ``MD_KERNELS`` again: a worker calls this at start, since it may have
-    been forked from a process that imported this module under another environment (the
-    variable reaches a mesh's workers as ``spawn_procs(env={"MD_KERNELS": ...})``)."""
+    """``KERNELS`` from ``MD_KERNELS``: at import, and again by a worker at its start, since it
+    may have been forked from a process that imported this module under another environment
+    (the variable reaches a mesh's workers as ``spawn_procs(env={"MD_KERNELS": ...})``)."""
     KERNELS.clear()
     KERNELS.update(parse_choice(os.environ.get("MD_KERNELS", "auto")))
+
+
+configure_from_env()
 
 
 @functools.cache

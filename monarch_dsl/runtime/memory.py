@@ -60,6 +60,7 @@ import numbers
 import os
 import re
 import threading
+from collections.abc import Mapping
 
 ENV = "MONARCH_DSL_MEMORY_LIMIT"
 # Room beyond the budget, while the runtime reports that the budget is used up (``grace``).
@@ -120,7 +121,7 @@ def default_budget(local_workers: int) -> int:
     return host_available() // max(1, local_workers)
 
 
-def resolve(memory_limit: int | None, env: dict[str, str], local_workers: int) -> int:
+def resolve(memory_limit: int | None, env: Mapping[str, str], local_workers: int) -> int:
     """The budget of each of ``local_workers`` workers this controller starts on this host
     (0: off): ``memory_limit`` (already checked), else ``MONARCH_DSL_MEMORY_LIMIT`` of the
     workers' ``env`` or of this process, else the default share."""
@@ -151,14 +152,11 @@ def private() -> int:
 
 def apply_from_env(device, local_world_size: int) -> None:
     """At a worker's start: its budget from ``MONARCH_DSL_MEMORY_LIMIT``, else its host's
-    default share. CUDA workers get none (see the module's docstring)."""
+    default share (``resolve``, as the controller that started it). CUDA workers get none (see
+    the module's docstring)."""
     if device.type != "cpu":
         return
-    text = os.environ.get(ENV)
-    if text is None:
-        set_budget(default_budget(local_world_size))
-    else:
-        set_budget(_from_env(text, ENV))
+    set_budget(resolve(None, os.environ, local_world_size))
 
 
 def set_budget(budget: int) -> None:
