@@ -241,7 +241,8 @@ def _threads(rank: int, size: int, names: list[str]) -> list[str]:
     return bad
 
 
-def _timeout(rank: int, size: int, name: str, done) -> str:
+def _timeout(rank: int, size: int, name: str, done, started) -> str:
+    started.wait(60)  # both interpreters are up: the 1 s timeout is the all-reduce's to hit
     g = shm.core().ShmGroup(name, rank, size, SMALL, 1.0, 4096)
     if rank == 1:  # attached, alive, but never joins the all-reduce (until rank 0 is done)
         done.wait(60)
@@ -304,7 +305,8 @@ def test_two_groups_used_from_two_threads():
 @pytest.mark.procs
 def test_timeout_names_the_group_and_the_late_rank():
     name = _name("timeout")
-    (_, err), _ = _run(2, "_timeout", name, mp.get_context("spawn").Event())
+    ctx = mp.get_context("spawn")
+    (_, err), _ = _run(2, "_timeout", name, ctx.Event(), ctx.Barrier(2))
     seconds, _, message = err.partition(" ")
     assert name in message and "timed out" in message and "rank(s) 1" in message, message
     assert "all_reduce" in message
