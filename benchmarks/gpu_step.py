@@ -13,9 +13,18 @@ y).backward(); opt.step()``, SGD lr 0.01, the same batch every step), for two mo
 Each system is timed in blocks of consecutive steps, blocks interleaved (A B C A B C ...);
 a block ends when its work is done (``torch.cuda.synchronize()`` here, ``md.inspect`` of the
 last loss on the mesh). Printed per model: ms/step (median of the blocks) and each system's
-time over eager CUDA's (lower is better; 1.00x means no overhead over plain torch), and on an
-H100 or H200 what ``plan.simulate`` predicts for the compiled step with the built-in profile.
-The peer is plain eager torch on the same GPU in one process: what the user has without us.
+time over eager CUDA's (lower is better; 1.00x means no overhead over plain torch). The peer
+is plain eager torch on the same GPU in one process: what the user has without us.
+
+Then the simulator's accuracy on this GPU (issue 13; ``benchmarks/simulator.py`` is the same
+table for CPU workers): each md step predicted with each ``--profiles`` profile (default: the
+built-in one of this GPU, and ``"cuda-local"`` once ``monarch-dsl calibrate --device cuda``
+has measured it) beside its measured time, and the error. Compiled steps: ``plan.simulate``,
+called back to back (``steady_step_time``); their peak CUDA memory in a call above what is
+allocated when it starts (``plan.simulate().peak_memory - resident_memory``) beside the
+worker's (``torch.cuda.max_memory_allocated`` over 3 calls). Eager steps: ``md.Simulator``
+running the same loop, per step (the time of 6 steps less that of 2, over 4: the model's
+first copy to the mesh is not a step).
 """
 
 from __future__ import annotations
@@ -100,16 +109,24 @@ def md_eager(pm, name: str):
     return run
 
 
-def simulator_profile(device_name: str) -> str | None:
-    """The built-in profile of this GPU, if there is one."""
-    for profile in ("h100", "h200"):
-        if profile in device_name.lower():
-            return profile
-    return None
+def default_profiles(device_name: str) -> list[str]:
+    """The built-in profile of this GPU (H100's for another), and ``"cuda-local"`` where it
+    has been measured here."""
+    from monarch_dsl.calibrate import gpu_base
+    from monarch_dsl.compiler.profile import calibrated_path
+
+    names = [gpu_base(device_name).name]
+    if calibrated_path("cuda-local").exists():
+        names.append("cuda-local")
+    return names
 
 
-def predicted_ms(name: str, profile: str) -> float:
-    """The compiled step's time as ``plan.simulate`` predicts it with the built-in profile."""
+def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
+    """The compiled step's seconds per call, called back to back, as ``plan.simulate``
+    predicts them (``steady_step_time``: its inputs are on the worker already), and the peak
+    bytes in a call above those resident when it starts."""
+    from monarch_dsl.compiler.simulate import steady_step_time
+
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -118,7 +135,56 @@ def predicted_ms(name: str, profile: str) -> float:
         return train_step(model, opt, x, y)
 
     plan = step.compile(*batch(name), mesh=md.Mesh.from_string("dp=1"))
-    return plan.simulate(profile=profile).step_time * 1e3
+    p = md.DeviceProfile.get(profile)
+    report = plan.simulate(profile=p)
+    per_call = steady_step_time(report.step_time, p, len(plan.inputs), [], ranks=1)
+    return per_call, report.peak_memory[0] - report.resident_memory[0]
+
+
+def predicted_eager(name: str, profile: str) -> float:
+    """Seconds per eager step as ``md.Simulator`` predicts them: (6 steps - 2 steps) / 4."""
+
+    def program(steps: int) -> float:
+        sim = md.Simulator(hosts=1, gpus=1, profile=profile)
+        x, y = batch(name)
+        with sim.mesh.activate():
+            model = md.to_mesh(make_model(name), sim.mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            xm, ym = md.to_mesh((x, y), sim.mesh)
+            for _ in range(steps):
+                loss = train_step(model, opt, xm, ym)
+            md.inspect(loss)
+        seconds = sim.summary().step_time
+        sim.mesh.stop()
+        return seconds
+
+    return (program(6) - program(2)) / 4
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
+def cuda_memory_start():
+    """Start of the measured calls: the bytes allocated now; the peak counts from here."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.tensor([torch.cuda.memory_allocated()])
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.int64, device="meta"))
+def cuda_memory_peak():
+    """The most bytes allocated since ``cuda_memory_start``."""
+    torch.cuda.synchronize()
+    return torch.tensor([torch.cuda.max_memory_allocated()])
+
+
+def measured_memory(pm, run) -> int:
+    """The worker's peak CUDA bytes during 3 calls of ``run`` (one at a time: each call's
+    result fetched before the next) above those allocated when they start."""
+    with pm.activate():
+        start = md.inspect(cuda_memory_start()).item()
+    for _ in range(3):
+        run(1)
+    with pm.activate():
+        return md.inspect(cuda_memory_peak()).item() - start
 
 
 def timed(run, steps: int) -> float:
@@ -140,6 +206,11 @@ def main() -> None:
     ap.add_argument("--block-seconds", type=float, default=0.5)
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, no GPU")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument(
+        "--profiles", nargs="*", default=None,
+        help="profiles to predict with (default: this GPU's built-in, and cuda-local if "
+        "calibrated)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU here: nothing to time")
@@ -149,6 +220,8 @@ def main() -> None:
         where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(f"{where}, torch {torch.__version__}")
         print(f"{'model':<6}{'system':<22}{'ms/step':>10}{'vs eager torch':>15}")
+        measured: dict[tuple[str, str], float] = {}
+        memory: dict[str, int] = {}
         for name in args.models:
             systems = {
                 "eager torch (peer)": eager_local(name, args.device),
@@ -168,16 +241,50 @@ def main() -> None:
             for label in systems:
                 ms = statistics.median(times[label]) * 1e3
                 print(f"{name:<6}{label:<22}{ms:>10.3f}{ms / (base * 1e3):>14.2f}x")
-            profile = simulator_profile(where)
-            if profile:
-                predicted = predicted_ms(name, profile)
-                measured = statistics.median(times["md compiled"]) * 1e3
-                print(
-                    f"{name:<6}{'simulated: ' + profile:<22}{predicted:>10.3f}"
-                    f"{'':>15}  ({(predicted - measured) / measured:+.0%} of md compiled)"
-                )
+            measured[(name, "compiled")] = statistics.median(times["md compiled"])
+            measured[(name, "eager")] = statistics.median(times["md eager"])
+            if args.device == "cuda":
+                memory[name] = measured_memory(pm, systems["md compiled"])
     finally:
         pm.stop()
+    profiles = args.profiles
+    if profiles is None:
+        profiles = default_profiles(where) if args.device == "cuda" else ["cpu-local"]
+    accuracy(args.models, measured, memory, profiles)
+
+
+def accuracy(
+    models: list[str],
+    measured: dict[tuple[str, str], float],
+    memory: dict[str, int],
+    profiles: list[str],
+) -> None:
+    """The simulator's predictions with each profile beside the measured times and memory."""
+    for profile in profiles:
+        p = md.DeviceProfile.get(profile)
+        print(f"\nsimulator accuracy, profile {profile} ({p.notes})")
+        print(f"{'case':<16}{'predicted ms':>13}{'measured ms':>13}{'error':>8}"
+              f"{'pred. MiB':>11}{'meas. MiB':>11}{'error':>8}")  # fmt: skip
+        errors, mem_errors = [], []
+        for name in models:
+            for kind in ("compiled", "eager"):
+                got = measured[(name, kind)]
+                mem = ""
+                if kind == "compiled":
+                    want, peak = predicted_compiled(name, profile)
+                    if name in memory:
+                        me = (peak - memory[name]) / max(1, memory[name])
+                        mem_errors.append(abs(me))
+                        mem = f"{peak / 2**20:11.1f}{memory[name] / 2**20:11.1f}{me:+8.1%}"
+                else:
+                    want = predicted_eager(name, profile)
+                e = (want - got) / got
+                errors.append(abs(e))
+                print(f"{kind + ' ' + name:<16}{want * 1e3:13.3f}{got * 1e3:13.3f}{e:+8.1%}{mem}")
+        print(f"time: median |error| {statistics.median(errors):.1%} (goal <= 10%), "
+              f"max {max(errors):.1%} (goal <= 25%)")  # fmt: skip
+        if mem_errors:
+            print(f"memory: max |error| {max(mem_errors):.1%} (goal <= 10%)")
 
 
 if __name__ == "__main__":

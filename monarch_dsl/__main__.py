@@ -238,20 +238,31 @@ def _uncalibrated(profile: str | None) -> bool:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    """Measure this machine into the "cpu-local" profile; print what was measured."""
+    """Measure this machine into the "cpu-local" profile (--device cuda: its GPU into
+    "cuda-local"); print what was measured."""
     from pathlib import Path
 
     from monarch_dsl import calibrate
     from monarch_dsl.compiler.profile import calibrated_path
 
     try:  # before any process starts
-        ranks = calibrate.parse_ranks(args.ranks)
-    except (TypeError, ValueError) as e:
+        calibrate.check_device(args.device)
+        if args.device == "cuda":
+            ranks: tuple[int, ...] | None = None
+            if args.ranks is not None:
+                raise ValueError(
+                    "--ranks: collectives are not measured with --device cuda (compute and "
+                    "overheads on one GPU; the links are the built-in profile's)"
+                )
+        else:
+            ranks = calibrate.parse_ranks(args.ranks or "2,4")
+    except (TypeError, ValueError, RuntimeError) as e:
         print(f"monarch-dsl calibrate: {e}", file=sys.stderr)
         return 2
-    path = Path(args.out) if args.out else calibrated_path()
+    name = f"{args.device}-local"
+    path = Path(args.out) if args.out else calibrated_path(name)
     if path.is_dir():
-        path = path / "cpu-local.json"
+        path = path / f"{name}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(path.parent, os.W_OK):
@@ -259,10 +270,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"monarch-dsl calibrate: --out {path}: {e}", file=sys.stderr)
         return 2
-    cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True)
+    cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True, device=args.device)
     saved = calibrate.save(cal.profile, path)
     print(calibrate.table(cal))
-    names = ' (what profile "cpu-local" names from now on)' if path == calibrated_path() else ""
+    names = f' (what profile "{name}" names from now on)' if path == calibrated_path(name) else ""
     print(f"wrote {saved}{names}")
     return 0
 
@@ -312,7 +323,8 @@ COMMANDS = [
     ),
     (
         "calibrate",
-        'measure this machine into the "cpu-local" device profile (a minute or two)',
+        'measure this machine into the "cpu-local" device profile (a minute or two); '
+        '--device cuda: its GPU into "cuda-local"',
         "monarch-dsl calibrate --ranks 2,4",
     ),
     ("ls", "list your persistent meshes", "monarch-dsl ls"),
@@ -504,12 +516,18 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     k.add_argument(
         "--out", default=None, metavar="PATH",
-        help="where to write the profile (default: cpu-local.json in $MONARCH_DSL_PROFILE_DIR, "
-        "else in $XDG_CACHE_HOME/monarch_dsl/profiles, $XDG_CACHE_HOME being ~/.cache if unset)",
+        help="where to write the profile (default: cpu-local.json, or cuda-local.json with "
+        "--device cuda, in $MONARCH_DSL_PROFILE_DIR, else in $XDG_CACHE_HOME/monarch_dsl/"
+        "profiles, $XDG_CACHE_HOME being ~/.cache if unset)",
     )  # fmt: skip
     k.add_argument(
-        "--ranks", default="2,4", metavar="N,M",
+        "--ranks", default=None, metavar="N,M",
         help="group sizes to measure collectives at (default 2,4); compute runs on the first",
+    )  # fmt: skip
+    k.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="cuda: this machine's GPU, on one CUDA worker, into profile \"cuda-local\" "
+        "(compute and overheads; links: the built-in profile of that GPU)",
     )  # fmt: skip
     k.set_defaults(fn=_calibrate)
     ls = sub.add_parser("ls", description=helps["ls"])

@@ -91,6 +91,7 @@ class Settings:
     dtypes: bool  # float64 / bfloat16 / float16 peaks (else float32's ratios below)
     eager_ops: int  # eager ops in a row (controller_overhead; the other terms' as long)
     plan_calls: int  # compiled-step calls in a row (plan_overhead, ...)
+    dtype_size: int = 256  # the matmul size at which other dtypes are compared with float32
 
 
 FULL = Settings(
@@ -117,8 +118,34 @@ QUICK = Settings(
     eager_ops=300,
     plan_calls=30,
 )
+# --device cuda: one GPU. Larger sizes (a GPU reaches its rates only there: a 1024^3 matmul is
+# still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy.
+CUDA = Settings(
+    matmul=(256, 512, 1024, 2048, 4096, 8192),
+    thin=(1024, 4096, 8192),
+    pointwise=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26),
+    comm=(),
+    reps=7,
+    run_seconds=0.03,
+    dtypes=True,
+    eager_ops=1000,
+    plan_calls=200,
+    dtype_size=4096,
+)
+CUDA_QUICK = dataclasses.replace(
+    CUDA,
+    matmul=(256, 2048),
+    thin=(2048,),
+    pointwise=(1 << 16, 1 << 22),
+    reps=3,
+    run_seconds=0.005,
+    dtypes=False,
+    eager_ops=300,
+    plan_calls=30,
+)
+DEVICES = ("cpu", "cuda")
 OPERAND_SETS = 16  # distinct inputs a compute measurement cycles through (operand_sets)
-DTYPE_SIZE = 256  # the matmul size at which other dtypes are compared with float32
+DTYPE_SIZE = FULL.dtype_size
 # Without a measurement (--quick): other dtypes' peaks as the placeholder's ratios.
 DTYPE_RATIOS = {"float64": 0.5, "bfloat16": 0.5, "float16": 0.2}
 BACKENDS = ("shm", "gloo")
@@ -227,6 +254,8 @@ class Probe(Actor):
         self._group: Any = None
 
     def _group_and_core(self) -> tuple[Any, Any, Any]:
+        """The worker's executor, its C++ runtime, and the mesh's process group (None on a
+        mesh of one rank)."""
         from monarch_dsl import _core
         from monarch_dsl.runtime import worker
 
@@ -238,11 +267,13 @@ class Probe(Actor):
                 "calibration needs the C++ runtime in the workers (MD_EXECUTOR is 'python', "
                 f"or it is not built: {_core.unavailable_reason()})"
             )
-        if self._group is None:
+        if self._group is None and len(self.members) > 1:
             self._group = ex.process_group(self.members, "calibrate")
         return ex, core, self._group
 
     def _barrier(self) -> None:
+        if len(self.members) == 1:  # (no group: a one-GPU mesh would make an NCCL one)
+            return
         _, _, group = self._group_and_core()
         work = group.barrier()
         if work is not None:
@@ -263,9 +294,27 @@ class Probe(Actor):
         return ["shm", "gloo"] if isinstance(group, ShmProcessGroup) else ["gloo"]
 
     @endpoint
+    def device_info(self) -> dict[str, Any]:
+        """The worker's device: ``type``, and for a GPU its ``name``, ``memory`` (bytes),
+        ``count`` (GPUs on the host) and ``span`` (twice its L2 cache: ``cache_span``'s)."""
+        ex, _, _ = self._group_and_core()
+        if ex.device.type != "cuda":
+            return {"type": ex.device.type}
+        props = torch.cuda.get_device_properties(ex.device)
+        l2 = getattr(props, "L2_cache_size", 0) or 32 << 20
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "memory": float(props.total_memory),
+            "count": torch.cuda.device_count(),
+            "span": 2 * l2,
+        }
+
+    @endpoint
     def compute(self, spec: OpSpec, reps: int, run_seconds: float, span: int) -> float:
         """Median seconds per op of ``spec``, in runs of about ``run_seconds`` through
-        ``operand_sets(..., span)`` sets of inputs."""
+        ``operand_sets(..., span)`` sets of inputs, on the worker's device (a GPU's runs end
+        when its kernels have: ``torch.cuda.synchronize``)."""
         from monarch_dsl.compiler.lower import core_steps
         from monarch_dsl.isa import Slot
 
@@ -273,7 +322,13 @@ class Probe(Actor):
         dtype = getattr(torch, spec.dtype)
         set_bytes = sum(math.prod(s) for s in spec.shapes) * dtype.itemsize
         sets = operand_sets(set_bytes, span)
-        inputs = [torch.randn(s).to(dtype) for _ in range(sets) for s in spec.shapes]
+        device = ex.device
+        inputs = [torch.randn(s, device=device).to(dtype) for _ in range(sets) for s in spec.shapes]
+        cuda = device.type == "cuda"
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(device)
 
         def timed(count: int) -> Callable[[], float]:
             program = _program(spec.op, spec.args, len(spec.shapes), sets, count)
@@ -283,8 +338,10 @@ class Probe(Actor):
                 env = core.Env(program.n_slots)
                 for i, t in enumerate(inputs):
                     env[i] = t
+                sync()
                 start = time.perf_counter()
                 failed = compiled.run(env, 0, count)
+                sync()
                 seconds = time.perf_counter() - start
                 if failed != -1:
                     raise RuntimeError(f"{spec.label}: {compiled.last_error()}")
@@ -388,7 +445,7 @@ class Calibration:
     profile: DeviceProfile
     compute_ranks: int
     matmul: dict[int, float] = field(default_factory=dict)  # size -> seconds per op
-    dtypes: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s at DTYPE_SIZE
+    dtypes: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s at dtype_size
     pointwise: dict[str, dict[int, float]] = field(default_factory=dict)  # op -> numel -> s
     eager_wall: float = 0.0  # seconds per eager op, until the workers are done
     # compiled steps of _calls: seconds per call, the controller's CPU per call, the steps' time
@@ -397,6 +454,8 @@ class Calibration:
     comm: dict[tuple[str, int, str, int], float] = field(default_factory=dict)
     fit_error: dict[tuple[str, int], float] = field(default_factory=dict)  # max |relative|
     seconds: float = 0.0
+    dtype_size: int = DTYPE_SIZE  # the matmul size of ``dtypes``
+    device: str = "cpu"  # what was measured (``DEVICES``)
     others_busy: float | None = None  # the share of the CPU other processes took meanwhile
 
 
@@ -457,7 +516,7 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
         for n in s.thin
     ]
     if s.dtypes:
-        n = DTYPE_SIZE
+        n = s.dtype_size
         specs += [
             OpSpec(f"matmul {n} {d}", "aten.mm.default", ab, ((n, n), (n, n)), d)
             for d in DTYPE_RATIOS
@@ -481,19 +540,60 @@ def _comm_tasks(s: Settings, n: int, backends: Sequence[str]) -> list[tuple[str,
     return tasks
 
 
+def check_device(device: str) -> str:
+    """``device`` if it is one of ``DEVICES``; for ``"cuda"``, only where torch sees a GPU
+    (``ValueError`` / ``RuntimeError`` naming what is wrong, before any process starts)."""
+    if device not in DEVICES:
+        raise ValueError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "--device cuda: torch sees no CUDA GPU here (torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'})"
+        )
+    return device
+
+
 def measure(
     quick: bool = False,
-    ranks: Iterable[int] = (2, 4),
+    ranks: Iterable[int] | None = (2, 4),
     progress: bool = True,
+    device: str = "cpu",
 ) -> Calibration:
     """Start local meshes, measure (see the module's docstring), return the profile and the
-    measurements. ``progress``: a bar on stderr (when it is a terminal)."""
+    measurements. ``progress``: a bar on stderr (when it is a terminal).
+
+    ``device="cuda"``: the ``"cuda-local"`` profile of this machine's GPU, measured on one
+    CUDA worker (compute at GPU sizes, ``CUDA``; the overheads as on a CPU). Collectives are
+    not measured (``ranks`` must be None or empty: one GPU cannot run NCCL between ranks);
+    the profile keeps the links of the built-in profile of that GPU (``gpu_base``)."""
+    check_device(device)
+    if device == "cuda":
+        if ranks:
+            raise ValueError(
+                "--ranks: collectives are not measured with --device cuda (compute and "
+                "overheads on one GPU; the links are the built-in profile's)"
+            )
+        s = CUDA_QUICK if quick else CUDA
+        return _measure(s, (1,), {"MD_DEVICE": "cuda"}, progress, quick)
+    sizes = check_ranks((2, 4) if ranks is None else ranks)
+    return _measure(QUICK if quick else FULL, sizes, None, progress, quick)
+
+
+def _measure(
+    s: Settings,
+    sizes: tuple[int, ...],
+    env: dict[str, str] | None,
+    progress: bool,
+    quick: bool,
+) -> Calibration:
+    """:func:`measure` on meshes of ``sizes`` ranks (compute and overheads on the first; with
+    ``env``, the workers' environment); a first size of 1 is a GPU's calibration (its
+    profile: ``_gpu_profile``; on CPU workers too, which is how it is tested without a GPU)."""
     from monarch_dsl.proc_mesh import this_host
 
-    sizes = check_ranks(ranks)
-    s = QUICK if quick else FULL
     specs = _compute_specs(s)
     span = cache_span()
+    info: dict[str, Any] = {}
     total = len(specs) + 2 + sum(len(_comm_tasks(s, n, BACKENDS)) + 1 for n in sizes)
     bar = Progress(total, quiet=not progress)
     started = time.monotonic()
@@ -508,17 +608,20 @@ def measure(
         for i, n in enumerate(sizes):
             bar.show(f"starting {n} workers")
             with _quiet_spawn():
-                pm = this_host().spawn_procs({"r": n})
+                pm = this_host().spawn_procs({"r": n}, env=env)
             try:
                 bar.step(f"{n} workers up")
                 _set_up_collectives(pm)
                 probe = pm.spawn("calibrate", Probe, list(pm.ranks))
+                if n == 1:
+                    info = probe.device_info.call().get().values()[0]
+                    span = info.get("span", span)
                 if i == 0:
                     eager, worker_op, eager_wall = _eager_costs(pm, probe, s)
                     bar.step("eager ops")
                     calls = _calls(pm, s.plan_calls, s.reps)
                     bar.step("compiled step calls")
-                backends = probe.backends.call().get().values()[0]
+                backends = probe.backends.call().get().values()[0] if n > 1 else []
                 if i == 0:
                     for spec in specs:
                         bar.show(spec.label)
@@ -539,13 +642,18 @@ def measure(
                 pm.stop()
     finally:
         bar.close()
-    cal = _profile(s, sizes, per_op, comm, eager, quick)
+    if sizes[0] == 1:
+        cal = _gpu_profile(s, per_op, eager, quick, info)
+    else:
+        cal = _profile(s, sizes, per_op, comm, eager, quick)
     cal.eager_wall = eager_wall
     cal.profile = _replace(
         cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
     )
     if calls:
         cal.profile = _call_costs(cal.profile, calls, sizes[0])
+        if sizes[0] == 1:  # a GPU computes: its ranks do not share the host's cores for it
+            cal.profile = _replace(cal.profile, host_cores=0)
         cal.calls = {
             k: (t, c, plan.simulate(profile=cal.profile).step_time)
             for k, (plan, t, c) in calls.items()
@@ -577,11 +685,17 @@ def _busy_seconds() -> float | None:
 
 
 def run(
-    quick: bool = False, ranks: Iterable[int] = (2, 4), progress: bool = False
+    quick: bool = False,
+    ranks: Iterable[int] | None = (2, 4),
+    progress: bool = False,
+    device: str = "cpu",
 ) -> DeviceProfile:
-    """Measure this machine (:func:`measure`) and return its ``"cpu-local"`` profile (not
-    saved: ``profile.save(calibrated_path())`` makes it the one ``"cpu-local"`` names)."""
-    return measure(quick, check_ranks(ranks), progress).profile
+    """Measure this machine (:func:`measure`) and return its ``"cpu-local"`` profile, or with
+    ``device="cuda"`` its ``"cuda-local"`` one (not saved: ``save(profile)`` makes it the one
+    that name gives)."""
+    if device != "cuda":  # (before measure: its arguments' errors are the same from here)
+        ranks = check_ranks((2, 4) if ranks is None else ranks)
+    return measure(quick, ranks, progress, device).profile
 
 
 def _call_costs(
@@ -908,14 +1022,27 @@ def fit_link(points: Sequence[tuple[int, float, float]]) -> tuple[Link, float]:
     return link, worst
 
 
-def _profile(
-    s: Settings,
-    sizes: tuple[int, ...],
-    per_op: dict[str, float],
-    comm: dict[tuple[str, int, str, int], float],
-    eager: dict[str, float],
-    quick: bool,
-) -> Calibration:
+@dataclass
+class _Compute:
+    """The compute part of a profile, fitted from the per-op times (``_fit_compute``)."""
+
+    dispatch: float
+    pointwise: dict[str, dict[int, float]]
+    bandwidth_curve: tuple[tuple[float, float], ...]
+    matmul: dict[int, float]
+    matmul_curve: tuple[tuple[float, float], ...]
+    matmul_passes: float
+    peaks: dict[str, float]
+    dtypes: dict[str, float]
+    efficiency: dict[str, float]
+
+
+def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Compute:
+    """Dispatch overhead, bandwidth curve, matmul curve, dtype peaks and family efficiencies
+    from the times of ``_compute_specs(s)``. ``roofline``: a matmul's time is the max of its
+    arithmetic and its memory traffic (a GPU's kernels stream operands beside the arithmetic:
+    ``matmul_passes`` 0, the curve from the square matmuls' times less the dispatch); else
+    ``fit_matmul``'s sum (a CPU's BLAS packs its inputs first)."""
     dispatch = per_op["dispatch"]
     pointwise: dict[str, dict[int, float]] = {op: {} for op in ("add", "sum", "clone")}
     for op in pointwise:
@@ -934,15 +1061,24 @@ def _profile(
     probe = DeviceProfile("cpu-local", {}, 1.0, {}, dispatch, {}, bandwidth_curve=bw_curve)
     matmul = {n: per_op[f"matmul {n}"] for n in s.matmul}
     thin = {n: per_op[f"thin matmul {n}"] for n in s.thin}
-    mm_curve, passes = fit_matmul(matmul, thin, dispatch, probe)
+    if roofline:
+        points = [(2.0 * n**3, _net(t, dispatch)) for n, t in matmul.items()]
+        kept = [(f, t) for f, t in points if t is not None]
+        if not kept:  # (all dispatch-bound)
+            n, t = max(matmul.items())
+            kept = [(2.0 * n**3, t)]
+        mm_curve, passes = _curve(kept), 0.0
+    else:
+        mm_curve, passes = fit_matmul(matmul, thin, dispatch, probe)
     f32 = max(rate for _, rate in mm_curve)
     peaks = {"float32": f32}
     dtypes = {}
+    n = s.dtype_size
     for d, ratio in DTYPE_RATIOS.items():
-        label = f"matmul {DTYPE_SIZE} {d}"
+        label = f"matmul {n} {d}"
         if label in per_op:
-            dtypes[d] = 2.0 * DTYPE_SIZE**3 / per_op[label]
-            f32_there = 2.0 * DTYPE_SIZE**3 / per_op[f"matmul {DTYPE_SIZE}"]
+            dtypes[d] = 2.0 * n**3 / per_op[label]
+            f32_there = 2.0 * n**3 / per_op[f"matmul {n}"]
             peaks[d] = f32 * dtypes[d] / f32_there
         else:
             peaks[d] = f32 * ratio
@@ -956,6 +1092,86 @@ def _profile(
                 ratios.append(b / net / probe.bandwidth(b))
         return statistics.median(ratios) if ratios else 1.0
 
+    return _Compute(
+        dispatch=dispatch,
+        pointwise=pointwise,
+        bandwidth_curve=bw_curve,
+        matmul=matmul,
+        matmul_curve=mm_curve,
+        matmul_passes=passes,
+        peaks=peaks,
+        dtypes=dtypes,
+        efficiency={
+            "matmul": 1.0,
+            "pointwise": 1.0,
+            "reduction": efficiency("sum"),
+            "other": efficiency("clone"),
+        },
+    )
+
+
+def gpu_base(name: str) -> DeviceProfile:
+    """The built-in profile of the GPU called ``name`` (``torch.cuda.get_device_name``): what
+    a ``"cuda-local"`` profile keeps of it (links, GPUs per host); H100's for any other."""
+    lowered = name.lower()
+    for key in ("h200", "h100"):
+        if key in lowered:
+            return BUILTIN[key]
+    return BUILTIN["h100"]
+
+
+def _gpu_profile(
+    s: Settings, per_op: dict[str, float], eager: dict[str, float], quick: bool, info: dict
+) -> Calibration:
+    """The ``"cuda-local"`` profile from one GPU worker's measurements: its compute
+    (``_fit_compute``, roofline) and overheads; links and GPUs per host from ``gpu_base``
+    (one GPU: nothing to measure them with)."""
+    c = _fit_compute(s, per_op, roofline=True)
+    name = info.get("name", "no GPU (CPU workers)")
+    base = gpu_base(name)
+    profile = dataclasses.replace(
+        base,
+        name="cuda-local",
+        peak_flops=c.peaks,
+        memory_bandwidth=c.bandwidth_curve[-1][1],
+        efficiency=c.efficiency,
+        dispatch_overhead=c.dispatch,
+        memory_capacity=info.get("memory", base.memory_capacity),
+        controller_overhead=eager.get("op", base.controller_overhead),
+        controller_reduce=eager.get("reduce", base.controller_reduce),
+        controller_borrow=eager.get("borrow", base.controller_borrow),
+        controller_backward=eager.get("backward", base.controller_backward),
+        controller_switch=eager.get("switch", base.controller_switch),
+        matmul_curve=c.matmul_curve,
+        bandwidth_curve=c.bandwidth_curve,
+        matmul_passes=0.0,
+        notes=(
+            f"calibrated by `monarch-dsl calibrate --device cuda{' --quick' if quick else ''}`"
+            f" on {datetime.date.today().isoformat()}: {name}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}; compute on one GPU worker; links (not measured: one "
+            f"GPU) as the built-in {base.name!r}"
+        ),
+    )
+    return Calibration(
+        profile=profile,
+        compute_ranks=1,
+        matmul=c.matmul,
+        dtypes=c.dtypes,
+        pointwise=c.pointwise,
+        dtype_size=s.dtype_size,
+        device="cuda",
+    )
+
+
+def _profile(
+    s: Settings,
+    sizes: tuple[int, ...],
+    per_op: dict[str, float],
+    comm: dict[tuple[str, int, str, int], float],
+    eager: dict[str, float],
+    quick: bool,
+) -> Calibration:
+    c = _fit_compute(s, per_op, roofline=False)
     links: dict[str, Link] = {}
     errors: dict[tuple[str, int], float] = {}
     for backend in BACKENDS:
@@ -987,15 +1203,10 @@ def _profile(
     cpu = _cpu_name()
     profile = DeviceProfile(
         name="cpu-local",
-        peak_flops=peaks,
-        memory_bandwidth=bw_curve[-1][1],
-        efficiency={
-            "matmul": 1.0,
-            "pointwise": 1.0,
-            "reduction": efficiency("sum"),
-            "other": efficiency("clone"),
-        },
-        dispatch_overhead=dispatch,
+        peak_flops=c.peaks,
+        memory_bandwidth=c.bandwidth_curve[-1][1],
+        efficiency=c.efficiency,
+        dispatch_overhead=c.dispatch,
         links=links,
         intra_host=intra,
         inter_host="gloo",
@@ -1006,9 +1217,9 @@ def _profile(
         controller_borrow=eager.get("borrow", 0.0),
         controller_backward=eager.get("backward", 0.0),
         controller_switch=eager.get("switch", 0.0),
-        matmul_curve=mm_curve,
-        bandwidth_curve=bw_curve,
-        matmul_passes=passes,
+        matmul_curve=c.matmul_curve,
+        bandwidth_curve=c.bandwidth_curve,
+        matmul_passes=c.matmul_passes,
         notes=(
             f"calibrated by `monarch-dsl calibrate{' --quick' if quick else ''}` on "
             f"{datetime.date.today().isoformat()}: {cpu}, {os.cpu_count()} cores, torch "
@@ -1019,9 +1230,10 @@ def _profile(
     return Calibration(
         profile=profile,
         compute_ranks=sizes[0],
-        matmul=matmul,
-        dtypes=dtypes,
-        pointwise=pointwise,
+        matmul=c.matmul,
+        dtypes=c.dtypes,
+        pointwise=c.pointwise,
+        dtype_size=s.dtype_size,
         comm=comm,
         fit_error=errors,
     )
@@ -1065,7 +1277,7 @@ def table(cal: Calibration) -> str:
     for n, t in cal.matmul.items():
         out.append(f"  n = {n:<5d}                 {_us(t):>10s}   {2 * n**3 / t / 1e9:8.1f}")
     for d, rate in cal.dtypes.items():
-        out.append(f"  n = {DTYPE_SIZE:<5d} {d:<16s} {'':>10s}   {rate / 1e9:8.1f}")
+        out.append(f"  n = {cal.dtype_size:<5d} {d:<16s} {'':>10s}   {rate / 1e9:8.1f}")
     out.append("")
     out.append("memory-bound ops, float32     bytes moved   add GB/s   sum GB/s  clone GB/s")
     for numel in cal.pointwise["add"]:
@@ -1106,6 +1318,33 @@ def table(cal: Calibration) -> str:
             f"{c.bandwidth / 1e9:.2f} GB/s"
         )
     out.append("")
+    if cal.device == "cuda":
+        out.append(
+            "links: not measured (NCCL needs a GPU per rank; this was one): "
+            + ", ".join(
+                f"{k} {_us(v.latency)} + {v.bandwidth / 1e9:.0f} GB/s"
+                for k, v in sorted(p.links.items())
+                if k != "controller"
+            )  # fmt: skip
+        )
+    else:
+        out.extend(_links_table(cal))
+    out.append("")
+    busy = (
+        ""
+        if cal.others_busy is None
+        else f"; other processes took {cal.others_busy:.0%} of the CPU"
+    )
+    out.append(f"measured in {cal.seconds:.0f} s{busy}")
+    if cal.others_busy is not None and cal.others_busy > BUSY_WARNING:
+        out.append("WARNING: the machine was busy: calibrate again when it is idle")
+    return "\n".join(out)
+
+
+def _links_table(cal: Calibration) -> list[str]:
+    """The table's links and collectives: fitted alpha and beta, measured vs fitted."""
+    p = cal.profile
+    out = []
     out.append(
         f"links: alpha (per round), beta (bytes/s per rank), fitted on {', '.join(FIT_KINDS)};"
         " the link keeps beta by size (the 'fitted' column below)"
@@ -1131,16 +1370,7 @@ def table(cal: Calibration) -> str:
         out.append(
             f"  {backend:<7s}  {n:>5d}  {kind:<11s}  {size:>8s}  {_us(t):>10s} {fitted:>10s}"
         )
-    out.append("")
-    busy = (
-        ""
-        if cal.others_busy is None
-        else f"; other processes took {cal.others_busy:.0%} of the CPU"
-    )
-    out.append(f"measured in {cal.seconds:.0f} s{busy}")
-    if cal.others_busy is not None and cal.others_busy > BUSY_WARNING:
-        out.append("WARNING: the machine was busy: calibrate again when it is idle")
-    return "\n".join(out)
+    return out
 
 
 def _us(seconds: float) -> str:
@@ -1150,9 +1380,10 @@ def _us(seconds: float) -> str:
 
 
 def save(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> Path:
-    """Write ``profile`` (to ``calibrated_path()`` by default: what ``"cpu-local"`` names
-    from then on), creating the directory; atomically, so a reader never sees half a file."""
-    target = Path(path) if path is not None else calibrated_path()
+    """Write ``profile`` (by default to ``calibrated_path(profile.name)``: what ``"cpu-local"``
+    or ``"cuda-local"`` names from then on), creating the directory; atomically, so a reader
+    never sees half a file."""
+    target = Path(path) if path is not None else calibrated_path(profile.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     profile.save(tmp)
@@ -1160,4 +1391,14 @@ def save(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> 
     return target
 
 
-__all__ = ["run", "measure", "table", "save", "Calibration", "check_ranks", "parse_ranks"]
+__all__ = [
+    "run",
+    "measure",
+    "table",
+    "save",
+    "Calibration",
+    "check_ranks",
+    "check_device",
+    "parse_ranks",
+    "gpu_base",
+]

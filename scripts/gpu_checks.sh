@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checklist (GPU_CHECKS.md in the project's shared folder) as one script, for a machine
 # with a CUDA GPU: setup from the README (the CUDA torch kept, the C++ runtime built against
-# it), the gpu-marked tests on CUDA workers, the tutorial on CUDA workers, and the benchmarks'
-# GPU parts. Every step has a time limit and its own log; a failed step does not stop the next.
+# it), the GPU's calibration (`monarch-dsl calibrate --device cuda`) and the simulator's
+# accuracy there, the gpu-marked tests on CUDA workers, the tutorial on CUDA workers, and the
+# benchmarks' GPU parts (most wanted first: a step past its limit still leaves the others). Every step has a time limit and its own log; a failed step does not stop the next.
 #
 #     bash scripts/gpu_checks.sh [LOG_DIR] [TARBALL]   # default: gpu-logs/; TARBALL: the
 #                                                     # logs, packed again after every step
@@ -50,9 +51,16 @@ PY="$VENV/bin/python"
 step torch_kept 30 "$PY" -c 'import torch; assert torch.version.cuda, torch.__version__
 print("torch", torch.__version__, "cuda", torch.version.cuda)'
 
+# The simulator on this GPU (issue 13): its compute calibrated, then the one-GPU steps timed
+# beside what the built-in profile and the calibrated one predict.
+step calibrate_cuda 180 "$PY" -m monarch_dsl calibrate --device cuda \
+    --out "$LOGS/cuda-local.json"
+mkdir -p "${MONARCH_DSL_PROFILE_DIR:=$HOME/.cache/monarch_dsl/profiles}"
+export MONARCH_DSL_PROFILE_DIR
+cp "$LOGS/cuda-local.json" "$MONARCH_DSL_PROFILE_DIR/" 2>/dev/null
+step bench_gpu_step 180 "$PY" benchmarks/gpu_step.py
 step pytest_gpu 240 env MD_DEVICE=cuda "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=5
+step bench_executor 90 "$PY" benchmarks/executor.py --reps 5
 step tutorial_cuda 60 env MD_DEVICE=cuda "$PY" examples/tutorial.py
 step bench_kernels 90 "$PY" benchmarks/kernels.py
-step bench_executor 90 "$PY" benchmarks/executor.py --reps 5
-step bench_gpu_step 150 "$PY" benchmarks/gpu_step.py
 cat "$LOGS/summary.txt"

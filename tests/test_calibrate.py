@@ -300,3 +300,88 @@ def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_shor
     assert cpu_bound(1.0, [2.0, 3.0], p) == pytest.approx(3.0)  # 3 processes, 2 cores
     assert cpu_bound(1.0, [2.0], p) == 0.0  # a core each
     assert cpu_bound(1.0, [2.0, 3.0], dataclasses.replace(p, host_cores=0)) == 0.0  # unknown
+
+
+# ---- --device cuda: "cuda-local", one GPU worker ---------------------------------------------
+
+
+def test_cuda_local_is_an_error_naming_the_command_until_calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_DSL_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="`monarch-dsl calibrate --device cuda`.*not run here"):
+        DeviceProfile.get("cuda-local")
+    mine = dataclasses.replace(BUILTIN["h200"], name="cuda-local", dispatch_overhead=7e-6)
+    assert calibrate.save(mine) == tmp_path / "cuda-local.json"  # (by the profile's name)
+    assert DeviceProfile.get("cuda-local") == mine
+    assert DeviceProfile.get("cpu-local") is BUILTIN["cpu-local"]  # the other stays as it was
+    (tmp_path / "cuda-local.json").write_text("[]")
+    with pytest.raises(ValueError, match="run `monarch-dsl calibrate --device cuda` again"):
+        DeviceProfile.get("cuda-local")
+    with pytest.raises(ValueError, match="no calibrated profile is called 'tpu-local'"):
+        calibrated_path("tpu-local")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cuda", "--ranks", "2"], "collectives are not measured with --device cuda"),
+        (["--device", "cuda"], "torch sees no CUDA GPU here"),
+    ],
+)
+def test_bad_device_arguments_are_refused_before_anything_starts(
+    args, message, monkeypatch, capsys
+):
+    def never(*args, **kwargs):
+        raise AssertionError("measured with bad arguments")
+
+    monkeypatch.setattr(calibrate, "measure", never)
+    monkeypatch.setattr(calibrate.torch.cuda, "is_available", lambda: "--ranks" in args)
+    assert main(["calibrate", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_bases_by_name():
+    assert calibrate.gpu_base("NVIDIA H200") is BUILTIN["h200"]
+    assert calibrate.gpu_base("NVIDIA H100 80GB HBM3") is BUILTIN["h100"]
+    assert calibrate.gpu_base("NVIDIA A100-SXM4-80GB") is BUILTIN["h100"]
+
+
+def test_the_one_gpu_calibration_runs_on_one_cpu_worker():
+    """What ``--device cuda`` runs (one worker: compute at its sizes, the overheads, no
+    collectives; the roofline profile on the GPU's built-in links), on a CPU worker here."""
+    s = dataclasses.replace(
+        calibrate.CUDA_QUICK,
+        matmul=(32, 128),
+        thin=(256,),
+        pointwise=(1 << 12, 1 << 16),
+        dtype_size=128,
+        dtypes=True,
+    )
+    cal = calibrate._measure(s, (1,), {"MD_DEVICE": "cpu"}, False, True)
+    p = cal.profile
+    assert p.name == "cuda-local" and cal.device == "cuda" and not cal.comm
+    assert p.matmul_passes == 0 and p.host_cores == 0
+    assert set(cal.matmul) == {32, 128} and set(cal.dtypes) == {"float64", "bfloat16", "float16"}
+    assert len(p.matmul_curve) >= 1 and len(p.bandwidth_curve) >= 1
+    positive = [p.dispatch_overhead, p.memory_bandwidth, *p.peak_flops.values()]
+    positive += [p.controller_overhead, p.eager_op_overhead]
+    assert all(math.isfinite(v) and v > 0 for v in positive), positive
+    for kind in ("nccl_intra", "inter_host"):  # not measured: the base GPU's
+        assert p.links[kind] == BUILTIN["h100"].links[kind]
+    assert "controller" in p.links  # (a local argument's sending was measured)
+    text = calibrate.table(cal)
+    assert "links: not measured" in text and "n = 128   bfloat16" in text
+    assert _one_linear_plan().simulate(profile=p).step_time > 0
+
+
+@pytest.mark.gpu
+def test_a_quick_gpu_calibration_writes_cuda_local(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "MONARCH_DSL_QUIET": "1"}
+    env["MONARCH_DSL_PROFILE_DIR"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "monarch_dsl", "calibrate", "--quick", "--device", "cuda"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path / 'cuda-local.json'}" in r.stdout
+    p = md.DeviceProfile.load(tmp_path / "cuda-local.json")
+    # a GPU, not a CPU: float32 matmuls past 1 TFLOP/s, memory past 100 GB/s
+    assert p.peak_flops["float32"] > 1e12 and p.memory_bandwidth > 1e11, r.stdout
+    assert 0 < p.dispatch_overhead < 1e-3 and p.memory_capacity > 1e9

@@ -16,8 +16,10 @@ alpha and beta do not fit all sizes (4 ranks sharing 2 cores).
 Built-in profiles: ``"h100"``, ``"h200"`` (from NVIDIA's public datasheets; the efficiencies
 and latencies are assumptions, said so at each number) and ``"cpu-local"``: the profile that
 ``monarch-dsl calibrate`` measured on this machine (``calibrated_path()``) when there is one,
-else a conservative placeholder for a 2-core CPU. ``profile=`` anywhere takes a built-in name,
-a path to a saved profile, or a profile.
+else a conservative placeholder for a 2-core CPU. ``"cuda-local"``: what ``monarch-dsl calibrate
+--device cuda`` measured on this machine's GPU (compute and overheads; its links are the
+built-in profile's of that GPU), an error naming that command until it has run. ``profile=``
+anywhere takes a built-in name, a path to a saved profile, or a profile.
 """
 
 from __future__ import annotations
@@ -226,6 +228,15 @@ class DeviceProfile:
             return profile
         if profile == "cpu-local":
             return _calibrated() or BUILTIN["cpu-local"]
+        if profile in CALIBRATED and profile not in BUILTIN:
+            found = _calibrated(profile)
+            if found is None:
+                raise ValueError(
+                    f"device profile {profile!r} is what `monarch-dsl calibrate --device "
+                    f"{profile.split('-')[0]}` measures on a machine with the GPU, and it has "
+                    f"not run here (no {calibrated_path(profile)})"
+                )
+            return found
         if isinstance(profile, str) and profile in BUILTIN:
             return BUILTIN[profile]
         if os.path.exists(profile):
@@ -239,24 +250,28 @@ ProfileLike = Union[str, "os.PathLike[str]", DeviceProfile, None]
 
 # Where ``monarch-dsl calibrate`` writes the ``"cpu-local"`` profile (a directory).
 PROFILE_DIR_ENV = "MONARCH_DSL_PROFILE_DIR"
+# The profiles ``monarch-dsl calibrate`` writes: ``--device cpu`` (the default) and ``cuda``.
+CALIBRATED = ("cpu-local", "cuda-local")
 
 
-def calibrated_path() -> Path:
-    """The calibrated ``"cpu-local"`` profile's file: ``cpu-local.json`` in
+def calibrated_path(name: str = "cpu-local") -> Path:
+    """The calibrated profile ``name``'s file (``CALIBRATED``): ``<name>.json`` in
     ``$MONARCH_DSL_PROFILE_DIR``, else in ``$XDG_CACHE_HOME/monarch_dsl/profiles``, else in
     ``~/.cache/monarch_dsl/profiles`` (per user, as the C++ runtime's builds)."""
+    if name not in CALIBRATED:
+        raise ValueError(f"no calibrated profile is called {name!r} (only {CALIBRATED})")
     if os.environ.get(PROFILE_DIR_ENV):
-        return Path(os.environ[PROFILE_DIR_ENV]) / "cpu-local.json"
+        return Path(os.environ[PROFILE_DIR_ENV]) / f"{name}.json"
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "monarch_dsl" / "profiles" / "cpu-local.json"
+    return Path(cache) / "monarch_dsl" / "profiles" / f"{name}.json"
 
 
 _loaded: dict[tuple[str, int], DeviceProfile] = {}
 
 
-def _calibrated() -> DeviceProfile | None:
+def _calibrated(name: str = "cpu-local") -> DeviceProfile | None:
     """The calibrated profile (read again when the file changes), or None if there is none."""
-    path = calibrated_path()
+    path = calibrated_path(name)
     try:
         key = (str(path), path.stat().st_mtime_ns)
     except OSError:
@@ -265,11 +280,18 @@ def _calibrated() -> DeviceProfile | None:
         try:
             profile = DeviceProfile.load(path)
         except (ValueError, TypeError, KeyError) as e:
+            device = name.split("-")[0]
+            again = (
+                "`monarch-dsl calibrate`"
+                if device == "cpu"
+                else (f"`monarch-dsl calibrate --device {device}`")
+            )
             raise ValueError(
-                f"{path}: not a device profile ({type(e).__name__}: {e}); run "
-                "`monarch-dsl calibrate` again, or remove the file"
+                f"{path}: not a device profile ({type(e).__name__}: {e}); run {again} "
+                "again, or remove the file"
             ) from e
-        _loaded.clear()
+        for old in [k for k in _loaded if k[0] == str(path)]:
+            del _loaded[old]
         _loaded[key] = profile
     return _loaded[key]
 
