@@ -21,10 +21,12 @@ table for CPU workers): each md step predicted with each ``--profiles`` profile 
 built-in one of this GPU, and ``"cuda-local"`` once ``monarch-dsl calibrate --device cuda``
 has measured it) beside its measured time, and the error. Compiled steps: ``plan.simulate``,
 called back to back (``steady_step_time``); their peak CUDA memory in a call above what is
-allocated when it starts (``plan.simulate().peak_memory - resident_memory``) beside the
-worker's (``torch.cuda.max_memory_allocated`` over 3 calls). Eager steps: ``md.Simulator``
-running the same loop, per step (the time of 6 steps less that of 2, over 4: the model's
-first copy to the mesh is not a step).
+allocated when it starts (``plan.simulate().peak_memory - resident_memory``, less the
+arguments: mesh tensors here, allocated before the call) beside the worker's
+(``torch.cuda.max_memory_allocated`` over 3 calls; its blocks are whole multiples of 512
+bytes, which the simulator does not round to: a few KiB on the tiny step). Eager steps:
+``md.Simulator`` running the same loop, per step (the time of 6 steps less that of 2, over
+4: the model's first copy to the mesh is not a step).
 """
 
 from __future__ import annotations
@@ -124,7 +126,9 @@ def default_profiles(device_name: str) -> list[str]:
 def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
     """The compiled step's seconds per call, called back to back, as ``plan.simulate``
     predicts them (``steady_step_time``: its inputs are on the worker already), and the peak
-    bytes in a call above those resident when it starts."""
+    bytes in a call above those allocated when it starts. (``plan.simulate`` counts the
+    arguments as coming with the call, as local tensors do; here they are mesh tensors,
+    allocated before it: their bytes are not the call's.)"""
     from monarch_dsl.compiler.simulate import steady_step_time
 
     model = make_model(name)
@@ -138,7 +142,8 @@ def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
     p = md.DeviceProfile.get(profile)
     report = plan.simulate(profile=p)
     per_call = steady_step_time(report.step_time, p, len(plan.inputs), [], ranks=1)
-    return per_call, report.peak_memory[0] - report.resident_memory[0]
+    args = sum(t.numel() * t.element_size() for t in batch(name))  # (dp=1: whole)
+    return per_call, report.peak_memory[0] - report.resident_memory[0] - args
 
 
 def predicted_eager(name: str, profile: str) -> float:

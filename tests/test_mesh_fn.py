@@ -134,7 +134,10 @@ def test_a_dim_of_size_one_needs_no_communication(pm):
     torch.testing.assert_close(got, want.detach(), atol=ATOL, rtol=0)
 
 
-def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_failed_step_fails_its_results_and_leaves_workers_usable(pm, ranks):
+    """On 1 rank too, where no rank has another to agree with (no agreement collective)."""
+    mesh = pm if ranks == 2 else pm.slice(dp=slice(0, 1))
     model = nn.Linear(16, 16)
 
     @md.mesh_fn(data_parallel="dp", placements={"idx": md.Replicate()})
@@ -142,16 +145,17 @@ def test_failed_step_fails_its_results_and_leaves_workers_usable(pm):
         return model(x)[:, 0] + torch.index_select(x, 1, idx).sum(1)
 
     x = torch.randn(8, 16)
-    with pm.activate():
+    with mesh.activate():
         bad = step(x, torch.tensor([99]))  # index out of range on the workers
-        with pytest.raises(md.RemoteError, match="index"):
+        with pytest.raises(md.RemoteError, match="index_select"):
             md.inspect(bad)
         good = step(x, torch.tensor([1]))
         torch.testing.assert_close(md.inspect(good), model(x)[:, 0] + x[:, 1])
-        # A mesh tensor argument is each rank's part: [4, 16] per rank is a [8, 16] batch.
+        # A mesh tensor argument is each rank's part: [4, 16] per rank is a [4 x ranks, 16]
+        # batch.
         part = torch.ones(4, 16)
         out = step(part, torch.tensor([1]))
-        assert md.inspect(out).shape == (8,)
+        assert md.inspect(out).shape == (4 * ranks,)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fully_shard"])
@@ -386,3 +390,31 @@ def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monk
         assert state and state <= set(sent[b].inputs), (sent[a], sent[b])
         deleted = {r for i in sent[a:c] if isinstance(i, isa.Delete) for r in i.refs}
         assert state <= deleted, (state - deleted, sent[a:c])
+
+
+def test_a_one_rank_group_agrees_without_a_collective():
+    """``exchange.any_failed`` on a group of one rank: no collective (on a GPU its flag's
+    ``item()`` would wait for all queued kernels at every call); two ranks still exchange."""
+    from monarch_dsl.runtime import exchange
+
+    class Group:
+        def __init__(self, n):
+            self.n, self.calls = n, 0
+
+        def size(self):
+            return self.n
+
+        def allreduce(self, tensors, opts):
+            self.calls += 1
+            tensors[0].fill_(1)  # another rank failed
+
+            class Done:
+                def wait(self):
+                    pass
+
+            return Done()
+
+    one, two = Group(1), Group(2)
+    assert exchange.any_failed(one, True, "cpu") and not exchange.any_failed(one, False, "cpu")
+    assert one.calls == 0
+    assert exchange.any_failed(two, False, "cpu") and two.calls == 1

@@ -66,7 +66,12 @@ def run(group: Any, index: int, n: int, collective: collectives.Collective) -> A
 def any_failed(group: Any, failed: bool, device: Any) -> bool:
     """Whether any member of ``group`` failed (this one: ``failed``): a one-int all-reduce
     every member takes part in, so a failure never leaves a peer waiting in the collective
-    that follows, and all agree on failing its result."""
+    that follows, and all agree on failing its result. A group of one rank has nobody to
+    agree with: no collective (on a GPU, the flag's ``item()`` would wait for every kernel
+    queued so far, so a one-GPU worker could not queue the next call's kernels while the GPU
+    runs this one's)."""
+    if group.size() == 1:
+        return failed
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
