@@ -285,6 +285,13 @@ class Probe(Actor):
         return time.process_time()
 
     @endpoint
+    def plan_cpu(self) -> tuple[int, float, float]:
+        """Plan runs so far, their steps' CPU seconds, and this process's CPU seconds."""
+        ex, _, _ = self._group_and_core()
+        runner = ex.plans()
+        return runner.runs, runner.steps_cpu, time.process_time()
+
+    @endpoint
     def backends(self) -> list[str]:
         """The backends this mesh's plan collectives can use: shared memory (when the runtime
         chose it for this group) and gloo."""
@@ -603,7 +610,7 @@ def _measure(
     comm: dict[tuple[str, int, str, int], float] = {}
     eager: dict[str, float] = {}
     worker_op = eager_wall = 0.0
-    calls: dict[str, tuple[Any, float, float]] = {}
+    calls: dict[str, tuple[Any, float, float, float]] = {}
     try:
         for i, n in enumerate(sizes):
             bar.show(f"starting {n} workers")
@@ -619,7 +626,7 @@ def _measure(
                 if i == 0:
                     eager, worker_op, eager_wall = _eager_costs(pm, probe, s)
                     bar.step("eager ops")
-                    calls = _calls(pm, s.plan_calls, s.reps)
+                    calls = _calls(pm, s.plan_calls, s.reps, probe)
                     bar.step("compiled step calls")
                 backends = probe.backends.call().get().values()[0] if n > 1 else []
                 if i == 0:
@@ -656,7 +663,7 @@ def _measure(
             cal.profile = _replace(cal.profile, host_cores=0)
         cal.calls = {
             k: (t, c, plan.simulate(profile=cal.profile).step_time)
-            for k, (plan, t, c) in calls.items()
+            for k, (plan, t, c, _) in calls.items()
         }
     cal.seconds = time.monotonic() - started
     busy1 = _busy_seconds()
@@ -699,18 +706,19 @@ def run(
 
 
 def _call_costs(
-    p: DeviceProfile, calls: dict[str, tuple[Any, float, float]], n: int
+    p: DeviceProfile, calls: dict[str, tuple[Any, float, float, float]], n: int
 ) -> DeviceProfile:
     """``p`` with what a call of a compiled step costs beyond its steps
     (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
     its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs, the
     ``"controller"`` link from the local arguments: latency + bytes x ranks / bandwidth). The
-    workers: with the ranks busy, calls of the chain once and twice took ``w + chain`` and
-    ``w + 2 chain`` (the overhead measured, not the simulator's guess of the chain taken off),
-    where ``w`` is ``plan_overhead`` and, on cores shared with the controller, also the
-    controller's CPU spread over the cores (the formula of ``steady_step_time``)."""
-    t = {k: v for k, (_, v, _) in calls.items()}
-    cpu = {k: c for k, (_, _, c) in calls.items()}
+    workers: where their cores are shared with the controller, their CPU per call beyond the
+    plan's steps, measured in them (median of the cases); else, with the ranks busy, calls of
+    the chain once and twice took ``w + chain`` and ``w + 2 chain`` (the overhead measured,
+    not the simulator's guess of the chain taken off), where ``w`` is ``plan_overhead``."""
+    t = {k: v for k, (_, v, _, _) in calls.items()}
+    cpu = {k: c for k, (_, _, c, _) in calls.items()}
+    workers = {k: w for k, (_, _, _, w) in calls.items()}
     per_input = max(0.0, (cpu["+14 inputs"] - cpu["base"]) / 14)
     issue = max(0.0, cpu["base"] - 3 * per_input)
     cost = {b: cpu[f"local {_size(b)}"] - cpu["base"] for b in LOCAL_ARG_BYTES}
@@ -720,7 +728,11 @@ def _call_costs(
     latency = max(0.0, cost[small] - n * small / bandwidth)
     w = 2 * t["base"] - t["double"]
     cores = os.cpu_count() or 1
-    if n + 1 > cores:  # a call took (controller + n * (chain + w)) / cores
+    if n + 1 > cores and any(workers.values()):
+        # Cores shared: what a worker spends beyond the steps is CPU, measured in the workers
+        # (their CPU per call less the steps' CPU: no difference of two large times).
+        w = statistics.median(workers.values())
+    elif n + 1 > cores:  # a call took (controller + n * (chain + w)) / cores
         w = (cores * w - cpu["base"]) / n
     links = {**p.links, "controller": Link(latency, bandwidth)}
     return _replace(
@@ -861,14 +873,18 @@ LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the con
 BUSY_MATMULS = 16  # 128^3 matmuls that keep the ranks busy in a measured call (about 1 ms)
 
 
-def _calls(pm: Any, calls: int, reps: int) -> dict[str, tuple[Any, float, float]]:
+def _calls(
+    pm: Any, calls: int, reps: int, probe: Any = None
+) -> dict[str, tuple[Any, float, float, float]]:
     """Compiled steps that keep every rank busy (a chain of ``BUSY_MATMULS`` 128^3 matmuls,
     as a training step does, so that what the controller and the workers spend on a call
     competes with the compute for the cores, as it does then), each with its seconds per call,
-    called ``calls`` times in a row, and the controller's CPU seconds per call (all its
-    threads: issuing, sending, receiving) (medians of ``reps``, the steps taking turns). ``"base"``:
-    the chain, then ``+ z.sum()`` of a small sharded mesh tensor ``z`` (its sum: an all-reduce of
-    one number); ``"double"``: twice the chain;
+    called ``calls`` times in a row, the controller's CPU seconds per call (all its
+    threads: issuing, sending, receiving) and, with ``probe``, the busiest worker's CPU
+    seconds per call beyond the plan's steps (all its threads: receiving the call, the plan
+    runner's Python, the failure-flag round) (medians of ``reps``, the steps taking turns).
+    ``"base"``: the chain, then ``+ z.sum()`` of a small sharded mesh tensor ``z`` (its sum:
+    an all-reduce of one number); ``"double"``: twice the chain;
     ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"local N"``: ``z`` a
     local tensor of N bytes (sent whole to every worker at each call, as a batch passed to a
     data-parallel step is, and split there)."""
@@ -913,22 +929,37 @@ def _calls(pm: Any, calls: int, reps: int) -> dict[str, tuple[Any, float, float]
             cases[f"local {_size(nbytes)}"] = (step, [mx, mw, zb], [x, w, zb])
         times: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
+        workers: dict[str, list[float]] = {k: [] for k in cases}
+
+        def workers_cpu() -> list[tuple[int, float, float]]:
+            return list(probe.plan_cpu.call().get().values()) if probe is not None else []
+
         for step, args, _ in cases.values():
             inspect(step(*args))
         for _ in range(reps):
             for key, (step, args, _) in cases.items():
+                w0 = workers_cpu()
                 start, cpu0 = time.perf_counter(), time.process_time()
                 for _ in range(calls):
                     result = step(*args)
                 inspect(result)
                 times[key].append((time.perf_counter() - start) / calls)
                 cpu[key].append((time.process_time() - cpu0) / calls)
+                w1 = workers_cpu()
+                if w0:  # each worker's CPU per run beyond its steps
+                    workers[key].append(
+                        max(
+                            (b[2] - a[2] - b[1] + a[1]) / max(1, b[0] - a[0])
+                            for a, b in zip(w0, w1)
+                        )
+                    )
     mesh = Mesh({"r": n})
     return {
         key: (
             step.compile(*local, mesh=mesh),
             statistics.median(times[key]),
             statistics.median(cpu[key]),
+            statistics.median(workers[key]) if workers[key] else 0.0,
         )
         for key, (step, _, local) in cases.items()
     }

@@ -13,6 +13,7 @@ failed input is rare, and the flag costs every step a round of the group.)
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,10 @@ class PlanRunner:
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.CompiledPlan
+        # Runs so far, and the CPU seconds of their steps (the C++ run, or the Python one):
+        # what a run costs beyond them is the runtime's per call (``monarch-dsl calibrate``).
+        self.runs = 0
+        self.steps_cpu = 0.0
 
     def define(self, ins: isa.DefinePlan) -> None:
         self.programs[ins.plan] = (ins.program, step_uses(ins.program))
@@ -124,8 +129,11 @@ class PlanRunner:
         try:
             compiled = self._compiled(ins.plan, program, mesh, coords, ins.stream) if core else None
             world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
+            self.runs += 1
+            cpu0 = time.thread_time()
             if compiled is not None:  # the whole run in C++, without the GIL
                 failed = compiled.run_plan(env, ex.device, failure is not None)
+                self.steps_cpu += time.thread_time() - cpu0
                 if failed >= 0 and failure is None:
                     bad = program.steps[failed] if failed < len(program.steps) else None
                     loc = (bad.loc if bad is not None else "") or ins.loc
@@ -133,6 +141,7 @@ class PlanRunner:
                     failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
             else:
                 failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
+                self.steps_cpu += time.thread_time() - cpu0
             failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
         except Exception as e:  # noqa: BLE001 - a communication raised (a peer died): the
             # outputs fail with it, so a fetch says why instead of finding no value
