@@ -972,3 +972,41 @@ def test_a_scalar_constant_in_the_step_takes_the_workers_device():
     (const,) = [i for i in plan.body if i.op == "aten.scalar_tensor.default"]
     assert dict(const.kwargs)["device"] == torch.device("cpu")
     assert torch.equal(out[0], f(x))
+
+
+def test_detach_and_a_transpose_back_are_no_steps_of_the_lowered_program():
+    """A training step's plan has detaches (autograd's, the optimizer's) and weight gradients
+    as ``t(t(mm))``; the program the workers and the simulator run has no detach, no
+    transpose of a transpose, no view nobody uses, and fewer slots (the left-out results are
+    their values' slots). (The values: every training test here runs lowered programs.)"""
+    from monarch_dsl.compiler.lower import _aliases, lower, slot_numbers
+    from monarch_dsl.compiler.simulate import slot_types
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2"))
+    alias = _aliases(plan)
+    ops = {i.outs[0]: i.op for i in plan.body if i.outs}
+    assert {ops[o] for o in alias} == {"aten.detach.default", "aten.transpose.int"}
+    program = lower(plan)
+    names = [getattr(s, "name", "") for s in program.steps]
+    assert "aten.detach.default" not in names
+    assert names.count("aten.transpose.int") < [i.op for i in plan.body].count(
+        "aten.transpose.int"
+    ) - sum(ops[o] == "aten.transpose.int" for o in alias)  # (inner ones unused: gone too)
+    slots, n = slot_numbers(plan)
+    assert n == program.n_slots == len(slot_types(plan))
+    assert n == len(plan.inputs) + sum(len(i.outs) for i in plan.body) - len(alias)
+    for name, value in alias.items():
+        assert slots[name] == slots[value] and value not in alias

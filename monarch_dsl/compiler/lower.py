@@ -2,8 +2,10 @@
 
 The program is the plan with names replaced by slot numbers, sizes rewritten to each rank's
 local shapes (a ``view`` of a sharded value views the shard), and, per step, the slots whose
-last use it is (so memory goes as soon as it can). It is plain data (picklable): the controller
-sends it to the workers once, then only "run program k with these refs".
+last use it is (so memory goes as soon as it can). A ``detach`` is no step: on the workers no
+tensor needs gradients, so its result is its argument (the same slot; ``_aliases``). It is
+plain data (picklable): the controller sends it to the workers once, then only "run program k
+with these refs".
 
 The steps are the instruction set's (``isa.STEPS``). ``run_step`` executes one compute step;
 communication steps are run by the back end (``isa/collectives.py`` says what each computes).
@@ -17,6 +19,7 @@ from typing import Any, Protocol, TypedDict
 import torch
 
 from monarch_dsl import isa
+from monarch_dsl.compiler.ops import ALIASING, base_name
 from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Instr, Plan, PlanError, Shard, Var
 from monarch_dsl.isa import Compute, On, Program, Slot, Step
 from monarch_dsl.isa.opnames import resolve_op
@@ -61,35 +64,116 @@ class _CommFields(_StepFields):
     dtype: str
 
 
-def lower(plan: Plan) -> Program:
-    """The per-rank program of ``plan``."""
+def _aliases(plan: Plan) -> dict[str, str]:
+    """The results lowering leaves out, each with the value it is: a ``detach``'s, its
+    argument (a view of all of it, sharing its storage, only without autograd history, which
+    the workers never record), and a ``transpose`` of a ``transpose`` of the same two dims,
+    the inner one's argument (the same shape and strides: autograd's weight gradients are
+    ``t(t(mm))``). Not one on another stream than its argument's producer (its place in that
+    stream's order could matter), nor of a value defined twice (an error ``lower`` reports)."""
+    stream = {i.name: "main" for i in plan.inputs}
+    transposed: dict[str, tuple[str, frozenset[Any]]] = {}  # result -> (argument, its dims)
+    alias: dict[str, str] = {}
+    for ins in plan.body:
+        arg = ins.args[0] if ins.args else None
+        same = (
+            isinstance(arg, Var)
+            and not ins.kwargs
+            and len(ins.outs) == 1
+            and ins.outs[0] not in stream
+            and stream.get(arg.name) == ins.stream
+        )
+        if same and isinstance(arg, Var):
+            if ins.op == "aten.detach.default" and len(ins.args) == 1:
+                alias[ins.outs[0]] = alias.get(arg.name, arg.name)
+            elif ins.op == "aten.transpose.int" and len(ins.args) == 3:
+                dims = frozenset(ins.args[1:])
+                if all(isinstance(d, int) and d >= 0 for d in ins.args[1:]):
+                    inner = transposed.get(alias.get(arg.name, arg.name))
+                    if inner is not None and inner[1] == dims:
+                        alias[ins.outs[0]] = alias.get(inner[0], inner[0])
+                    else:
+                        transposed[ins.outs[0]] = (arg.name, dims)
+        for o in ins.outs:
+            stream.setdefault(o, ins.stream)
+    return alias
+
+
+def _is_view(op: str) -> bool:
+    """Whether ``op`` only makes a view (``ops.ALIASING``, not in place): nothing to run
+    where its result is never used."""
+    if op in COMM_OPS or op in LOCAL_OPS or op.count(".") < 2:
+        return False
+    name, in_place = base_name(op)
+    return name in ALIASING and not in_place
+
+
+def slot_numbers(plan: Plan) -> tuple[dict[str, int], int]:
+    """Each value's slot in ``lower``'s program, and how many slots there are: the inputs,
+    then every instruction's results in order; a left-out detach's result has its value's."""
+    alias = _aliases(plan)
     slots: dict[str, int] = {}
     for i in plan.inputs:
         slots[i.name] = len(slots)
+    n = len(slots)
+    for ins in plan.body:
+        for o in ins.outs:
+            if o in slots:
+                raise PlanError(f"%{o} is defined twice", ins.loc)
+            if o in alias:
+                slots[o] = slots[alias[o]]
+            else:
+                slots[o] = n
+                n += 1
+    return slots, n
+
+
+def lower(plan: Plan) -> Program:
+    """The per-rank program of ``plan``."""
+    slots, n_slots = slot_numbers(plan)
+    defined = {i.name for i in plan.inputs}
+    alias = _aliases(plan)
+
+    def root(name: str) -> str:
+        return alias.get(name, name)
+
     types = plan.types()
     sizes = plan.sizes
     dim_index = {d: i for i, d in enumerate(plan.dims)}
-    last_use: dict[str, int] = {}
+    keep = {root(o.var) for o in plan.outputs} | {i.name for i in plan.inputs}
+    # No step: an alias, or a view whose value nothing after it uses (then its uses are
+    # none: a chain of unused views goes whole, from the last).
+    skip: set[int] = set()
+    used: set[str] = set()
+    for k in range(len(plan.body) - 1, -1, -1):
+        ins = plan.body[k]
+        if ins.outs and (
+            ins.outs[0] in alias
+            or (_is_view(ins.op) and not any(root(o) in used or root(o) in keep for o in ins.outs))
+        ):
+            skip.add(k)
+            continue
+        used.update(root(u) for u in ins.uses())
+    last_use: dict[str, int] = {}  # by value (an alias's uses are its value's)
     for k, ins in enumerate(plan.body):
-        for u in ins.uses():
-            last_use[u] = k
-    keep = {o.var for o in plan.outputs} | {i.name for i in plan.inputs}
+        if k not in skip:
+            for u in ins.uses():
+                last_use[root(u)] = k
     frees_at: dict[int, list[str]] = {}
     for name, k in last_use.items():
         if name not in keep:
             frees_at.setdefault(k, []).append(name)
     steps: list[Step] = []
     for k, ins in enumerate(plan.body):
-        for o in ins.outs:
-            if o in slots:
-                raise PlanError(f"%{o} is defined twice", ins.loc)
-            slots[o] = len(slots)
+        defined.update(ins.outs)
+        if k in skip:
+            continue
         # Values defined but never used: free right after.
         dead = [o for o in ins.outs if o not in last_use and o not in keep]
 
         def conv(value: Any, ins: Instr = ins) -> Any:
             if isinstance(value, Var):
-                if value.name not in slots:
+                if value.name not in defined:
                     raise PlanError(f"%{value.name} is used before it is defined", ins.loc)
                 return Slot(slots[value.name])
             if isinstance(value, (list, tuple)):
@@ -148,7 +232,7 @@ def lower(plan: Plan) -> Program:
         plan.dims,
         sizes,
         tuple(steps),
-        len(slots),
+        n_slots,
         tuple(range(len(plan.inputs))),
         outputs,
         tuple(t.local_shape(sizes) if t.shape is not None else None for t in out_types),

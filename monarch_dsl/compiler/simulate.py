@@ -53,7 +53,7 @@ import torch
 from monarch_dsl import isa
 from monarch_dsl.compiler import timeline
 from monarch_dsl.compiler.interpret import groups
-from monarch_dsl.compiler.lower import lower
+from monarch_dsl.compiler.lower import lower, slot_numbers
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
 from monarch_dsl.compiler.plan import IMPLEMENTATIONS, Plan, PlanError, itemsize
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
@@ -738,19 +738,23 @@ def _report(events: list[SimEvent], peak: dict[int, int], profile: str) -> SimRe
 
 
 def slot_types(plan: Plan) -> list[SlotType]:
-    """Each slot's local shape and dtype, in the numbering ``lower`` gives the plan's values:
-    the inputs, then every instruction's results in order."""
+    """Each slot's local shape and dtype, in the numbering ``lower`` gives the plan's values
+    (``lower.slot_numbers``)."""
     sizes = plan.sizes
-    out: list[SlotType] = []
+    slots, n = slot_numbers(plan)
+    out: list[SlotType] = [(None, "")] * n
     for i in plan.inputs:
-        out.append((i.type.local_shape(sizes) if i.type.shape is not None else None, i.type.dtype))
+        out[slots[i.name]] = (
+            i.type.local_shape(sizes) if i.type.shape is not None else None,
+            i.type.dtype,
+        )
     for ins in plan.body:
         if len(ins.types) != len(ins.outs):
             raise PlanError(
                 f"{ins.op}: {len(ins.outs)} results but {len(ins.types)} types", ins.loc
             )
-        for t in ins.types:
-            out.append((t.local_shape(sizes) if t.shape is not None else None, t.dtype))
+        for o, t in zip(ins.outs, ins.types):
+            out[slots[o]] = (t.local_shape(sizes) if t.shape is not None else None, t.dtype)
     return out
 
 
