@@ -2,7 +2,8 @@
 
     monarch-dsl calibrate                 # once: measures this machine into "cpu-local"
     python benchmarks/simulator.py        # about 2 minutes on a 2-core machine
-    python benchmarks/simulator.py --runs 1 --profile my.json
+    python benchmarks/simulator.py --runs 3   # each case measured 3 times in turn: medians
+    python benchmarks/simulator.py --profile my.json --only ddp
 
 For each case the same step is (1) simulated with the device profile (``plan.simulate`` for a
 compiled step, ``md.Simulator`` for an eager program; no processes) and (2) run on 2 local
@@ -348,31 +349,42 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a profile (default: cpu-local)")
     ap.add_argument("--blocks", type=int, default=5, help="timed blocks per case (default 5)")
     ap.add_argument("--only", default=None, help="run the cases whose name has this")
+    ap.add_argument(
+        "--runs", type=int, default=1,
+        help="measure every case this many times, in turn (each case's median is compared: "
+        "this machine's speed drifts by tens of percent within minutes)",
+    )  # fmt: skip
     opts = ap.parse_args()
+    if opts.runs < 1 or opts.blocks < 1:
+        ap.error("--runs and --blocks must be at least 1")
     profile = md.DeviceProfile.get(opts.profile)
     cases = [c for c in CASES if opts.only is None or opts.only in c.name]
+    eager = {n: fn for n, fn in EAGER.items() if opts.only is None or opts.only in n}
     pm = md.this_host().spawn_procs({"x": 2})
-    rows = []
+    steps = 20
+    predicted = {n: (predict_eager(fn, profile, steps), None, None) for n, fn in eager.items()}
+    predicted.update({c.name: predict_compiled(c, profile) for c in cases})
+    times: dict[str, list[float]] = {n: [] for n in predicted}
+    memory: dict[str, tuple] = {}
     try:
-        for name, fn in EAGER.items():
-            if opts.only is not None and opts.only not in name:
-                continue
-            steps = 20
-            p_time = predict_eager(fn, profile, steps)
-            m_time = measure_eager(pm, fn, opts.blocks, steps)
-            rows.append((name, p_time, m_time, None, None, None, None))
-            print(f"  {name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        for case in cases:
-            p_time, p_mem, p_res = predict_compiled(case, profile)
-            m_time, m_mem, m_res = measure_compiled(pm, case, opts.blocks)
-            rows.append((case.name, p_time, m_time, p_mem, m_mem, p_res, m_res))
-            print(f"  {case.name}: predicted {p_time * 1e3:.3f} ms, measured {m_time * 1e3:.3f} ms",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        for run in range(opts.runs):
+            for name, fn in eager.items():
+                times[name].append(measure_eager(pm, fn, opts.blocks, steps))
+            for case in cases:
+                m_time, m_mem, m_res = measure_compiled(pm, case, opts.blocks)
+                times[case.name].append(m_time)
+                memory.setdefault(case.name, (m_mem, m_res))  # (byte exact: once)
+            for name, got in times.items():
+                print(f"  run {run + 1}: {name}: predicted {predicted[name][0] * 1e3:.3f} ms, "
+                      f"measured {got[-1] * 1e3:.3f} ms", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         pm.stop()
+    rows = []
+    for name, (p_time, p_mem, p_res) in predicted.items():
+        m_mem, m_res = memory.get(name, (None, None))
+        rows.append((name, p_time, statistics.median(times[name]), p_mem, m_mem, p_res, m_res))
     print(f"simulator accuracy, profile {profile.name} ({profile.notes or 'calibrated'}), "
-          f"{os.cpu_count()} cores, 2 ranks")  # fmt: skip
+          f"{os.cpu_count()} cores, 2 ranks; measured: median of {opts.runs} run(s)")  # fmt: skip
     print(f"{'case':<16} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   "
           f"{'pred. MiB':>9} {'meas. MiB':>9} {'error':>7}   "
           f"{'resident MiB pred/meas':>22}")  # fmt: skip
