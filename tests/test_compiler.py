@@ -985,15 +985,7 @@ def test_detach_and_a_transpose_back_are_no_steps_of_the_lowered_program():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @md.mesh_fn(data_parallel="dp")
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2"))
     alias = _aliases(plan)
