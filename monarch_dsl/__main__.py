@@ -246,16 +246,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from monarch_dsl.compiler.profile import calibrated_path
 
     try:  # before any process starts
-        calibrate.check_device(args.device)
-        if args.device == "cuda":
-            ranks: tuple[int, ...] | None = None
-            if args.ranks is not None:
-                raise ValueError(
-                    "--ranks: collectives are not measured with --device cuda (compute and "
-                    "overheads on one GPU; the links are the built-in profile's)"
-                )
-        else:
-            ranks = calibrate.parse_ranks(args.ranks or "2,4")
+        given = calibrate.parse_ranks(args.ranks) if args.ranks is not None else None
+        ranks = calibrate.check_arguments(args.device, given)
     except (TypeError, ValueError, RuntimeError) as e:
         print(f"monarch-dsl calibrate: {e}", file=sys.stderr)
         return 2

@@ -122,7 +122,7 @@ QUICK = Settings(
 # still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy.
 CUDA = Settings(
     matmul=(256, 512, 1024, 2048, 4096, 8192),
-    thin=(1024, 4096, 8192),
+    thin=(),  # (a GPU's matmuls are a roofline: no matmul_passes to fit)
     pointwise=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26),
     comm=(),
     reps=7,
@@ -135,7 +135,6 @@ CUDA = Settings(
 CUDA_QUICK = dataclasses.replace(
     CUDA,
     matmul=(256, 2048),
-    thin=(2048,),
     pointwise=(1 << 16, 1 << 22),
     reps=3,
     run_seconds=0.005,
@@ -302,8 +301,8 @@ class Probe(Actor):
 
     @endpoint
     def device_info(self) -> dict[str, Any]:
-        """The worker's device: ``type``, and for a GPU its ``name``, ``memory`` (bytes),
-        ``count`` (GPUs on the host) and ``span`` (twice its L2 cache: ``cache_span``'s)."""
+        """The worker's device: ``type``, and for a GPU its ``name``, ``memory`` (bytes) and
+        ``span`` (twice its L2 cache: ``cache_span``'s)."""
         ex, _, _ = self._group_and_core()
         if ex.device.type != "cuda":
             return {"type": ex.device.type}
@@ -313,7 +312,6 @@ class Probe(Actor):
             "type": "cuda",
             "name": props.name,
             "memory": float(props.total_memory),
-            "count": torch.cuda.device_count(),
             "span": 2 * l2,
         }
 
@@ -547,17 +545,26 @@ def _comm_tasks(s: Settings, n: int, backends: Sequence[str]) -> list[tuple[str,
     return tasks
 
 
-def check_device(device: str) -> str:
-    """``device`` if it is one of ``DEVICES``; for ``"cuda"``, only where torch sees a GPU
-    (``ValueError`` / ``RuntimeError`` naming what is wrong, before any process starts)."""
+def check_arguments(device: str, ranks: Iterable[int] | None) -> tuple[int, ...] | None:
+    """The group sizes to measure collectives at for ``device`` (``DEVICES``): ``ranks``
+    checked (``check_ranks``; None: 2 and 4), or for ``"cuda"`` None (``ranks`` must be None
+    or empty, and torch must see a GPU). ``ValueError`` / ``TypeError`` / ``RuntimeError``
+    naming what is wrong, before any process starts."""
     if device not in DEVICES:
         raise ValueError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device != "cuda":
+        return check_ranks((2, 4) if ranks is None else ranks)
+    if ranks:
+        raise ValueError(
+            "--ranks: collectives are not measured with --device cuda (compute and "
+            "overheads on one GPU; the links are the built-in profile's)"
+        )
+    if not torch.cuda.is_available():
         raise RuntimeError(
             "--device cuda: torch sees no CUDA GPU here (torch "
             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'})"
         )
-    return device
+    return None
 
 
 def measure(
@@ -573,16 +580,10 @@ def measure(
     CUDA worker (compute at GPU sizes, ``CUDA``; the overheads as on a CPU). Collectives are
     not measured (``ranks`` must be None or empty: one GPU cannot run NCCL between ranks);
     the profile keeps the links of the built-in profile of that GPU (``gpu_base``)."""
-    check_device(device)
-    if device == "cuda":
-        if ranks:
-            raise ValueError(
-                "--ranks: collectives are not measured with --device cuda (compute and "
-                "overheads on one GPU; the links are the built-in profile's)"
-            )
+    sizes = check_arguments(device, ranks)
+    if sizes is None:
         s = CUDA_QUICK if quick else CUDA
         return _measure(s, (1,), {"MD_DEVICE": "cuda"}, progress, quick)
-    sizes = check_ranks((2, 4) if ranks is None else ranks)
     return _measure(QUICK if quick else FULL, sizes, None, progress, quick)
 
 
@@ -598,6 +599,7 @@ def _measure(
     profile: ``_gpu_profile``; on CPU workers too, which is how it is tested without a GPU)."""
     from monarch_dsl.proc_mesh import this_host
 
+    gpu = sizes[0] == 1
     specs = _compute_specs(s)
     span = cache_span()
     info: dict[str, Any] = {}
@@ -620,7 +622,7 @@ def _measure(
                 bar.step(f"{n} workers up")
                 _set_up_collectives(pm)
                 probe = pm.spawn("calibrate", Probe, list(pm.ranks))
-                if n == 1:
+                if gpu:
                     info = probe.device_info.call().get().values()[0]
                     span = info.get("span", span)
                 if i == 0:
@@ -649,7 +651,7 @@ def _measure(
                 pm.stop()
     finally:
         bar.close()
-    if sizes[0] == 1:
+    if gpu:
         cal = _gpu_profile(s, per_op, eager, quick, info)
     else:
         cal = _profile(s, sizes, per_op, comm, eager, quick)
@@ -659,7 +661,7 @@ def _measure(
     )
     if calls:
         cal.profile = _call_costs(cal.profile, calls, sizes[0])
-        if sizes[0] == 1:  # a GPU computes: its ranks do not share the host's cores for it
+        if gpu:  # a GPU computes: its ranks do not share the host's cores for it
             cal.profile = _replace(cal.profile, host_cores=0)
         cal.calls = {
             k: (t, c, plan.simulate(profile=cal.profile).step_time)
@@ -700,8 +702,7 @@ def run(
     """Measure this machine (:func:`measure`) and return its ``"cpu-local"`` profile, or with
     ``device="cuda"`` its ``"cuda-local"`` one (not saved: ``save(profile)`` makes it the one
     that name gives)."""
-    if device != "cuda":  # (before measure: its arguments' errors are the same from here)
-        ranks = check_ranks((2, 4) if ranks is None else ranks)
+    check_arguments(device, ranks)  # (before measure: its errors are the same from here)
     return measure(quick, ranks, progress, device).profile
 
 
@@ -1091,7 +1092,6 @@ def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Comp
     bw_curve = _curve(bw_points)
     probe = DeviceProfile("cpu-local", {}, 1.0, {}, dispatch, {}, bandwidth_curve=bw_curve)
     matmul = {n: per_op[f"matmul {n}"] for n in s.matmul}
-    thin = {n: per_op[f"thin matmul {n}"] for n in s.thin}
     if roofline:
         points = [(2.0 * n**3, _net(t, dispatch)) for n, t in matmul.items()]
         kept = [(f, t) for f, t in points if t is not None]
@@ -1100,6 +1100,7 @@ def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Comp
             kept = [(2.0 * n**3, t)]
         mm_curve, passes = _curve(kept), 0.0
     else:
+        thin = {n: per_op[f"thin matmul {n}"] for n in s.thin}
         mm_curve, passes = fit_matmul(matmul, thin, dispatch, probe)
     f32 = max(rate for _, rate in mm_curve)
     peaks = {"float32": f32}
@@ -1429,7 +1430,7 @@ __all__ = [
     "save",
     "Calibration",
     "check_ranks",
-    "check_device",
+    "check_arguments",
     "parse_ranks",
     "gpu_base",
 ]

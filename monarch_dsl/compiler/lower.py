@@ -2,10 +2,11 @@
 
 The program is the plan with names replaced by slot numbers, sizes rewritten to each rank's
 local shapes (a ``view`` of a sharded value views the shard), and, per step, the slots whose
-last use it is (so memory goes as soon as it can). A ``detach`` is no step: on the workers no
-tensor needs gradients, so its result is its argument (the same slot; ``_aliases``). It is
-plain data (picklable): the controller sends it to the workers once, then only "run program k
-with these refs".
+last use it is (so memory goes as soon as it can). Steps that only rename a value are left
+out: a ``detach`` (the workers record no autograd history) and a transpose back are their
+argument (the same slot; ``_aliases``), and a view nobody uses is not made. It is plain data
+(picklable): the controller sends it to the workers once, then only "run program k with these
+refs".
 
 The steps are the instruction set's (``isa.STEPS``). ``run_step`` executes one compute step;
 communication steps are run by the back end (``isa/collectives.py`` says what each computes).
@@ -76,14 +77,13 @@ def _aliases(plan: Plan) -> dict[str, str]:
     alias: dict[str, str] = {}
     for ins in plan.body:
         arg = ins.args[0] if ins.args else None
-        same = (
+        if (
             isinstance(arg, Var)
             and not ins.kwargs
             and len(ins.outs) == 1
             and ins.outs[0] not in stream
             and stream.get(arg.name) == ins.stream
-        )
-        if same and isinstance(arg, Var):
+        ):
             if ins.op == "aten.detach.default" and len(ins.args) == 1:
                 alias[ins.outs[0]] = alias.get(arg.name, arg.name)
             elif ins.op == "aten.transpose.int" and len(ins.args) == 3:
@@ -110,8 +110,12 @@ def _is_view(op: str) -> bool:
 
 def slot_numbers(plan: Plan) -> tuple[dict[str, int], int]:
     """Each value's slot in ``lower``'s program, and how many slots there are: the inputs,
-    then every instruction's results in order; a left-out detach's result has its value's."""
-    alias = _aliases(plan)
+    then every instruction's results in order; a left-out result (``_aliases``) has its
+    value's."""
+    return _numbered(plan, _aliases(plan))
+
+
+def _numbered(plan: Plan, alias: dict[str, str]) -> tuple[dict[str, int], int]:
     slots: dict[str, int] = {}
     for i in plan.inputs:
         slots[i.name] = len(slots)
@@ -130,9 +134,9 @@ def slot_numbers(plan: Plan) -> tuple[dict[str, int], int]:
 
 def lower(plan: Plan) -> Program:
     """The per-rank program of ``plan``."""
-    slots, n_slots = slot_numbers(plan)
-    defined = {i.name for i in plan.inputs}
     alias = _aliases(plan)
+    slots, n_slots = _numbered(plan, alias)
+    defined = {i.name for i in plan.inputs}
 
     def root(name: str) -> str:
         return alias.get(name, name)

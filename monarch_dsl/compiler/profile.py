@@ -232,9 +232,9 @@ class DeviceProfile:
             found = _calibrated(profile)
             if found is None:
                 raise ValueError(
-                    f"device profile {profile!r} is what `monarch-dsl calibrate --device "
-                    f"{profile.split('-')[0]}` measures on a machine with the GPU, and it has "
-                    f"not run here (no {calibrated_path(profile)})"
+                    f"device profile {profile!r} is what {_calibrate_command(profile)} "
+                    f"measures on a machine with the GPU, and it has not run here (no "
+                    f"{calibrated_path(profile)})"
                 )
             return found
         if isinstance(profile, str) and profile in BUILTIN:
@@ -266,6 +266,17 @@ def calibrated_path(name: str = "cpu-local") -> Path:
     return Path(cache) / "monarch_dsl" / "profiles" / f"{name}.json"
 
 
+def _calibrate_command(name: str) -> str:
+    """The command that writes calibrated profile ``name`` (``"cuda-local"``: ``--device
+    cuda``)."""
+    device = name.removesuffix("-local")
+    return (
+        "`monarch-dsl calibrate`"
+        if device == "cpu"
+        else (f"`monarch-dsl calibrate --device {device}`")
+    )
+
+
 _loaded: dict[tuple[str, int], DeviceProfile] = {}
 
 
@@ -280,15 +291,9 @@ def _calibrated(name: str = "cpu-local") -> DeviceProfile | None:
         try:
             profile = DeviceProfile.load(path)
         except (ValueError, TypeError, KeyError) as e:
-            device = name.split("-")[0]
-            again = (
-                "`monarch-dsl calibrate`"
-                if device == "cpu"
-                else (f"`monarch-dsl calibrate --device {device}`")
-            )
             raise ValueError(
-                f"{path}: not a device profile ({type(e).__name__}: {e}); run {again} "
-                "again, or remove the file"
+                f"{path}: not a device profile ({type(e).__name__}: {e}); run "
+                f"{_calibrate_command(name)} again, or remove the file"
             ) from e
         for old in [k for k in _loaded if k[0] == str(path)]:
             del _loaded[old]

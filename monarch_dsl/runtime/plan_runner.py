@@ -133,7 +133,6 @@ class PlanRunner:
             cpu0 = time.thread_time()
             if compiled is not None:  # the whole run in C++, without the GIL
                 failed = compiled.run_plan(env, ex.device, failure is not None)
-                self.steps_cpu += time.thread_time() - cpu0
                 if failed >= 0 and failure is None:
                     bad = program.steps[failed] if failed < len(program.steps) else None
                     loc = (bad.loc if bad is not None else "") or ins.loc
@@ -141,7 +140,7 @@ class PlanRunner:
                     failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
             else:
                 failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
-                self.steps_cpu += time.thread_time() - cpu0
+            self.steps_cpu += time.thread_time() - cpu0
             failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
         except Exception as e:  # noqa: BLE001 - a communication raised (a peer died): the
             # outputs fail with it, so a fetch says why instead of finding no value
