@@ -14,6 +14,9 @@ blocks). Cases:
 - ``ddp big``: 8 x (Linear(1024) + ReLU), data parallel over dp=2, 32 samples per rank, SGD
   (the DDP benchmark's big model, compiled);
 - ``ddp tiny``: 4 x (Linear(64) + ReLU), the same (its tiny model);
+- ``fsdp big``: the big model under ``md.fully_shard`` (parameters, gradients and momentum
+  sharded over dp=2; each weight gathered for use and again for the backward pass, each
+  gradient reduce-scattered); ``..., kept gathered``: ``reshard_after_forward=False``;
 - ``megatron tp=2``: Linear(512, 2048) + ReLU + Linear(2048, 512), column- then row-parallel
   over tp=2 (one all-reduce forward, one backward), batch 64, SGD;
 - ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
@@ -104,6 +107,18 @@ def _ddp(width: int, layers: int):
     return make
 
 
+def _fsdp(width: int, layers: int, reshard: bool):
+    def make():
+        torch.manual_seed(0)
+        model = _mlp(width, layers)
+        md.fully_shard(model, reshard_after_forward=reshard)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = md.mesh_fn(_step_of(model, opt), data_parallel="dp")
+        return step, (torch.randn(64, width), torch.randn(64, width))
+
+    return make
+
+
 def _megatron():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
@@ -140,6 +155,8 @@ def _pipeline():
 CASES = [
     Case("ddp big", "dp", _ddp(1024, 8)),
     Case("ddp tiny", "dp", _ddp(64, 4)),
+    Case("fsdp big", "dp", _fsdp(1024, 8, reshard=True)),
+    Case("fsdp big, kept gathered", "dp", _fsdp(1024, 8, reshard=False)),
     Case("megatron tp=2", "tp", _megatron),
     Case("pipeline pp=2", "pp", _pipeline),
 ]

@@ -108,6 +108,7 @@ def state_placements(
 
 
 FULLY_SHARD = "_md_fully_shard"  # the mesh dim md.fully_shard set on a parameter
+RESHARD = "_md_reshard_after_forward"  # md.fully_shard's reshard_after_forward, on a parameter
 
 
 def fully_sharded(
@@ -116,19 +117,23 @@ def fully_sharded(
     given: dict[str, tuple[Placement, ...]],
     mesh: tuple[tuple[str, int], ...],
     explicit: dict[str, Any] | None,
-) -> dict[str, str]:
+) -> tuple[dict[str, str], set[str]]:
     """{parameter: mesh dim} of the parameters ``md.fully_shard`` marked, now laid out
     ``Shard(0)`` over that dim in ``given`` (unless ``placements=`` names them, or dim 0 does
-    not divide by the dim's size: those stay as they are, whole)."""
+    not divide by the dim's size: those stay as they are, whole); and those of them kept
+    gathered from the forward to the backward pass (``reshard_after_forward=False``)."""
     dims = [d for d, _ in mesh]
     sizes = dict(mesh)
     modules, _ = used_objects(fn)
     marked: dict[str, str] = {}
+    kept: set[str] = set()
     for mname, mod in modules.items():
         for pname, p in mod.named_parameters():
             dim = getattr(p, FULLY_SHARD, None)
             if dim is not None:
                 marked.setdefault(f"{mname}.{pname}", dim)
+                if not getattr(p, RESHARD, True):
+                    kept.add(f"{mname}.{pname}")
     shapes = {n: tuple(v.shape) for n, v in zip(captured.input_names, captured.input_values)}
     out: dict[str, str] = {}
     for name, dim in marked.items():
@@ -144,7 +149,7 @@ def fully_sharded(
         pl[m] = Shard(0)
         given[name] = tuple(pl)
         out[name] = dim
-    return out
+    return out, kept & set(out)
 
 
 def _whole_on_size_one(
@@ -214,7 +219,7 @@ def compile_step(
             k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in (state_placement or {}).items()
         }
     given.update(state_placement or {})
-    gather = fully_sharded(fn, captured, given, mesh, placements)
+    gather, kept = fully_sharded(fn, captured, given, mesh, placements)
     given = state_placements(captured, given, len(dims))
     outs = None
     if out_placements:
@@ -224,7 +229,9 @@ def compile_step(
         mb = dims.index(MB)
         outs = {k: tuple(v[:mb]) + (R,) + tuple(v[mb:]) for k, v in outs.items()}
     given, gather = _whole_on_size_one(given, gather, mesh)
-    plan = propagate(plan, given, outs, pipeline_dim=pipeline_dim, gather=gather)
+    plan = propagate(
+        plan, given, outs, pipeline_dim=pipeline_dim, gather=gather, kept_gathered=kept
+    )
     plan = microbatch(plan)
     plan = split_stages(plan, pipeline_dim)
     plan = schedule(plan, bucket_cap_mb=bucket_cap_mb)

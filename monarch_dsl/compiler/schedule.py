@@ -152,9 +152,11 @@ def _prefetch(
     body: list[Instr], plan: Plan, first_use: dict[str, int]
 ) -> tuple[dict[int, list[Instr]], set[int]]:
     """Parameter all-gathers (``md.fully_shard``: a plan input gathered whole for the forward
-    pass) on the comms stream, each issued one ahead: the first where it was, the next one
-    where the first is first used, and so on -- so the next layer's parameters travel while
-    this layer computes. Returns (instructions to insert before each index, indices moved)."""
+    pass, and again for the backward pass) on the comms stream, each issued one ahead: the
+    first where it was, the next one where the first is first used, and so on -- so the next
+    layer's parameters travel while this layer computes. The backward pass's gathers are
+    issued no earlier than the backward pass starts (the forward pass's gathered copies are
+    freed by then). Returns (instructions to insert before each index, indices moved)."""
     inputs = {i.name for i in plan.inputs if i.kind == "param"}
     gathers = [
         k
@@ -166,9 +168,16 @@ def _prefetch(
         and ins.uses()[0] in inputs
         and ins.outs[0] in first_use
     ]
+    phase = (plan.notes or {}).get("phase", {})
+    backward = next(
+        (k for k, ins in enumerate(body) if ins.outs and phase.get(ins.outs[0]) == "backward"),
+        len(body),
+    )
     insert_before: dict[int, list[Instr]] = {}
     for n, k in enumerate(gathers):
         at = k if n == 0 else min(k, first_use[body[gathers[n - 1]].outs[0]])
+        if k > backward:
+            at = max(at, backward)
         ins = body[k]
         reason = f"prefetched parameter: {ins.reason}"
         insert_before.setdefault(at, []).append(

@@ -642,8 +642,25 @@ def play_program(
         for o in step.outs:
             ready[c][o] = end
 
+    settle_at = isa.settles(program)
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
+        waits = [s for s in settle_at[k] if s not in step.uses()]
+        for c in active:  # the runtime's loop (main's thread) waits for those collectives
+            for s in waits:
+                if ready[c][s] > free_at.get((c, "main"), begin[c]):
+                    idle = free_at.get((c, "main"), begin[c])
+                    events.append(
+                        SimEvent(
+                            rank_of[c],
+                            stream_of("main"),
+                            f"wait {step.op}",
+                            idle,
+                            ready[c][s],
+                            "wait",
+                        )
+                    )
+                    free_at[(c, "main")] = ready[c][s]
         if isinstance(step, isa.COLLECTIVES):
             for group in groups(active, step.dims):
                 cross = len({hosts[c] for c in group}) > 1
@@ -683,7 +700,7 @@ def play_program(
             raise TypeError(f"the simulator has no handler for {type(step).__name__}")
         for c in active:
             m = mem[c]
-            for u in step.uses():
+            for u in settle_at[k]:
                 m.settle(u)
             _allocate(k, step, types, m)
             if isinstance(step, isa.COLLECTIVES) and step.stream != "main":

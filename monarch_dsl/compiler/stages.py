@@ -84,6 +84,7 @@ def tracing_stages() -> Iterator[_Tracing]:
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         handles = _hook_graph(tracing, [t.grad_fn for t in roots if t.grad_fn is not None])
         tracing.phase = "backward"
+        tracing.tag(tracing.stage)  # (without stage markers, no node hook re-tags)
         try:
             return real(tensors, *args, **kwargs)
         finally:

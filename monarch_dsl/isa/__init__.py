@@ -412,3 +412,28 @@ class Program(NamedTuple):
     outputs: tuple[int, ...]
     output_shapes: tuple[tuple[int, ...] | None, ...]  # local shapes, per output
     output_dtypes: tuple[str, ...]
+
+
+def settles(program: Program) -> list[tuple[int, ...]]:
+    """Per step, the slots whose collectives (started off ``main``, ``Step.stream``) are
+    finished before the step runs: the slots it reads, and -- before a ``ReduceScatter`` off
+    ``main`` -- the result of the previous one on that stream and ranks (``on``), if nothing
+    has read it yet. So at most one reduce-scatter is in flight per stream, as in FSDP: the
+    whole (unreduced) gradient each one holds is freed then, not at the optimizer's first read
+    of its shard. The runtime and the simulator both finish collectives at these points."""
+    out: list[tuple[int, ...]] = []
+    # (stream, on) -> the last reduce-scatter's results
+    in_flight: dict[tuple[str, tuple[tuple[int, int], ...]], tuple[int, ...]] = {}
+    for step in program.steps:
+        uses = step.uses()
+        read = set(uses)
+        for key, outs in list(in_flight.items()):
+            if read.intersection(outs):
+                del in_flight[key]
+        extra: tuple[int, ...] = ()
+        if isinstance(step, ReduceScatter) and step.stream != "main":
+            key = (step.stream, tuple(step.on))
+            extra = tuple(s for s in in_flight.pop(key, ()) if s not in read)
+            in_flight[key] = tuple(step.outs)
+        out.append(uses + extra)
+    return out

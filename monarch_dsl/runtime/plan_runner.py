@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 
 def step_uses(program: Program) -> list[tuple[int, ...]]:
-    return [step.uses() for step in program.steps]
+    """Per step, the slots whose pending collectives the runtime finishes before it runs."""
+    return isa.settles(program)
 
 
 class PlanRunner:

@@ -44,6 +44,7 @@ def propagate(
     out_placements: dict[str, tuple[Placement, ...]] | None = None,
     pipeline_dim: str | None = None,
     gather: dict[str, str] | None = None,
+    kept_gathered: set[str] | None = None,
 ) -> Plan:
     """Placements for every value, starting from ``placements`` of the inputs (by input name;
     missing: Replicate on every dim), with the communication they need inserted. The
@@ -53,7 +54,11 @@ def propagate(
     ``gather``: {input: mesh dim} of parameters kept sharded over that dim between steps
     (``md.fully_shard``): the forward and backward passes use them whole -- gathered at their
     first use, once, whatever the cost model would prefer -- so the batch stays sharded and
-    their gradients are reduce-scattered back to their layout for the update."""
+    their gradients are reduce-scattered back to their layout for the update. As FSDP does
+    (``reshard_after_forward``), the backward pass gathers each of them again, and remakes the
+    views of the forward's gather that it reads, so the forward's whole copy is freed after
+    its last forward use -- except for the last module's parameters (gathered last, used
+    first in backward) and those named in ``kept_gathered``, which stay gathered."""
     t0 = time.perf_counter()
     sizes = plan.sizes
     types: dict[str, TensorType] = {}
@@ -66,6 +71,7 @@ def propagate(
         inputs.append(i._replace(type=t))
     st = State(plan, types)
     st.gather = {n: plan.dims.index(d) for n, d in (gather or {}).items()}
+    st.kept = set(kept_gathered or ())
     st.phase = (plan.notes or {}).get("phase", {}) if isinstance(plan.notes, dict) else {}
     if pipeline_dim in plan.dims:  # stages, not data: everything is whole along it
         st.flat_dims.add(plan.dims.index(pipeline_dim))

@@ -45,6 +45,13 @@ class State:
         self.flat_dims: set[int] = set()  # mesh dims along which everything is Replicate
         self.names = FreshNames(set(types) | {o for i in plan.body for o in i.outs})
         self.gather: dict[str, int] = {}  # fully sharded parameters: gathered for use
+        self.kept: set[str] = set()  # ... kept gathered from the forward to the backward pass
+        # A forward gather of a fully sharded parameter, or a view of one: (the parameter, the
+        # views from the gather), for the backward pass to remake on its own gather.
+        self.derived: dict[str, tuple[str, tuple[Instr, ...]]] = {}
+        self.forward_gathered: list[str] = []  # fully sharded parameters, in forward order
+        self.backward_gathered: set[str] = set()
+        self.remade: dict[tuple[str, str], str] = {}  # (view, new gather) -> the view remade
         self.phase: dict[str, str] = {}  # by an instruction's first out (capture's notes)
 
     def fresh(self, base: str) -> str:
@@ -151,6 +158,16 @@ class State:
         for o, t in zip(ins.outs, types):
             self.types[o] = t
             self.loc_of[o] = ins.loc
+        new_uses = new.uses()
+        if (
+            name in ALIASING
+            and len(ins.outs) == 1
+            and len(new_uses) == 1
+            and new_uses[0] in self.derived
+            and self._phase(ins) == "forward"
+        ):
+            param, chain = self.derived[new_uses[0]]
+            self.derived[ins.outs[0]] = (param, (*chain, new))
         # Storage roots, and what a write in place invalidates.
         if name in ALIASING and uses:
             for o in ins.outs:
@@ -167,30 +184,100 @@ class State:
             for o in ins.outs:  # a new value: not the same as what it was written from
                 self.canon.pop(o, None)
 
+    def _phase(self, ins: Instr) -> str:
+        return self.phase.get(ins.outs[0], "forward") if ins.outs else "forward"
+
     def _gathered(self, ins: Instr) -> Instr:
         """``ins`` reading the whole of each fully sharded parameter it uses (forward and
-        backward only: the optimizer updates each rank's shard)."""
-        if ins.outs and self.phase.get(ins.outs[0], "forward") == "update":
+        backward only: the optimizer updates each rank's shard). In the backward pass, a
+        parameter that reshards after forward (``_reshards``) is gathered again, and the views
+        of its forward gather that ``ins`` reads are remade on the new one."""
+        phase = self._phase(ins)
+        if phase == "update":
             return ins
         uses = ins.uses()
-        if not any(u in self.gather for u in uses):
+        backward = phase == "backward"
+        if not any(u in self.gather or (backward and u in self.derived) for u in uses):
             return ins
         writes = set(written(ins))
         names = []
         for u in uses:
+            if backward and u in self.derived and self._reshards(self.derived[u][0]):
+                names.append(self._remade(u, ins))
+                continue
             m = self.gather.get(u)
             pl = self.types[u].placements
             if m is None or u in writes or pl[m].is_replicate():
                 names.append(u)
                 continue
             want = tuple(R if k == m else p for k, p in enumerate(pl))
-            names.append(self.redistribute(u, want, ins))
+            if backward and self._reshards(u):
+                names.append(self._gather_again(u, want, ins))
+                continue
+            name = self.redistribute(u, want, ins)
+            if not backward and name != u:
+                self.derived.setdefault(name, (u, ()))
+                if u not in self.forward_gathered:
+                    self.forward_gathered.append(u)
+            names.append(name)
         it = iter(names)
         return dataclasses.replace(
             ins,
             args=_rename_uses(ins.args, it),
             kwargs=tuple((k, _rename_uses(v, it)) for k, v in ins.kwargs),
         )
+
+    def _reshards(self, param: str) -> bool:
+        """Whether the backward pass gathers ``param`` again rather than keep its forward
+        gather: it was gathered in the forward pass, is not kept (``reshard_after_forward``),
+        and is not of the module gathered last (FSDP keeps the root's last module too: the
+        backward pass starts with it)."""
+        if param in self.kept or param not in self.forward_gathered:
+            return False
+        return param.rpartition(".")[0] != self.forward_gathered[-1].rpartition(".")[0]
+
+    def _gather_again(self, param: str, want: tuple[Placement, ...], user: Instr) -> str:
+        """``param`` gathered for the backward pass: once, not the forward's gather."""
+        m = self.gather[param]
+        if param not in self.backward_gathered:
+            self.backward_gathered.add(param)
+            self.cache.pop((self.canon.get(param, param), m, R), None)
+            start = len(self.body)
+            name = self.redistribute(param, want, user)
+            for k in range(start, len(self.body)):
+                ins = self.body[k]
+                why = f"gathered again for the backward pass (reshard after forward): {ins.reason}"
+                self.body[k] = dataclasses.replace(ins, reason=why)
+            return name
+        return self.redistribute(param, want, user)
+
+    def _remade(self, view: str, user: Instr) -> str:
+        """The forward gather ``view`` is (or a view of it), remade on the backward pass's
+        gather of its parameter."""
+        param, chain = self.derived[view]
+        m = self.gather[param]
+        pl = self.types[param].placements
+        name = self._gather_again(param, tuple(R if k == m else p for k, p in enumerate(pl)), user)
+        for v in chain:
+            key = (v.outs[0], name)
+            if key not in self.remade:
+                out = self.fresh(base_name(v.op)[0])
+                it = iter([name])
+                self.body.append(
+                    dataclasses.replace(
+                        v,
+                        outs=(out,),
+                        args=_rename_uses(v.args, it),
+                        kwargs=tuple((k, _rename_uses(x, it)) for k, x in v.kwargs),
+                        reason=f"the view %{v.outs[0]} of the gathered %{param}, remade",
+                    )
+                )
+                self.types[out] = v.types[0]
+                self.loc_of[out] = v.loc
+                self.root[out] = self.root.get(name, name)
+                self.remade[key] = out
+            name = self.remade[key]
+        return name
 
     def _layout(self, placements: list[Placement] | tuple[Placement, ...]) -> str:
         return format_placements(tuple(placements), self.plan.dims)
