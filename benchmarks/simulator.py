@@ -56,9 +56,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
-# Before any worker starts (read when a process starts): glibc maps every large tensor on its
-# own. Set when memory was measured as resident pages; kept so that times stay comparable.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the workers' profiler: no log lines
 
 import torch  # noqa: E402

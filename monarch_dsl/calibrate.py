@@ -40,9 +40,10 @@ Everything is measured on real local workers, through the runtime the steps use:
   per backend and group size: ``links["shm@4"]`` for 4 ranks, ``links["shm"]`` the smallest
   size's (4 ranks on 2 cores are not 2 ranks: each gets half a core); each link also keeps
   beta at each measured size (``Link.curve``: through the caches, one beta misses by up to
-  50%), and shared memory's says it does not overlap compute (``Link.overlap``). All-gathers
-  and send/recv pairs are measured too and shown beside the link's prediction
-  (``FIT_KINDS``).
+  50%), and shared memory's says it does not overlap compute (``Link.overlap``). All-gathers,
+  reduce-scatters and send/recv pairs are measured too and shown beside the link's
+  prediction (``FIT_KINDS``); each kind's ratio to it, by size, is the link's factor for
+  that kind (``Link.factors``).
 
 The machine should be otherwise idle: the CPU time other processes took while calibrating is
 measured (``/proc/stat``) and, above ``BUSY_WARNING``, said in the table and the notes.
@@ -153,10 +154,11 @@ BACKENDS = ("shm", "gloo")
 BUCKET_PIECES = 8
 BUSY_WARNING = 0.15  # of the CPU taken by other processes: the measurements are suspect
 # What alpha and beta are fitted from: all-reduces (what data-parallel and tensor-parallel
-# steps do). All-gathers and send/recv are measured and shown beside the fitted link's
-# prediction: through shared memory they cost more per call than an all-reduce of as many
-# bytes (an all-gather allocates and concatenates its output; a send goes through a ring),
-# and one alpha and beta fitted to all three kinds fit none of them.
+# steps do). All-gathers, reduce-scatters and send/recv are measured too: through shared
+# memory they cost more per call than an all-reduce of as much traffic (an all-gather
+# allocates and concatenates its output; a send goes through a ring), and one alpha and beta
+# fitted to all the kinds fit none of them. Each other kind's ratio of measured to fitted
+# time, by size, is the link's factor for it (``Link.factors``).
 FIT_KINDS = ("all_reduce",)
 
 
@@ -366,7 +368,8 @@ class Probe(Actor):
     def comm(self, backend: str, kind: str, nbytes: int, reps: int, span: int) -> list[float]:
         """Seconds of each of ``reps`` runs (after two warm-ups) of one ``kind`` step
         (``all_reduce``: a float32 tensor of ``nbytes``; ``all_gather``: an output of
-        ``nbytes``; ``send``: the first rank to the second) on ``backend``, each after a
+        ``nbytes``; ``reduce_scatter``: an input of ``nbytes``; ``send``: the first rank to
+        the second) on ``backend``, each after a
         barrier, on the next of ``operand_sets(..., span)`` inputs (a gradient bucket's
         tensors were last touched a while ago)."""
         from monarch_dsl import isa
@@ -395,6 +398,10 @@ class Probe(Actor):
             part = max(1, numel // n)
             step = isa.AllGather(args=(Slot(0),), outs=(1,), shapes=((part,),), **common)
             x = torch.ones(part)
+        elif kind == "reduce_scatter":  # a whole gradient in, this rank's shard out
+            whole = max(1, numel // n) * n
+            step = isa.ReduceScatter(args=(Slot(0),), outs=(1,), shapes=((whole,),), **common)
+            x = torch.ones(whole)
         elif kind == "send":
             if index > 1:  # (only the first two ranks take part)
                 return []
@@ -537,7 +544,7 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
 
 def _comm_tasks(s: Settings, n: int, backends: Sequence[str]) -> list[tuple[str, str, int]]:
     tasks = []
-    kinds = ("all_reduce", "all_gather", "send") if n == 2 else ("all_reduce", "all_gather")
+    kinds = ("all_reduce", "all_gather", "reduce_scatter") + (("send",) if n == 2 else ())
     for kind in kinds:
         for nbytes in s.comm:
             for b in backends:  # alternating, so drift of the machine hits both alike
@@ -1223,6 +1230,7 @@ def _profile(
                 overlap=backend != "shm",
                 curve=beta_by_size(link.latency, points),
             )
+            link = dataclasses.replace(link, factors=_kind_factors(link, backend, n, comm))
             links[f"{backend}@{n}"] = link
             errors[(backend, n)] = worst
             links.setdefault(backend, link)  # the smallest group size's, for any other
@@ -1269,6 +1277,19 @@ def _profile(
         comm=comm,
         fit_error=errors,
     )
+
+
+def _kind_factors(
+    link: Link, backend: str, n: int, comm: dict[tuple[str, int, str, int], float]
+) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """Per collective kind not fitted (``FIT_KINDS``) measured on ``backend`` over ``n``
+    ranks: its measured time over ``link``'s alpha-beta time, by traffic (``Link.factors``)."""
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    for (b, m, kind, nbytes), t in comm.items():
+        if b == backend and m == n and kind not in FIT_KINDS:
+            r, moved = _rounds_traffic(kind, nbytes, n)
+            ratios.setdefault(kind, []).append((max(moved, 1.0), t / link.time(moved, r)))
+    return tuple((kind, tuple(sorted(v))) for kind, v in sorted(ratios.items()))
 
 
 def _rounds_traffic(kind: str, nbytes: int, n: int) -> tuple[int, float]:
@@ -1390,18 +1411,18 @@ def _links_table(cal: Calibration) -> list[str]:
             f"   {worst:6.1%}                 {by_size}"
         )
     out.append("")
-    out.append("collectives: measured vs the fitted link")
-    out.append("  backend  ranks  kind         size        measured   fitted")
+    out.append("collectives: measured vs the fitted link, x the link's factor for the kind")
+    out.append("  backend  ranks  kind            size      measured   fitted x factor")
     for (backend, n, kind, nbytes), t in sorted(cal.comm.items()):
         key = f"{backend}@{n if kind != 'send' else 2}"
         fitted = ""
         if key in p.links:
             r, b = _rounds_traffic(kind, nbytes, n)
-            fitted = _us(p.links[key].time(b, r))
+            link = dataclasses.replace(p.links[key], factors=())
+            factor = p.links[key].time(b, r, kind) / link.time(b, r)
+            fitted = f"{_us(link.time(b, r))} x {factor:.2f}"
         size = _size(nbytes)
-        out.append(
-            f"  {backend:<7s}  {n:>5d}  {kind:<11s}  {size:>8s}  {_us(t):>10s} {fitted:>10s}"
-        )
+        out.append(f"  {backend:<7s}  {n:>5d}  {kind:<14s}  {size:>8s}  {_us(t):>10s}   {fitted}")
     return out
 
 

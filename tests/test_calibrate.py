@@ -199,6 +199,11 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert all(math.isfinite(v) and v >= 0 for v in others), others
     assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
     assert p.links["shm"] == p.links["shm@2"]
+    # every kind measured beside the fitted all-reduces has its factor, on both backends
+    for key in ("shm@2", "gloo@2"):
+        factors = dict(p.links[key].factors)
+        assert set(factors) == {"all_gather", "reduce_scatter", "send"}, (key, factors)
+        assert all(math.isfinite(f) and f > 0 for c in factors.values() for _, f in c), factors
     sections = ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  ")
     for section in (*sections, "a reduce (controller_reduce)", "per eager op beyond"):
         assert section in r.stdout, section
@@ -226,9 +231,14 @@ def _one_linear_plan():
 
 
 def test_a_link_with_beta_by_size_round_trips_and_interpolates(tmp_path):
-    link = Link(1e-6, 5e9, overlap=False, curve=((1e5, 8e9), (1e7, 4e9)))
+    link = Link(1e-6, 5e9, overlap=False, curve=((1e5, 8e9), (1e7, 4e9)),
+                factors=(("all_gather", ((1e5, 1.5), (1e7, 6.0))),))  # fmt: skip
     assert link.time(1e5, 2) == pytest.approx(2e-6 + 1e5 / 8e9)
     assert link.time(1e6, 2) == pytest.approx(2e-6 + 1e6 / math.sqrt(8e9 * 4e9))
+    assert link.time(1e5, 2, "all_gather") == pytest.approx(1.5 * (2e-6 + 1e5 / 8e9))
+    # the factor by size: log-log between the measured sizes
+    assert link.time(1e6, 2, "all_gather") == pytest.approx(3.0 * link.time(1e6, 2))
+    assert link.time(1e5, 2, "send") == link.time(1e5, 2)  # (a kind not listed: 1)
     p = _calibrated()
     p = dataclasses.replace(p, links={**p.links, "shm": link})
     p.save(tmp_path / "p.json")
@@ -385,3 +395,38 @@ def test_a_quick_gpu_calibration_writes_cuda_local(tmp_path):
     # a GPU, not a CPU: float32 matmuls past 1 TFLOP/s, memory past 100 GB/s
     assert p.peak_flops["float32"] > 1e12 and p.memory_bandwidth > 1e11, r.stdout
     assert 0 < p.dispatch_overhead < 1e-3 and p.memory_capacity > 1e9
+
+
+def test_the_simulator_times_each_collective_kind_by_its_link_factor():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    md.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    plan = step.compile(torch.randn(4, 64), mesh=md.Mesh.from_string("dp=2"))
+    base = BUILTIN["cpu-local"]
+
+    def comm_seconds(factors):
+        link = dataclasses.replace(base.links["shm"], factors=factors)
+        p = dataclasses.replace(base, links={**base.links, "shm": link, "shm@2": link})
+        by_kind: dict[str, float] = {}
+        for e in plan.simulate(profile=p).events:
+            if e.kind == "comm" and e.rank == 0:
+                by_kind[e.name] = by_kind.get(e.name, 0.0) + e.end - e.start
+        return by_kind
+
+    plain = comm_seconds(())
+    scaled = comm_seconds((("all_gather", ((1.0, 3.0),)), ("reduce_scatter", ((1.0, 0.5),))))
+    assert plain["all_gather"] > 0 and plain["reduce_scatter"] > 0
+    assert scaled["all_gather"] == pytest.approx(3.0 * plain["all_gather"])
+    assert scaled["reduce_scatter"] == pytest.approx(0.5 * plain["reduce_scatter"])
+    assert scaled["all_reduce"] == pytest.approx(plain["all_reduce"])  # (the loss's)

@@ -52,22 +52,35 @@ class Link:
     caches: 8 MiB went 30% faster per byte than 32 MiB). ``overlap``: whether a collective
     on it runs beside the rank's compute (NCCL's kernels, gloo's threads), or in the thread
     that issues it, so that compute waits for it even when it was issued on another stream
-    (the C++ runtime's shared-memory collectives copy and reduce in the caller's thread)."""
+    (the C++ runtime's shared-memory collectives copy and reduce in the caller's thread).
+    ``factors``: ((collective kind, ((traffic, factor), ...)), ...), measured by
+    ``monarch-dsl calibrate``: the kind's time over the alpha-beta time of its traffic, by
+    traffic (alpha and beta are fitted to all-reduces; through shared memory a send goes
+    through a ring, a big all-gather or reduce-scatter through gloo); 1 for a kind not
+    listed."""
 
     latency: float
     bandwidth: float
     overlap: bool = True
     curve: Curve = ()
+    factors: tuple[tuple[str, Curve], ...] = ()
 
-    def time(self, traffic: float, rounds: int) -> float:
+    def time(self, traffic: float, rounds: int, kind: str = "all_reduce") -> float:
         beta = interpolate(self.curve, traffic) if self.curve and traffic > 0 else self.bandwidth
-        return self.latency * rounds + traffic / beta
+        by_size = dict(self.factors).get(kind)
+        factor = interpolate(by_size, max(traffic, 1.0)) if by_size else 1.0
+        return (self.latency * rounds + traffic / beta) * factor
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Link:
         values = dict(data)
         if "curve" in data:  # (JSON lists; the link's tuples)
             values["curve"] = tuple((float(x), float(y)) for x, y in data["curve"])
+        if "factors" in data:
+            values["factors"] = tuple(
+                (str(k), tuple((float(x), float(y)) for x, y in curve))
+                for k, curve in data["factors"]
+            )
         return cls(**values)
 
 

@@ -239,17 +239,18 @@ def comm_time(
     step: isa.Comm, types: Sequence[SlotType], n: int, profile: DeviceProfile, cross_host: bool
 ) -> float:
     """Alpha-beta time of a communication over ``n`` ranks (``traffic``) on the profile's link
-    for that group size. Local redistributions copy through memory."""
+    for that group size, times the link's measured factor for its kind (``Link.factors``).
+    Local redistributions copy through memory."""
     ins = sum(nbytes(types[s.index]) for s in isa.leaves(step.args, Slot))
     outs = sum(nbytes(types[o]) for o in step.outs)
     if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
         return outs / (profile.bandwidth(outs) * profile.efficiency["pointwise"])
     if isinstance(step, (isa.Send, isa.Recv)):
-        return profile.link(cross_host, 2).time(*traffic(step.kind, max(ins, outs), 2))
+        return profile.link(cross_host, 2).time(*traffic(step.kind, max(ins, outs), 2), "send")
     if n <= 1:
         return profile.dispatch_overhead
     whole = outs if isinstance(step, isa.AllGather) else ins
-    return profile.link(cross_host, n).time(*traffic(step.kind, whole, n))
+    return profile.link(cross_host, n).time(*traffic(step.kind, whole, n), step.kind)
 
 
 def steady_step_time(

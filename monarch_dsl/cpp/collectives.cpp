@@ -34,6 +34,25 @@ Finish all_reduce_into(Comm& comm, at::Tensor out, std::vector<at::Tensor> piece
 
 Finish all_gather(Comm& comm, const at::Tensor& input, int64_t size, int64_t dim, bool stack) {
   at::Tensor in = input.contiguous();
+  if (dim == 0 && (stack || in.dim() > 0)) {
+    // Along dim 0 each rank's piece is a contiguous slice of the result: gathered into the
+    // result itself (no second buffer of the whole, no concatenating copy).
+    std::vector<int64_t> shape = in.sizes().vec();
+    if (stack) shape.insert(shape.begin(), 1);
+    const int64_t rows = shape[0];
+    shape[0] = rows * size;
+    at::Tensor result = at::empty(shape, in.options());
+    std::vector<at::Tensor> outs;
+    for (int64_t i = 0; i < size; ++i) {
+      at::Tensor piece = result.narrow(0, i * rows, rows);
+      outs.push_back(stack ? piece.squeeze(0) : piece);
+    }
+    Wait wait = comm.start_all_gather(outs, in);
+    return [result, outs, in, wait]() {
+      if (wait) wait();
+      return result;
+    };
+  }
   std::vector<at::Tensor> outs;
   for (int64_t i = 0; i < size; ++i) outs.push_back(at::empty_like(in));
   Wait wait = comm.start_all_gather(outs, in);
