@@ -213,10 +213,11 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert report.step_time > 0 and report.profile == "cpu-local"
 
 
-def _one_linear_plan():
+def _one_linear_plan(model=None, width=8):
+    """A data-parallel SGD step of ``model`` (default: one Linear) compiled for dp=2."""
     import torch
 
-    model = torch.nn.Linear(8, 8)
+    model = model if model is not None else torch.nn.Linear(width, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     @md.mesh_fn(data_parallel="dp")
@@ -227,7 +228,7 @@ def _one_linear_plan():
         opt.step()
         return loss
 
-    return step.compile(torch.randn(4, 8), mesh=md.Mesh.from_string("dp=2"))
+    return step.compile(torch.randn(4, width), mesh=md.Mesh.from_string("dp=2"))
 
 
 def test_a_link_with_beta_by_size_round_trips_and_interpolates(tmp_path):
@@ -401,18 +402,7 @@ def test_the_simulator_times_each_collective_kind_by_its_link_factor():
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    md.fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @md.mesh_fn(data_parallel="dp")
-    def step(x):
-        opt.zero_grad()
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        return loss
-
-    plan = step.compile(torch.randn(4, 64), mesh=md.Mesh.from_string("dp=2"))
+    plan = _one_linear_plan(md.fully_shard(model), width=64)
     base = BUILTIN["cpu-local"]
 
     def comm_seconds(factors):
