@@ -11,11 +11,12 @@ Everything is measured on real local workers, through the runtime the steps use:
   written / s): the caches make that rate depend on the size several-fold, so one number
   would be wrong for most ops. The "pointwise" efficiency is then 1 by construction;
   "reduction" (``sum``) and "other" (``clone``) are their rate over the curve's at the same
-  sizes (median). Square float32 matmuls and thin ones (n/32 x n x n: a batch through a
-  layer) give the ``matmul_curve`` (FLOP/s of the arithmetic by FLOPs) and ``matmul_passes``
-  (``fit_matmul``); float64 / bfloat16 / float16 at one size give their peaks relative to
-  float32's. Rates are work / (time - dispatch overhead), as the simulator adds the overhead
-  back (``compiler/simulate.py:compute_time``).
+  sizes (median). Square float32 matmuls, thin ones (n/32 x n x n: a batch through a
+  layer) and wide ones (n x n/32 x n: a weight's gradient over a small batch) give the
+  ``matmul_curve`` (FLOP/s of the arithmetic by FLOPs), ``matmul_passes`` and
+  ``matmul_output_passes`` (``fit_matmul``); float64 / bfloat16 / float16 at one size give
+  their peaks relative to float32's. Rates are work / (time - dispatch overhead), as the
+  simulator adds the overhead back (``compiler/simulate.py:compute_time``).
 - **Overheads seen from the controller** (same mesh): eager programs (``EAGER_TERMS``: ``y =
   x + 1``, ``reduce_``, a borrow and its drop, ``autograd.grad`` of a chain of ops,
   ``md.grad_generator`` over a chain of layers), each run on the mesh (the controller's CPU,
@@ -85,6 +86,7 @@ class Settings:
 
     matmul: tuple[int, ...]
     thin: tuple[int, ...]  # n/32 x n x n matmuls (matmul_passes)
+    wide: tuple[int, ...]  # n x n/32 x n matmuls (matmul_output_passes)
     pointwise: tuple[int, ...]
     comm: tuple[int, ...]
     reps: int  # timed repetitions of each measurement (after a warm-up)
@@ -98,6 +100,7 @@ class Settings:
 FULL = Settings(
     matmul=(32, 64, 128, 256, 512, 1024),
     thin=(512, 1024, 2048),
+    wide=(512, 1024, 2048),
     # (not larger: an output above glibc's mmap threshold, 32 MiB, is mapped and faulted in
     # anew at every op, which measures the allocator, not the memory)
     pointwise=(1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
@@ -111,6 +114,7 @@ FULL = Settings(
 QUICK = Settings(
     matmul=(32, 256),
     thin=(512,),
+    wide=(512,),
     pointwise=(1 << 14, 1 << 20),
     comm=(4 << 10, 1 << 20),
     reps=3,
@@ -124,6 +128,7 @@ QUICK = Settings(
 CUDA = Settings(
     matmul=(256, 512, 1024, 2048, 4096, 8192),
     thin=(),  # (a GPU's matmuls are a roofline: no matmul_passes to fit)
+    wide=(),
     pointwise=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26),
     comm=(),
     reps=7,
@@ -526,6 +531,12 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
     specs += [
         OpSpec(f"thin matmul {n}", "aten.mm.default", ab, ((max(1, n // 32), n), (n, n)))
         for n in s.thin
+    ]
+    specs += [
+        OpSpec(
+            f"wide matmul {n}", "aten.mm.default", ab, ((n, max(1, n // 32)), (max(1, n // 32), n))
+        )
+        for n in s.wide
     ]
     if s.dtypes:
         n = s.dtype_size
@@ -993,18 +1004,40 @@ def _net(seconds: float, dispatch: float) -> float | None:
 
 
 def fit_matmul(
-    square: dict[int, float], thin: dict[int, float], dispatch: float, memory: DeviceProfile
-) -> tuple[tuple[tuple[float, float], ...], float]:
-    """The matmul curve (FLOP/s of the arithmetic by FLOPs) and ``matmul_passes`` from the
-    seconds of square (n x n x n) and thin (n/32 x n x n) float32 matmuls: each time is the
-    dispatch overhead + the arithmetic + the memory traffic (``memory``'s bandwidth curve,
-    the inputs ``passes`` times); the square ones, mostly arithmetic, give the curve, the thin
-    ones, whose traffic is a larger share, the passes. A few rounds: each depends a little on
-    the other."""
-    passes = 1.0
+    square: dict[int, float],
+    thin: dict[int, float],
+    dispatch: float,
+    memory: DeviceProfile,
+    wide: dict[int, float] | None = None,
+) -> tuple[tuple[tuple[float, float], ...], float, float]:
+    """The matmul curve (FLOP/s of the arithmetic by FLOPs), ``matmul_passes`` and
+    ``matmul_output_passes`` from the seconds of square (n x n x n), thin (n/32 x n x n) and
+    wide (n x n/32 x n) float32 matmuls: each time is the dispatch overhead + the arithmetic
+    + the memory traffic (``memory``'s bandwidth curve, the inputs ``passes`` times, the
+    output ``output_passes`` times); the square ones, mostly arithmetic, give the curve, the
+    thin ones, whose input traffic is a larger share, the passes, the wide ones, whose
+    output is, the output passes. A few rounds: each depends a little on the others."""
+    passes = out_passes = 1.0
     curve: tuple[tuple[float, float], ...] = ()
-    for _ in range(6):
-        p = dataclasses.replace(memory, matmul_passes=passes)
+
+    def fitted(times: dict[int, float], shape: Callable[[int], tuple[int, int, int]], of_ins: bool):
+        """The passes (over the inputs, else the output) that make each time the model's."""
+        estimates = []
+        for n, t in times.items():
+            m, k, c = shape(n)
+            flops = 2.0 * m * k * c
+            rest = t - dispatch - flops / p.matmul_flops_per_second(flops, "float32")
+            ins, out = 4.0 * (m * k + k * c), 4.0 * m * c
+            if rest > 0:  # passes * ins + out_passes * out = rest * bandwidth (at those bytes)
+                memory_bytes = rest * p.bandwidth(passes * ins + out_passes * out)
+                if of_ins:
+                    estimates.append((memory_bytes - out_passes * out) / ins)
+                else:
+                    estimates.append((memory_bytes - passes * ins) / out)
+        return statistics.median(estimates) if estimates else 1.0
+
+    for _ in range(8):
+        p = dataclasses.replace(memory, matmul_passes=passes, matmul_output_passes=out_passes)
         points = []
         for n, t in square.items():
             net = _net(t - p.matmul_memory_seconds(8.0 * n * n, 4.0 * n * n, 1.0), dispatch)
@@ -1015,17 +1048,11 @@ def fit_matmul(
             points.append((2.0 * n**3, t))
         curve = _curve(points)
         p = dataclasses.replace(p, matmul_curve=curve, peak_flops={"float32": curve[-1][1]})
-        estimates = []
-        for n, t in thin.items():
-            m = max(1, n // 32)
-            flops = 2.0 * m * n * n
-            rest = t - dispatch - flops / p.matmul_flops_per_second(flops, "float32")
-            ins, out = 4.0 * (m * n + n * n), 4.0 * m * n
-            if rest > 0:  # passes * ins + out = rest * bandwidth (at about those bytes)
-                moved = max(passes, 1.0) * ins + out
-                estimates.append((rest * p.bandwidth(moved) - out) / ins)
-        passes = min(8.0, max(1.0, statistics.median(estimates))) if estimates else 1.0
-    return curve, passes
+        passes = min(8.0, max(1.0, fitted(thin, lambda n: (max(1, n // 32), n, n), True)))
+        if wide:
+            shape = lambda n: (n, max(1, n // 32), n)  # noqa: E731
+            out_passes = min(16.0, max(1.0, fitted(wide, shape, False)))
+    return curve, passes, out_passes
 
 
 def beta_by_size(
@@ -1071,6 +1098,7 @@ class _Compute:
     matmul: dict[int, float]
     matmul_curve: tuple[tuple[float, float], ...]
     matmul_passes: float
+    matmul_output_passes: float
     peaks: dict[str, float]
     dtypes: dict[str, float]
     efficiency: dict[str, float]
@@ -1105,10 +1133,11 @@ def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Comp
         if not kept:  # (all dispatch-bound)
             n, t = max(matmul.items())
             kept = [(2.0 * n**3, t)]
-        mm_curve, passes = _curve(kept), 0.0
+        mm_curve, passes, out_passes = _curve(kept), 0.0, 1.0
     else:
         thin = {n: per_op[f"thin matmul {n}"] for n in s.thin}
-        mm_curve, passes = fit_matmul(matmul, thin, dispatch, probe)
+        wide = {n: per_op[f"wide matmul {n}"] for n in s.wide}
+        mm_curve, passes, out_passes = fit_matmul(matmul, thin, dispatch, probe, wide)
     f32 = max(rate for _, rate in mm_curve)
     peaks = {"float32": f32}
     dtypes = {}
@@ -1138,6 +1167,7 @@ def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Comp
         matmul=matmul,
         matmul_curve=mm_curve,
         matmul_passes=passes,
+        matmul_output_passes=out_passes,
         peaks=peaks,
         dtypes=dtypes,
         efficiency={
@@ -1260,6 +1290,7 @@ def _profile(
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=c.matmul_passes,
+        matmul_output_passes=c.matmul_output_passes,
         notes=(
             f"calibrated by `monarch-dsl calibrate{' --quick' if quick else ''}` on "
             f"{datetime.date.today().isoformat()}: {cpu}, {os.cpu_count()} cores, torch "
@@ -1331,6 +1362,11 @@ def table(cal: Calibration) -> str:
         out.append(f"  n = {n:<5d}                 {_us(t):>10s}   {2 * n**3 / t / 1e9:8.1f}")
     for d, rate in cal.dtypes.items():
         out.append(f"  n = {cal.dtype_size:<5d} {d:<16s} {'':>10s}   {rate / 1e9:8.1f}")
+    if p.matmul_passes:
+        out.append(
+            f"  memory passes (thin and wide matmuls): inputs {p.matmul_passes:.2f}, "
+            f"output {p.matmul_output_passes:.2f}"
+        )
     out.append("")
     out.append("memory-bound ops, float32     bytes moved   add GB/s   sum GB/s  clone GB/s")
     for numel in cal.pointwise["add"]:

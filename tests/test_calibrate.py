@@ -247,23 +247,26 @@ def test_a_link_with_beta_by_size_round_trips_and_interpolates(tmp_path):
 
 
 def test_fit_matmul_recovers_the_curve_and_the_passes():
-    """Times made by the model itself (a rate that levels off, inputs crossing memory 3 times)
-    give back that rate and 3 passes."""
+    """Times made by the model itself (a rate that levels off, inputs crossing memory 3 times,
+    outputs 5 times) give back that rate, 3 passes and 5 output passes."""
     memory = DeviceProfile("m", {}, 1.0, {}, 0.0, {}, bandwidth_curve=BANDWIDTH)
     truth = dataclasses.replace(
-        memory, matmul_curve=((2.0 * 64**3, 2e10), (2.0 * 1024**3, 8e10)), matmul_passes=3.0
-    )
+        memory, matmul_curve=((2.0 * 64**3, 2e10), (2.0 * 1024**3, 8e10)), matmul_passes=3.0,
+        matmul_output_passes=5.0,
+    )  # fmt: skip
     truth = dataclasses.replace(truth, peak_flops={"float32": 8e10})
 
-    def seconds(m: int, n: int) -> float:
-        flops = 2.0 * m * n * n
-        memory_time = truth.matmul_memory_seconds(4.0 * (m * n + n * n), 4.0 * m * n, 1.0)
+    def seconds(m: int, k: int, n: int) -> float:
+        flops = 2.0 * m * k * n
+        memory_time = truth.matmul_memory_seconds(4.0 * (m * k + k * n), 4.0 * m * n, 1.0)
         return flops / truth.matmul_flops_per_second(flops, "float32") + memory_time
 
-    square = {n: seconds(n, n) for n in (64, 256, 1024)}
-    thin = {n: seconds(n // 32, n) for n in (512, 1024)}
-    curve, passes = calibrate.fit_matmul(square, thin, 0.0, memory)
-    assert passes == pytest.approx(3.0, rel=1e-3)
+    square = {n: seconds(n, n, n) for n in (64, 256, 1024)}
+    thin = {n: seconds(n // 32, n, n) for n in (512, 1024)}
+    wide = {n: seconds(n, n // 32, n) for n in (512, 1024)}
+    curve, passes, out_passes = calibrate.fit_matmul(square, thin, 0.0, memory, wide)
+    assert passes == pytest.approx(3.0, rel=1e-2)
+    assert out_passes == pytest.approx(5.0, rel=1e-2)
     for x, rate in curve:
         assert rate == pytest.approx(truth.matmul_flops_per_second(x, "float32"), rel=1e-3)
 

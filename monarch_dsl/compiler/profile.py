@@ -133,9 +133,12 @@ class DeviceProfile:
     ``matmul_passes``: 0 for the roofline; else a matmul's memory traffic adds to its
     arithmetic instead of hiding under it, and its inputs cross memory this many times (a
     CPU's BLAS packs them into blocks before multiplying: it reads them, writes the packed
-    copy, reads that): ``flops / rate + (passes * inputs + outputs) / bandwidth``. Measured
-    from thin matmuls (n/32 x n x n): on a 2-core EPYC they took 15-40% longer than square
-    ones of as many FLOPs, which the roofline's max cannot say."""
+    copy, reads that): ``flops / rate + (passes * inputs + output_passes * outputs) /
+    bandwidth``. ``passes`` is measured from thin matmuls (n/32 x n x n, a batch through a
+    layer): on a 2-core EPYC they took 15-40% longer than square ones of as many FLOPs, which
+    the roofline's max cannot say; ``matmul_output_passes`` from wide ones (n x n/32 x n, a
+    weight's gradient over a small batch), whose outputs, each the sum of only n/32 products,
+    cost several times their bytes."""
 
     name: str
     peak_flops: dict[str, float]
@@ -155,6 +158,7 @@ class DeviceProfile:
     plan_issue_per_input: float = 0.0
     host_cores: int = 0
     matmul_passes: float = 0.0
+    matmul_output_passes: float = 1.0
     controller_reduce: float = 0.0
     controller_borrow: float = 0.0
     controller_backward: float = 0.0
@@ -175,8 +179,10 @@ class DeviceProfile:
 
     def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
         """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
-        inputs ``matmul_passes`` times where that is set (else once)."""
-        moved = max(self.matmul_passes, 1.0) * inputs + outputs
+        inputs ``matmul_passes`` times where that is set (else once), its outputs
+        ``matmul_output_passes`` times (at least once)."""
+        out_passes = max(self.matmul_output_passes, 1.0)
+        moved = max(self.matmul_passes, 1.0) * inputs + out_passes * outputs
         return moved / (self.bandwidth(moved) * efficiency) if moved else 0.0
 
     def bandwidth(self, moved: float) -> float:
