@@ -34,6 +34,12 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    rank's core does its own compute and its share of the shared-memory reduction), so the
    whole all-reduce is printed too, as ``compute + all buckets``.
 
+5. ``torch FSDP`` and ``md fully_shard``: the same step with parameters, gradients and
+   optimizer state sharded over the 2 ranks -- torch's FSDP2 (``fully_shard`` on each Linear,
+   then on the model, over a CPU device mesh; gloo) in the torch ranks' processes, and the
+   compiled step with ``md.fully_shard(model)`` (parameters gathered for use and again for the
+   backward pass, gradients reduce-scattered). Printed ``vs torch`` against torch FSDP.
+
 Reported per model and system: ms/step (median of the blocks), samples/s (global batch /
 step), ``vs torch`` (torch DDP's time / this one's: how many times faster than torch DDP) and
 ``vs floor`` (this one's time / the floor's). Goals (issue 11), on a 2-core machine:
@@ -113,23 +119,32 @@ def timed(run, steps: int) -> float:
 
 
 def torch_rank() -> None:
-    """A torch DDP rank (started by :class:`TorchDDP`): builds both models, then runs
-    ``<model> <steps>`` lines from stdin, answering each with its seconds per step."""
+    """A torch rank (started by :class:`TorchDDP`): builds both models under DDP and under
+    FSDP2 (``<name> fsdp``), then runs ``<model> <steps>`` lines from stdin, answering each
+    with its seconds per step."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
     systems = {}
     for name in MODELS:
-        model = DDP(make_model(name))
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
         x, y = (t.chunk(WORLD)[rank] for t in global_batch(name))
-        systems[name] = (model, opt, x, y)
+        model = DDP(make_model(name))
+        systems[name] = (model, torch.optim.SGD(model.parameters(), lr=LR), x, y)
+        sharded = make_model(name)
+        for layer in sharded:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        systems[f"{name} fsdp"] = (sharded, torch.optim.SGD(sharded.parameters(), lr=LR), x, y)
     print("ready", flush=True)
     for line in sys.stdin:
-        name, steps = line.split()
+        name, steps = line.rsplit(maxsplit=1)
         model, opt, x, y = systems[name]
         losses = []
 
@@ -209,8 +224,10 @@ def md_eager(pm, name: str):
     return run
 
 
-def md_compiled(pm, name: str):
+def md_compiled(pm, name: str, sharded: bool = False):
     model = make_model(name)
+    if sharded:
+        md.fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = global_batch(name)
 
@@ -301,11 +318,14 @@ def measure(pm, ddp_torch: TorchDDP, raw, name: str, blocks: int) -> dict:
         whole = max(raw.secs.call(sum(buckets) // 4, 5).get().values())
         return last, whole
 
+    sharded = md_compiled(pm, name, sharded=True)
     systems = {
         "torch DDP": lambda n: ddp_torch.step_secs(name, n),
         "md eager": lambda n: timed(eager, n),
         "compiled": lambda n: timed(compiled, n),
         "compute": lambda n: timed(compute, n),
+        "torch FSDP": lambda n: ddp_torch.step_secs(f"{name} fsdp", n),
+        "md fully_shard": lambda n: timed(sharded, n),
     }
     steps = {}
     for key, run in systems.items():  # warm-up (the compiled step compiles twice), and sizing
@@ -350,19 +370,20 @@ def main() -> None:
         f"torch {torch.__version__}; median of {blocks} interleaved blocks"
     )
     header = (
-        f"{'model':5s}  {'system':9s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
+        f"{'model':5s}  {'system':14s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
         f"{'vs floor':>8s}"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         med = r["med"]
-        rows = [(k, med[k]) for k in ("torch DDP", "md eager", "compiled")]
-        rows += [("floor", med["floor"])]
-        for system, secs in rows:
+        rows = [(k, med[k], "torch DDP") for k in ("torch DDP", "md eager", "compiled")]
+        rows += [("floor", med["floor"], "torch DDP")]
+        rows += [(k, med[k], "torch FSDP") for k in ("torch FSDP", "md fully_shard")]
+        for system, secs, peer in rows:
             print(
-                f"{name:5s}  {system:9s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
-                f"{med['torch DDP'] / secs:7.2f}x  {secs / med['floor']:7.2f}x"
+                f"{name:5s}  {system:14s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
+                f"{med[peer] / secs:7.2f}x  {secs / med['floor']:7.2f}x"
             )
     print()
     for name, r in results.items():
@@ -376,7 +397,7 @@ def main() -> None:
         )
         for system, v in r["times"].items():
             print(
-                f"    {system:9s} blocks of {r['steps'][system]:4d} steps (ms/step): "
+                f"    {system:14s} blocks of {r['steps'][system]:4d} steps (ms/step): "
                 + ", ".join(f"{s * 1e3:.2f}" for s in v)
             )
     big, tiny = results["big"]["med"], results["tiny"]["med"]

@@ -1,7 +1,7 @@
 """How well the simulator predicts this machine: predicted vs measured step time and memory.
 
     monarch-dsl calibrate                 # once: measures this machine into "cpu-local"
-    python benchmarks/simulator.py        # about 2 minutes on a 2-core machine
+    python benchmarks/simulator.py        # about 3 minutes on a 2-core machine
     python benchmarks/simulator.py --runs 3   # each case measured 3 times in turn: medians
     python benchmarks/simulator.py --profile my.json --only ddp
 
