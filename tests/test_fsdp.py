@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from compiler_helpers import mse_batches, mse_step, simulate_training  # noqa: E402
+from compiler_helpers import TwoStages, mse_batches, mse_step, simulate_training  # noqa: E402
 
 import monarch_dsl as md
 from monarch_dsl import isa
@@ -29,11 +29,12 @@ def _sharded_mlp(opt_cls=torch.optim.SGD, **kwargs):
     return make
 
 
-def _trained_like_one_process(make):
-    """Three steps of ``make``'s model compiled over dp=2 (simulated): its parameters and
-    losses match plain torch's. Returns the model and the plans."""
+def _trained_like_one_process(make, mesh=(("dp", 2),), **options):
+    """Three steps of ``make``'s model compiled over ``mesh`` (data parallel over dp,
+    simulated): its parameters and losses match plain torch's. Returns the model and the
+    plans."""
     model, ref, losses, ref_losses, plans = simulate_training(
-        make, (("dp", 2),), mse_batches(), data_parallel="dp"
+        make, mesh, mse_batches(), data_parallel="dp", **options
     )
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
@@ -161,6 +162,20 @@ def test_one_reduce_scatter_in_flight_frees_each_whole_gradient_early():
         assert program.steps[a].outs[0] not in program.steps[b].uses()
     assert all(set(settles[k]) == set(s.uses()) for k, s in enumerate(program.steps)
                if k not in scatters[1:])  # fmt: skip
+
+
+def test_fully_sharded_pipeline_stages_match_one_process():
+    """pp=2 x dp=2 with micro-batches: each stage's parameters sharded over its dp ranks."""
+
+    def make():
+        torch.manual_seed(0)
+        model = md.fully_shard(TwoStages())
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+
+    _, plans = _trained_like_one_process(make, (("pp", 2), ("dp", 2)), micro_batches=2)
+    dp = plans[-1].dims.index("dp")
+    params = [i for i in plans[-1].inputs if i.kind == "param"]
+    assert params and all(i.type.placements[dp] == S(0) for i in params), params
 
 
 def test_a_parameter_that_does_not_divide_stays_whole():

@@ -42,7 +42,9 @@ def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes: tuple[i
         merged: dict[tuple[int, ...], Any] = {}
         for c in {k[:m] + k[m + 1 :] for k in cur}:
             group = [cur[c[:m] + (i,) + c[m:]] for i in range(sizes[m])]
-            if isinstance(p, Shard):
+            if all(g is None for g in group):  # a pipeline stage's value, on another stage
+                merged[c] = None
+            elif isinstance(p, Shard):
                 merged[c] = torch.cat(group, p.dim)
             elif isinstance(p, Partial):
                 merged[c] = collectives.reduce_values(group, p.op)
