@@ -1002,3 +1002,34 @@ def test_detach_and_a_transpose_back_are_no_steps_of_the_lowered_program():
     assert n == len(plan.inputs) + sum(len(i.outs) for i in plan.body) - len(alias)
     for name, value in alias.items():
         assert slots[name] == slots[value] and value not in alias
+
+
+def test_a_step_finds_the_modules_and_optimizers_its_helper_functions_use():
+    """A step that calls the user's helpers reaches their modules and optimizers too (as
+    state to keep on the workers); a name taken by another object gets its function's name."""
+    from monarch_dsl.compiler.capture import used_objects
+
+    model, head = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def update():
+        opt.step()
+
+    def make_helper(model):  # its closure's "model": the same name, another module
+        def other_model(x):
+            return model(x).sum()
+
+        return other_model
+
+    other_model = make_helper(head)
+
+    def step(x):
+        loss = model(x).sum() + other_model(x)
+        loss.backward()
+        update()
+        return loss
+
+    modules, optimizers = used_objects(step)
+    assert modules == {"model": model, "other_model_model": head}
+    assert optimizers == {"opt": opt}
+    assert used_objects(F.mse_loss) == ({}, {})  # (torch's own functions are not looked into)

@@ -20,6 +20,7 @@ import inspect
 import re
 import sys
 import traceback
+import types
 import unittest.mock
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -260,9 +261,26 @@ class Captured:
 def used_objects(
     fn: Callable[..., Any],
 ) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
-    """The modules and optimizers ``fn`` reaches through its closure and globals, by name."""
+    """The modules and optimizers ``fn`` reaches through its closure and globals, by name,
+    and through those of the plain functions it calls there (a ``train_step`` that calls the
+    user's ``update(...)`` helper, which holds the optimizer), a few levels deep; a name one
+    of them already took for another object becomes ``<function>_<name>``."""
     modules: dict[str, nn.Module] = {}
     optimizers: dict[str, torch.optim.Optimizer] = {}
+    _collect_objects(fn, modules, optimizers, set(), depth=0)
+    return modules, optimizers
+
+
+_USED_DEPTH = 4  # how deep used_objects follows the user's helper functions
+
+
+def _collect_objects(
+    fn: Callable[..., Any],
+    modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    seen: set[int],
+    depth: int,
+) -> None:
     code = fn.__code__
     found: list[tuple[str, Any]] = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -273,16 +291,26 @@ def used_objects(
     for name in _global_names(code):
         if name in fn.__globals__:
             found.append((name, fn.__globals__[name]))
-    seen: set[int] = set()
+    helpers = []
     for name, value in found:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, nn.Module):
-            modules[name] = value
-        elif isinstance(value, torch.optim.Optimizer):
-            optimizers[name] = value
-    return modules, optimizers
+        if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+            named: dict[str, Any] = modules if isinstance(value, nn.Module) else optimizers
+            key = name if name not in named else f"{fn.__name__}_{name}"
+            named.setdefault(key, value)
+        elif isinstance(value, types.FunctionType) and _users_function(value):
+            helpers.append(value)
+    if depth < _USED_DEPTH:
+        for helper in helpers:
+            _collect_objects(helper, modules, optimizers, seen, depth + 1)
+
+
+def _users_function(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is the user's own (not torch's or ours): worth looking into."""
+    module = getattr(fn, "__module__", None) or ""
+    return module.split(".")[0] not in ("torch", "monarch_dsl", "numpy", "functools")
 
 
 def _global_names(code: CodeType) -> list[str]:
@@ -409,6 +437,8 @@ def capture(
                 arguments[pname] = pytree.tree_unflatten(leaves, spec)
             call = inspect.BoundArguments(sig, arguments)
             result = fn(*call.args, **call.kwargs)
+            # A None (a step that returns nothing, or None in its result) comes back as None.
+            result = pytree.tree_map(lambda v: _Nothing() if v is None else v, result)
             flat_out, spec = pytree.tree_flatten(result)
             out_info["spec"] = spec
             out_info["n_out"] = len(flat_out)
@@ -582,6 +612,13 @@ class _UserFrames:
             f = f.f_back
         return traceback.StackSummary.from_list(frames[::-1])
 
+
+class _Nothing:
+    """A ``None`` in a compiled step's result: a pytree node with no leaves, which unflattens
+    back to ``None`` (pytree takes ``None`` for a leaf, and a plan's outputs are tensors)."""
+
+
+pytree.register_pytree_node(_Nothing, lambda _: ([], None), lambda _children, _context: None)
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
