@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,42 @@ def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
         strides.append(acc)
         acc *= max(n, 1)
     return strides[::-1]
+
+
+# Tensors (parameters, buffers) whose up-to-date values a step keeps on the workers, by id ->
+# (the tensor, weakly; that step): another step on the same tensors would start from their
+# stale local values. (Tensors compare elementwise, so no WeakKeyDictionary.)
+_held_by: dict[int, tuple[weakref.ref[torch.Tensor], MeshFunction]] = {}
+_held_lock = threading.Lock()
+
+
+def _claim(mf: MeshFunction) -> None:
+    """Before ``mf`` puts its modules' tensors on a mesh: refuse if another step holds any of
+    them there (its updates are on the workers, not in the local tensors), else take them."""
+    modules, _ = used_objects(mf.fn)
+    tensors = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
+    with _held_lock:
+        for t in tensors:
+            ref, other = _held_by.get(id(t), (None, None))
+            if ref is None or ref() is not t or other is None or other is mf:
+                continue
+            mesh = other.state_mesh
+            if mesh is not None and not mesh.stopped:
+                raise RuntimeError(
+                    f"{mf.__name__}: the parameters it uses are held on the workers by "
+                    f"{other.__name__}, which has updated them there (the local tensors are "
+                    f"stale); call {other.__name__}.pull() first, then {mf.__name__}"
+                )
+        for key in [k for k, (r, _) in _held_by.items() if r() is None]:
+            del _held_by[key]  # (tensors gone)
+        for t in tensors:
+            _held_by[id(t)] = (weakref.ref(t), mf)
+
+
+def _release(mf: MeshFunction) -> None:
+    with _held_lock:
+        for key in [k for k, (_, holder) in _held_by.items() if holder is mf]:
+            del _held_by[key]
 
 
 class MeshFunction:
@@ -271,6 +308,7 @@ class MeshFunction:
         self.state = {}
         self._state_key = None
         self.state_mesh = None
+        _release(self)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole values of the state the step keeps on the workers, by name."""
@@ -356,6 +394,8 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     engine = Engine.of(pm)
     engine.ensure_collectives()
     first = mf.state_mesh is None
+    if first:
+        _claim(mf)
     compiled = mf._compiled(args, kwargs, spec, None if first else mf.state)
     plan = compiled.plan
     mesh_id = engine.mesh_id(pm)

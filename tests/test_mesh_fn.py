@@ -351,6 +351,48 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
     assert [c.reason.split(" of ")[0] for c in plan.collectives] == ["{dp: P(sum)} -> {dp: R}"] * 4
 
 
+def test_a_step_that_returns_nothing_and_two_steps_on_one_model(pm):
+    """A training step written without a ``return`` (or with ``None`` in its result) gives
+    ``None`` back. A second step on the same parameters while the first holds their updated
+    values on the workers is refused, naming both, until the first is pulled: it would start
+    from the stale local values."""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def train(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def train_and_tell(x, y):
+        train(x, y)
+        return {"loss": torch.nn.functional.mse_loss(model(x), y), "note": None}
+
+    step = md.mesh_fn(train, data_parallel="dp")
+    other = md.mesh_fn(train_and_tell, data_parallel="dp")
+    batches = _batches(3)
+    with dp.activate():
+        assert step(*batches[0]) is None and step(*batches[1]) is None
+        with pytest.raises(RuntimeError, match=r"held on the workers by train\b.*train.pull\(\)"):
+            other(*batches[2])
+    step.pull()
+    with dp.activate():
+        out = other(*batches[2])
+        assert out["note"] is None
+        md.inspect(out["loss"])
+    other.pull()
+    for x, y in batches:
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
 def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monkeypatch):
     """A step's gradients (state it leaves on the workers) are the next call's inputs and
     are replaced by its results; the workers drop them before the call after that runs, not
