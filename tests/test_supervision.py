@@ -70,10 +70,17 @@ def _assert_names_the_dead(info) -> None:
     assert info.value.rank == 1 and info.value.coords == {"dp": 1}, info.value
 
 
-def test_a_worker_killed_during_compiled_steps_is_named(dp2):
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fully_shard"])
+def test_a_worker_killed_during_compiled_steps_is_named(dp2, sharded):
+    """(fully_shard: the victim dies between steps of all-gathers, re-gathers and
+    reduce-scatters through shared memory, which its peer waits in.)"""
     table = dp2.spawn("refs", RefTable)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)
+    )
+    if sharded:
+        md.fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
 
