@@ -206,6 +206,12 @@ def test_fully_shard_checks_its_arguments():
     with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
         md.fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
 
+    class DeviceMesh:  # (torch's, as FSDP2 takes it: what a user moving over passes)
+        mesh_dim_names = ("dp",)
+
+    with pytest.raises(TypeError, match=r"mesh: monarch_dsl meshes replace .* not a DeviceMesh"):
+        md.fully_shard(nn.Linear(4, 4), mesh=DeviceMesh())
+
 
 @pytest.mark.procs
 def test_on_workers_each_rank_holds_half_the_state():

@@ -269,15 +269,25 @@ def _check_devices(device_ids: Any, output_device: Any) -> None:
             )
 
 
+def refuse_torch_mesh(name: str, value: Any) -> None:
+    """A torch process group or device mesh where a monarch_dsl mesh belongs: a TypeError
+    saying what to pass instead."""
+    if not hasattr(value, "dims"):
+        raise TypeError(
+            f"{name}: monarch_dsl meshes replace torch process groups and device meshes; "
+            f"pass an md ProcMesh (mesh=pm) and the mesh dim (dim='dp'), not a "
+            f"{type(value).__name__}"
+        )
+
+
 def _resolve_mesh(mesh: Any, process_group: Any, device_mesh: Any) -> Any:
     for name, value in (("process_group", process_group), ("device_mesh", device_mesh)):
         if value is None:
             continue
+        refuse_torch_mesh(name, value)
         if not hasattr(value, "_job"):
             raise TypeError(
-                f"{name}: monarch_dsl meshes replace torch process groups and device meshes; "
-                f"pass an md ProcMesh (mesh=pm) and the mesh dim (dim='dp'), not a "
-                f"{type(value).__name__}"
+                f"{name}: an md ProcMesh (with processes), not a {type(value).__name__}"
             )
         if mesh is not None and value is not mesh:
             raise ValueError(f"both mesh= and {name}= given, and they differ")

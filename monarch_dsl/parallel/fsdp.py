@@ -32,6 +32,7 @@ from torch import nn
 
 from monarch_dsl import tensor as _tensor
 from monarch_dsl.compiler.compile import FULLY_SHARD, RESHARD
+from monarch_dsl.parallel.ddp import refuse_torch_mesh
 
 
 def fully_shard(
@@ -52,6 +53,8 @@ def fully_shard(
             "reshard_after_forward must be True or False (FSDP2's int, resharding to a "
             f"smaller group, is not supported), got {reshard_after_forward!r}"
         )
+    if mesh is not None:
+        refuse_torch_mesh("mesh", mesh)
     mesh = mesh if mesh is not None else _tensor.active_mesh()
     if mesh is not None and dim not in mesh.dims:
         raise KeyError(f"fully_shard over {dim!r}: the mesh has dims {mesh.dims}")
