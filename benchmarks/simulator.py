@@ -93,22 +93,14 @@ def _step_of(model: nn.Module, opt: torch.optim.Optimizer):
     return step
 
 
-def _ddp(width: int, layers: int):
+def _ddp(width: int, layers: int, fully_shard: bool = False, reshard: bool = True):
+    """The data-parallel case's step; ``fully_shard``: under ``md.fully_shard``."""
+
     def make():
         torch.manual_seed(0)
         model = _mlp(width, layers)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        step = md.mesh_fn(_step_of(model, opt), data_parallel="dp")
-        return step, (torch.randn(64, width), torch.randn(64, width))
-
-    return make
-
-
-def _fsdp(width: int, layers: int, reshard: bool):
-    def make():
-        torch.manual_seed(0)
-        model = _mlp(width, layers)
-        md.fully_shard(model, reshard_after_forward=reshard)
+        if fully_shard:
+            md.fully_shard(model, reshard_after_forward=reshard)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         step = md.mesh_fn(_step_of(model, opt), data_parallel="dp")
         return step, (torch.randn(64, width), torch.randn(64, width))
@@ -152,8 +144,8 @@ def _pipeline():
 CASES = [
     Case("ddp big", "dp", _ddp(1024, 8)),
     Case("ddp tiny", "dp", _ddp(64, 4)),
-    Case("fsdp big", "dp", _fsdp(1024, 8, reshard=True)),
-    Case("fsdp big, kept gathered", "dp", _fsdp(1024, 8, reshard=False)),
+    Case("fsdp big", "dp", _ddp(1024, 8, fully_shard=True)),
+    Case("fsdp big, kept gathered", "dp", _ddp(1024, 8, fully_shard=True, reshard=False)),
     Case("megatron tp=2", "tp", _megatron),
     Case("pipeline pp=2", "pp", _pipeline),
 ]

@@ -141,7 +141,7 @@ def _claim(mf: MeshFunction) -> None:
     with _held_lock:
         for t in tensors:
             ref, other = _held_by.get(id(t), (None, None))
-            if ref is None or ref() is not t or other is None or other is mf:
+            if ref is None or ref() is not t or other is mf:
                 continue
             mesh = other.state_mesh
             if mesh is not None and not mesh.stopped:

@@ -647,21 +647,15 @@ def play_program(
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
         waits = [s for s in settle_at[k] if s not in step.uses()]
-        for c in active:  # the runtime's loop (main's thread) waits for those collectives
-            for s in waits:
-                if ready[c][s] > free_at.get((c, "main"), begin[c]):
-                    idle = free_at.get((c, "main"), begin[c])
-                    events.append(
-                        SimEvent(
-                            rank_of[c],
-                            stream_of("main"),
-                            f"wait {step.op}",
-                            idle,
-                            ready[c][s],
-                            "wait",
-                        )
-                    )
-                    free_at[(c, "main")] = ready[c][s]
+        for c in active:  # the runtime's loop (main's thread) finishes those collectives
+            idle = free_at.get((c, "main"), begin[c])
+            until = max((ready[c][s] for s in waits), default=idle)
+            if until > idle:
+                wait = SimEvent(
+                    rank_of[c], stream_of("main"), f"wait {step.op}", idle, until, "wait"
+                )
+                events.append(wait)
+                free_at[(c, "main")] = until
         if isinstance(step, isa.COLLECTIVES):
             for group in groups(active, step.dims):
                 cross = len({hosts[c] for c in group}) > 1

@@ -31,11 +31,6 @@ if TYPE_CHECKING:
     from monarch_dsl.runtime.executor import ReferenceExecutor
 
 
-def step_uses(program: Program) -> list[tuple[int, ...]]:
-    """Per step, the slots whose pending collectives the runtime finishes before it runs."""
-    return isa.settles(program)
-
-
 class PlanRunner:
     """One per worker; ``run`` executes a RunPlan on the calling stream thread."""
 
@@ -50,7 +45,8 @@ class PlanRunner:
         self.steps_cpu = 0.0
 
     def define(self, ins: isa.DefinePlan) -> None:
-        self.programs[ins.plan] = (ins.program, step_uses(ins.program))
+        # (each step's slots whose pending collectives are finished before it runs)
+        self.programs[ins.plan] = (ins.program, isa.settles(ins.program))
 
     def _compiled(
         self, plan: int, program: Program, mesh, coords: tuple[int, ...], run_stream: str
