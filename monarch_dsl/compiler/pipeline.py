@@ -6,13 +6,13 @@ or partial over ``mb``) and where micro-batches must be combined (gradient accum
 the loss are Partial over ``mb`` and were given an ``all_reduce`` over it). This pass makes
 ``mb`` sequential: an instruction on per-micro-batch values is repeated for each micro-batch
 (its values renamed ``name.mbK``), a communication over ``mb`` becomes a local op on the
-copies (all_reduce → sum/mean of the copies, all_gather → cat, shard_local → slice, ...),
-and the instructions are ordered as GPipe runs them: the forward of every micro-batch, then
-the backward of every micro-batch, then the update (an instruction waiting for its inputs, and
-for the reads and writes in place of storage it shares that come before it in the plan). A
-gradient's sum over the micro-batches (Partial over ``dp`` still: ``propagate`` reduces over
-``mb`` first) is taken as soon as its last micro-batch's part is made, not in the update, so
-its one all-reduce can be issued then.
+copies (all_reduce → a running sum of the copies, over M for a mean; all_gather → cat;
+shard_local → slice, ...), and the instructions are ordered as GPipe runs them: the forward
+of every micro-batch, then the backward of every micro-batch, then the update (an instruction
+waiting for its inputs, and for the reads and writes in place of storage it shares that come
+before it in the plan). A gradient's sum over the micro-batches (Partial over ``dp`` still:
+``propagate`` reduces over ``mb`` first) grows as each micro-batch's part is made and is
+complete with the last one, not in the update, so its one all-reduce can be issued then.
 
 ``split_stages``: each instruction runs on the ranks of its pipeline stage (``on pp=i``): the
 stage the user's ``md.pipeline_stage(i)`` markers gave it while tracing (backward ops: the
@@ -229,14 +229,21 @@ def _combine(
         return Instr(outs, aten, args, (), (t,), ins.stream, ins.on, ins.loc, reason)
 
     def reduced(out: str, how: str, t: TensorType) -> list[Instr]:
+        # A running sum, one add per micro-batch after the first: each add runs as soon as
+        # its micro-batch's copy is made (_order_by_dependencies), and the copies die one by
+        # one (a stack of all M and its sum held M + 1 at once and moved twice the bytes).
         assert t.shape is not None  # (a reduction over micro-batches is of a tensor)
-        stacked = TensorType((M, *t.shape), t.dtype, t.placements)
-        tmp = f"{out}.mbs"
-        aten = "aten.sum.dim_IntList" if how == "sum" else "aten.mean.dim"
-        return [
-            instr((tmp,), "aten.stack.default", (copies, 0), stacked),
-            instr((out,), aten, (Var(tmp), [0]), t),
-        ]
+        if M == 1:
+            return [instr((out,), "aten.alias.default", (copies[0],), t)]
+        steps, acc = [], copies[0]
+        for m in range(1, M):
+            last = m == M - 1 and how == "sum"
+            made = out if last else f"{out}.acc{m}"
+            steps.append(instr((made,), "aten.add.Tensor", (acc, copies[m]), t))
+            acc = Var(made)
+        if how != "sum":
+            steps.append(instr((out,), "aten.div.Tensor", (acc, M), t))
+        return steps
 
     def sliced(whole: str, dim: int) -> list[Instr]:
         # One slice per micro-batch, in global sizes: ``lower`` rescales a micro-batch slice
