@@ -252,3 +252,33 @@ def test_ordering_a_deep_pipeline_is_fast():
     plan = step.compile(x, y, mesh=md.Mesh.from_string("dp=2,pp=4"))
     [unrolled] = [p for p in plan.passes if p.name == "microbatch"]
     assert len(unrolled.plan.body) > 4000 and unrolled.seconds < 1.0, unrolled.seconds
+
+
+def test_gradients_summed_over_micro_batches_as_each_part_is_made():
+    """A gradient's micro-batch parts are folded into a running sum, each as soon as it is
+    made (before the next micro-batch's part exists): two copies of a gradient are alive at a
+    time, not all M (nor a stack of them)."""
+    plan = _compile(25)
+    body = plan.body
+    assert not any(ins.op == "aten.stack.default" for ins in body)
+    made = {o: i for i, ins in enumerate(body) for o in ins.outs}
+    grads, _ = _all_reduces(plan)
+    summed = [v.name for ins in grads for v in ins.args]  # each gradient's sum, per bucket
+    assert len(summed) == 4
+    for total in summed:
+        chain, value = [], total  # walk the running sum back to micro-batch 0's part
+        while True:
+            ins = body[made[value]]
+            assert ins.op == "aten.add.Tensor" and "micro-batches of" in ins.reason, ins
+            acc, part = (a.name for a in ins.args)
+            chain.append((made[value], part))
+            if acc.endswith(".mb0"):
+                break
+            value = acc
+        chain.reverse()
+        assert [p.rsplit(".mb", 1)[1] for _, p in chain] == ["1", "2", "3"], total
+        for k, (at, part) in enumerate(chain):
+            assert made[part] < at  # added once made ...
+            if k + 1 < len(chain):  # ... and before the next micro-batch's part is made
+                assert at < made[chain[k + 1][1]], (total, part)
+    plan.check()
