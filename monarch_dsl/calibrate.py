@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import math
 import os
 import platform
@@ -87,6 +88,7 @@ class Settings:
     matmul: tuple[int, ...]
     thin: tuple[int, ...]  # n/32 x n x n matmuls (matmul_passes)
     wide: tuple[int, ...]  # n x n/32 x n matmuls (matmul_output_passes)
+    shapes: tuple[tuple[int, ...], ...]  # m, k and n sizes of a grid of m x k x n matmuls
     pointwise: tuple[int, ...]
     comm: tuple[int, ...]
     reps: int  # timed repetitions of each measurement (after a warm-up)
@@ -101,6 +103,8 @@ FULL = Settings(
     matmul=(32, 64, 128, 256, 512, 1024),
     thin=(512, 1024, 2048),
     wide=(512, 1024, 2048),
+    # (a batch of 16 rows to 1024, through layers 64 to 2048 wide: DeviceProfile.matmul_shapes)
+    shapes=((16, 64, 256, 1024), (64, 256, 1024, 2048), (64, 256, 1024, 2048)),
     # (not larger: an output above glibc's mmap threshold, 32 MiB, is mapped and faulted in
     # anew at every op, which measures the allocator, not the memory)
     pointwise=(1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
@@ -115,6 +119,7 @@ QUICK = Settings(
     matmul=(32, 256),
     thin=(512,),
     wide=(512,),
+    shapes=((16, 256), (64, 512), (64, 512)),
     pointwise=(1 << 14, 1 << 20),
     comm=(4 << 10, 1 << 20),
     reps=3,
@@ -129,6 +134,7 @@ CUDA = Settings(
     matmul=(256, 512, 1024, 2048, 4096, 8192),
     thin=(),  # (a GPU's matmuls are a roofline: no matmul_passes to fit)
     wide=(),
+    shapes=(),
     pointwise=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26),
     comm=(),
     reps=7,
@@ -538,6 +544,11 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
         )
         for n in s.wide
     ]
+    if s.shapes:
+        specs += [
+            OpSpec(f"mm {m}x{k}x{n}", "aten.mm.default", ab, ((m, k), (k, n)))
+            for m, k, n in itertools.product(*s.shapes)
+        ]
     if s.dtypes:
         n = s.dtype_size
         specs += [
@@ -1291,6 +1302,10 @@ def _profile(
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=c.matmul_passes,
         matmul_output_passes=c.matmul_output_passes,
+        matmul_shapes=tuple(
+            (m, k, n, max(0.0, per_op[f"mm {m}x{k}x{n}"] - c.dispatch))
+            for m, k, n in itertools.product(*s.shapes)
+        ),
         notes=(
             f"calibrated by `monarch-dsl calibrate{' --quick' if quick else ''}` on "
             f"{datetime.date.today().isoformat()}: {cpu}, {os.cpu_count()} cores, torch "
@@ -1367,6 +1382,17 @@ def table(cal: Calibration) -> str:
             f"  memory passes (thin and wide matmuls): inputs {p.matmul_passes:.2f}, "
             f"output {p.matmul_output_passes:.2f}"
         )
+    if p.matmul_shapes:
+        sizes = [sorted({row[d] for row in p.matmul_shapes}) for d in range(3)]
+        out.append(f"  m x k x n, {len(p.matmul_shapes)} shapes (matmul_shapes): GFLOP/s")
+        for m in sizes[0]:
+            rates = [
+                f"{2 * a * b * c / t / 1e9 if t else 0:.0f}"
+                for a, b, c, t in p.matmul_shapes
+                if a == m
+            ]
+            out.append(f"    m = {m:<5d} " + " ".join(f"{r:>4s}" for r in rates))
+        out.append(f"    (k, n) in turn over {sizes[1]} x {sizes[2]}")
     out.append("")
     out.append("memory-bound ops, float32     bytes moved   add GB/s   sum GB/s  clone GB/s")
     for numel in cal.pointwise["add"]:

@@ -4,6 +4,7 @@ calibrated profile (measured curves, links per group size, the "cpu-local" file)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -86,6 +87,37 @@ def test_the_curve_is_interpolated_log_log_and_gives_monotone_times():
     # memory-bound: the bandwidth curve at the bytes moved, or the one number without one
     assert p.bandwidth(1e7) == pytest.approx(5e10)
     assert BUILTIN["cpu-local"].bandwidth(1e7) == BUILTIN["cpu-local"].memory_bandwidth
+
+
+def test_matmul_shapes_are_read_off_the_grid_and_interpolated_between_sizes(tmp_path):
+    # seconds per multiply-add: 4 ns at m=16, 1 ns at m=64 (any k, n); k, n at 64 and 256
+    grid = tuple(
+        (m, k, n, (4e-9 if m == 16 else 1e-9) * m * k * n)
+        for m in (16, 64)
+        for k in (64, 256)
+        for n in (64, 256)
+    )
+    p = dataclasses.replace(_calibrated(), matmul_shapes=grid)
+    f = "float32"
+    assert p.matmul_seconds(16, 64, 256, f) == pytest.approx(4e-9 * 16 * 64 * 256)
+    # m=32 is half way between 16 and 64 in log: 2 ns (the geometric mean of 4 and 1)
+    assert p.matmul_seconds(32, 128, 128, f) == pytest.approx(2e-9 * 32 * 128 * 128)
+    # beyond the grid: the nearest size's time per multiply-add, times the work
+    assert p.matmul_seconds(8, 64, 64, f) == pytest.approx(4e-9 * 8 * 64 * 64)
+    assert p.matmul_seconds(1024, 4096, 64, f) == pytest.approx(1e-9 * 1024 * 4096 * 64)
+    # other dtypes: by their peak over float32's
+    half = p.peak_flops["float32"] / p.peak_flops["bfloat16"]
+    assert p.matmul_seconds(64, 64, 64, "bfloat16") == pytest.approx(1e-9 * 64**3 * half)
+    # a 2-D matmul's compute time is the table's, plus the dispatch overhead
+    types = [((16, 256), f), ((256, 64), f), ((16, 64), f)]
+    mm = isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,))
+    assert compute_time(mm, types, p) == pytest.approx(4e-9 * 16 * 256 * 64 + p.dispatch_overhead)
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == p
+    assert _calibrated().matmul_seconds(64, 64, 64, f) is None  # no table: the curve's time
+    holey = dataclasses.replace(p, matmul_shapes=grid[1:])
+    with pytest.raises(ValueError, match="not a grid"):
+        holey.matmul_seconds(16, 64, 64, f)
 
 
 def test_compute_time_uses_the_measured_curves():
@@ -198,6 +230,11 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies, *eager]
     assert all(math.isfinite(v) and v >= 0 for v in others), others
     assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
+    # the quick grid of matmul shapes (2 x 2 x 2), every time measured and positive
+    assert sorted(row[:3] for row in p.matmul_shapes) == sorted(
+        itertools.product(*calibrate.QUICK.shapes)
+    )
+    assert all(math.isfinite(t) and t > 0 for *_, t in p.matmul_shapes), p.matmul_shapes
     assert p.links["shm"] == p.links["shm@2"]
     # every kind measured beside the fitted all-reduces has its factor, on both backends
     for key in ("shm@2", "gloo@2"):

@@ -25,6 +25,7 @@ anywhere takes a built-in name, a path to a saved profile, or a profile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -96,6 +97,33 @@ def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
     return float(curve[-1][1])
 
 
+@functools.cache
+def _shape_table(
+    shapes: tuple[tuple[int, int, int, float], ...],
+) -> tuple[list[int], list[int], list[int], dict[tuple[int, int, int], float]]:
+    """``matmul_shapes`` as (the m, k and n axes, {(m, k, n): log(seconds / (m k n))});
+    a grid: every combination of the axes' sizes must be there."""
+    axes = [sorted({int(row[d]) for row in shapes}) for d in range(3)]
+    per = {(m, k, n): math.log(max(t, 1e-12) / (m * k * n)) for m, k, n, t in shapes}
+    missing = len(axes[0]) * len(axes[1]) * len(axes[2]) - len(per)
+    if missing:
+        raise ValueError(f"matmul_shapes: not a grid of sizes ({missing} combinations missing)")
+    return axes[0], axes[1], axes[2], per
+
+
+def _bracket(axis: Sequence[int], v: float) -> list[tuple[int, float]]:
+    """The indices of ``axis`` around ``v`` with their weights, linear in log(v); the end
+    beyond the axis."""
+    if v <= axis[0]:
+        return [(0, 1.0)]
+    if v >= axis[-1]:
+        return [(len(axis) - 1, 1.0)]
+    hi = next(i for i, a in enumerate(axis) if a >= v)
+    lo = hi - 1
+    f = (math.log(v) - math.log(axis[lo])) / (math.log(axis[hi]) - math.log(axis[lo]))
+    return [(lo, 1.0 - f), (hi, f)]
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """The costs of one device and its links. ``peak_flops`` by torch dtype name (a dtype not
@@ -138,7 +166,14 @@ class DeviceProfile:
     layer): on a 2-core EPYC they took 15-40% longer than square ones of as many FLOPs, which
     the roofline's max cannot say; ``matmul_output_passes`` from wide ones (n x n/32 x n, a
     weight's gradient over a small batch), whose outputs, each the sum of only n/32 products,
-    cost several times their bytes."""
+    cost several times their bytes.
+
+    ``matmul_shapes``: ((m, k, n, seconds), ...), float32 ``mm`` of an m x k by a k x n matrix
+    measured on a grid of sizes (each m with each k and n; seconds net of the dispatch
+    overhead). Where present, a 2-D matmul's time is read off it (``matmul_seconds``) instead
+    of the curve and passes above: a CPU's BLAS is several times slower per FLOP on a thin
+    batch (16 rows) than on a square one, and none of a few fitted numbers says by how much for
+    every shape (off by up to 2.4x on a 2-core EPYC)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -164,6 +199,7 @@ class DeviceProfile:
     controller_backward: float = 0.0
     controller_switch: float = 0.0
     eager_op_overhead: float = 0.0
+    matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     notes: str = field(default="", compare=False)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -176,6 +212,23 @@ class DeviceProfile:
             return self.flops_per_second(dtype)
         scale = self.flops_per_second(dtype) / self.peak_flops["float32"]
         return interpolate(self.matmul_curve, flops) * scale
+
+    def matmul_seconds(self, m: int, k: int, n: int, dtype: str) -> float | None:
+        """Seconds of an (m x k) @ (k x n) matmul from ``matmul_shapes`` (None without): its
+        seconds per multiply-add interpolated linearly in the logarithms of m, k and n between
+        the measured sizes (beyond them, the nearest measured size's), times its m k n (other
+        dtypes: scaled by their peak over float32's)."""
+        if not self.matmul_shapes or min(m, k, n) < 1:
+            return None
+        *axes, per = _shape_table(self.matmul_shapes)
+        weights = [_bracket(axis, v) for axis, v in zip(axes, (m, k, n))]
+        log_rate = 0.0
+        for i, wi in weights[0]:
+            for j, wj in weights[1]:
+                for h, wh in weights[2]:
+                    log_rate += wi * wj * wh * per[(axes[0][i], axes[1][j], axes[2][h])]
+        scale = self.peak_flops["float32"] / self.flops_per_second(dtype)
+        return math.exp(log_rate) * m * k * n * scale
 
     def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
         """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
@@ -224,6 +277,10 @@ class DeviceProfile:
         for k in ("matmul_curve", "bandwidth_curve"):  # (JSON lists; the profile's tuples)
             if k in data:
                 values[k] = tuple((float(x), float(y)) for x, y in data[k])
+        if "matmul_shapes" in data:
+            values["matmul_shapes"] = tuple(
+                (int(m), int(k), int(n), float(t)) for m, k, n, t in data["matmul_shapes"]
+            )
         return cls(**values)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -199,7 +199,8 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     """The roofline time of a compute step: flops (matmuls: 2mnk) and bytes moved (its tensor
     inputs read, outputs written) against the profile's rates at this size (a measured
     matmul or bandwidth curve, else the peaks; for a matmul their max, or their sum where the
-    profile's ``matmul_passes`` says so), plus the dispatch overhead."""
+    profile's ``matmul_passes`` says so; a 2-D matmul: the profile's measured shapes, where it
+    has them), plus the dispatch overhead."""
     fam = family(step.name)
     if fam == "view":
         return profile.dispatch_overhead
@@ -214,6 +215,10 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
         first = ins[at][0] if len(ins) > at else None
         k = first[-1] if first else 1  # the contracted dim of the left matrix
         flops = 2 * math.prod(outs[0][0]) * k
+        if len(outs[0][0]) == 2:  # a measured shape table, where the profile has one
+            measured = profile.matmul_seconds(outs[0][0][0], k, outs[0][0][1], outs[0][1])
+            if measured is not None:
+                return measured + profile.dispatch_overhead
         arithmetic = flops / (profile.matmul_flops_per_second(flops, outs[0][1]) * eff)
         if profile.matmul_passes:
             made = sum(nbytes(t) for t in outs)
