@@ -101,27 +101,14 @@ def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
 def _shape_table(
     shapes: tuple[tuple[int, int, int, float], ...],
 ) -> tuple[list[int], list[int], list[int], dict[tuple[int, int, int], float]]:
-    """``matmul_shapes`` as (the m, k and n axes, {(m, k, n): log(seconds / (m k n))});
+    """``matmul_shapes`` as (the m, k and n axes, {(m, k, n): seconds per multiply-add});
     a grid: every combination of the axes' sizes must be there."""
     axes = [sorted({int(row[d]) for row in shapes}) for d in range(3)]
-    per = {(m, k, n): math.log(max(t, 1e-12) / (m * k * n)) for m, k, n, t in shapes}
+    per = {(m, k, n): max(t, 1e-15) / (m * k * n) for m, k, n, t in shapes}
     missing = len(axes[0]) * len(axes[1]) * len(axes[2]) - len(per)
     if missing:
         raise ValueError(f"matmul_shapes: not a grid of sizes ({missing} combinations missing)")
     return axes[0], axes[1], axes[2], per
-
-
-def _bracket(axis: Sequence[int], v: float) -> list[tuple[int, float]]:
-    """The indices of ``axis`` around ``v`` with their weights, linear in log(v); the end
-    beyond the axis."""
-    if v <= axis[0]:
-        return [(0, 1.0)]
-    if v >= axis[-1]:
-        return [(len(axis) - 1, 1.0)]
-    hi = next(i for i, a in enumerate(axis) if a >= v)
-    lo = hi - 1
-    f = (math.log(v) - math.log(axis[lo])) / (math.log(axis[hi]) - math.log(axis[lo]))
-    return [(lo, 1.0 - f), (hi, f)]
 
 
 @dataclass(frozen=True)
@@ -202,6 +189,10 @@ class DeviceProfile:
     matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     notes: str = field(default="", compare=False)
 
+    def __post_init__(self) -> None:
+        if self.matmul_shapes:
+            _shape_table(self.matmul_shapes)  # a grid, or a ValueError when the profile loads
+
     def flops_per_second(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
@@ -220,15 +211,14 @@ class DeviceProfile:
         dtypes: scaled by their peak over float32's)."""
         if not self.matmul_shapes or min(m, k, n) < 1:
             return None
-        *axes, per = _shape_table(self.matmul_shapes)
-        weights = [_bracket(axis, v) for axis, v in zip(axes, (m, k, n))]
-        log_rate = 0.0
-        for i, wi in weights[0]:
-            for j, wj in weights[1]:
-                for h, wh in weights[2]:
-                    log_rate += wi * wj * wh * per[(axes[0][i], axes[1][j], axes[2][h])]
+        ms, ks, ns, per = _shape_table(self.matmul_shapes)
+        # (linear in the logarithms along each axis in turn: ``interpolate``'s rule)
+        by_k = [
+            [(kj, interpolate([(nh, per[(mi, kj, nh)]) for nh in ns], n)) for kj in ks] for mi in ms
+        ]
+        rate = interpolate([(mi, interpolate(curve, k)) for mi, curve in zip(ms, by_k)], m)
         scale = self.peak_flops["float32"] / self.flops_per_second(dtype)
-        return math.exp(log_rate) * m * k * n * scale
+        return rate * m * k * n * scale
 
     def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
         """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
