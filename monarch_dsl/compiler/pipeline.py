@@ -233,8 +233,6 @@ def _combine(
         # its micro-batch's copy is made (_order_by_dependencies), and the copies die one by
         # one (a stack of all M and its sum held M + 1 at once and moved twice the bytes).
         assert t.shape is not None  # (a reduction over micro-batches is of a tensor)
-        if M == 1:
-            return [instr((out,), "aten.alias.default", (copies[0],), t)]
         steps, acc = [], copies[0]
         for m in range(1, M):
             last = m == M - 1 and how == "sum"
