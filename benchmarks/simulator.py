@@ -32,8 +32,10 @@ copied; started through ``@md.remote`` functions before the case's state is on t
 only blocks allocated since then count). Measured: the peak over 3 calls in a steady state
 (after 3 calls; each call's result fetched before the next: calls issued back to back also
 hold the next call's argument copies briefly beside the last call's) above the bytes live
-when a call starts; predicted: ``plan.simulate()``'s ``peak_memory - resident_memory`` plus
-the whole copies of the local tensor arguments every worker receives. Also printed: what
+when a call starts; predicted: ``plan.simulate()``'s ``peak_memory - resident_memory`` (a
+local tensor argument's part on a rank is one of the plan's inputs, copied out of the whole
+value that came inside the call's message; that message buffer is the transport's, not a
+tensor allocation, and counted on neither side). Also printed: what
 stays between calls, predicted (``resident_memory``) and measured (live at the calls' start);
 the measured one also holds the buffers of the first call's plan (compiled from the local
 modules, then replaced by the plan for the state on the workers; the runtime keeps a plan's
@@ -214,7 +216,7 @@ def predict_eager(fn, profile, steps: int) -> float:
 
 # ---- the workers' memory -----------------------------------------------------------------------
 # Every tensor a worker allocates for a plan run -- compute steps, collectives' buffers, the
-# arguments' copies -- is allocated on its main stream's thread (cpp/program.cpp runs the whole
+# arguments' parts -- is allocated on its main stream's thread (cpp/program.cpp runs the whole
 # plan there, collectives included), where remote functions run too. torch's profiler with
 # profile_memory reports each CPU allocation and free made on the thread that started it, byte
 # exact ([memory] events); a free of a block allocated before it started is not reported, so
@@ -338,11 +340,8 @@ def predict_compiled(case: Case, profile) -> tuple[float, list[int], list[int]]:
         report.step_time, profile, len(plan.inputs),
         [a.numel() * a.element_size() for a in args], ranks=2,
     )  # fmt: skip
-    # A local tensor argument reaches every worker whole (md.to_mesh's copy) beside its part
-    # there (the plan's input): the whole copies come with the call too.
-    sent = sum(a.numel() * a.element_size() for a in args)
     ranks = sorted(report.peak_memory)
-    in_call = [report.peak_memory[r] - report.resident_memory[r] + sent for r in ranks]
+    in_call = [report.peak_memory[r] - report.resident_memory[r] for r in ranks]
     return per_call, in_call, [report.resident_memory[r] for r in ranks]
 
 

@@ -405,7 +405,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             pid = next(_plan_ids)
         compiled.ids[id(engine)] = pid
         engine.append(mesh_id, isa.DefinePlan(pid, compiled.program))
-    inputs, split, keep = [], [], []
+    inputs, split, sent, keep = [], [], [], []
     flat_args = [v for v in pytree.tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
     if len(flat_args) != compiled.n_args:
         raise TypeError(
@@ -440,6 +440,10 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             inputs.append(value._md_ref)
             keep.append(value)
             continue
+        if kind == "arg":  # sent with the call (a copy: the caller may change it after)
+            sent.append((k, value.detach().clone()))
+            inputs.append(-1)
+            continue
         whole = lift(value, pm)
         ref = engine.new_ref()
         desc = ("T", local_shape, tuple(_contiguous_strides(local_shape)), value.dtype, 0)
@@ -447,12 +451,9 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         split.append((whole._md_ref, ref, k))
         inputs.append(ref)
         keep.append(whole)
-        if kind != "arg":
-            state[name] = (local, whole_type, "state" if kind == "state" else "param")
-            mf.home[name] = stage
-            mf._state_key = None
-        else:
-            keep.append(local)
+        state[name] = (local, whole_type, "state" if kind == "state" else "param")
+        mf.home[name] = stage
+        mf._state_key = None
     outs, results = [], []
     for name, kind, whole_type, desc, stage, inplace in compiled.outputs:
         if inplace and name in state:
@@ -482,6 +483,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             compiled.placements,
             "main",
             line,
+            tuple(sent),
         ),
     )
     return pytree.tree_unflatten(results, plan.out_spec)

@@ -319,7 +319,35 @@ def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
     kinds = [type(i).__name__ for i in sent]
     # Two plans (before and after the optimizer has state), each defined once; five runs.
     assert kinds.count("DefinePlan") == 2 and kinds.count("RunPlan") == 5
-    assert all(not isinstance(i, isa.CallOp) or i.op == "aten::_to_copy.default" for i in sent)
+    # Copies of local tensors: the parameters once, at the first run (they stay as state)...
+    copies = [i for i in sent if isinstance(i, isa.CallOp)]
+    assert {i.op for i in copies} == {"aten::_to_copy.default"} and len(copies) == 2
+    # ... while the batch travels inside every run, with no ref of its own on the workers.
+    for run in (i for i in sent if isinstance(i, isa.RunPlan)):
+        assert [k for k, _ in run.sent] == [0, 1] and run.inputs[:2] == (-1, -1), run
+        torch.testing.assert_close([v for _, v in run.sent], [x, y], atol=0, rtol=0)
+
+
+def test_a_local_argument_is_sent_as_it_was_when_the_step_was_called(pm):
+    """The batch is copied at the call: changed in place right after (before the batched
+    call has even left this process), the step still computes with the value it was given;
+    the next call gets the changed value."""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    ref = copy.deepcopy(model)
+    step = md.mesh_fn(lambda x, y: torch.nn.functional.mse_loss(model(x), y), data_parallel="dp")
+    x, y = _batches(1)[0]
+    want = []
+    with dp.activate():
+        losses = []
+        for _ in range(3):
+            want.append(torch.nn.functional.mse_loss(ref(x), y).detach())
+            losses.append(step(x, y))
+            x.add_(1.0)
+        got = [md.inspect(loss) for loss in losses]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert len({round(w.item(), 3) for w in want}) == 3  # (three different batches)
 
 
 def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):

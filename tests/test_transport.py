@@ -249,6 +249,9 @@ def test_large_tensors_travel_out_of_band_and_round_trip():
         "view": view,
         "small_view": small_view,
         "bf16": torch.randn(37, 3).to(torch.bfloat16),
+        "bf16_scalar": torch.tensor(1.5, dtype=torch.bfloat16),  # (numpy has no bfloat16)
+        "complex": torch.randn(4, 2, dtype=torch.complex64),
+        "empty_2d_int": torch.empty(3, 0, dtype=torch.int16),
         "scalar": torch.tensor(3.5),
         "int_scalar": torch.tensor(-7, dtype=torch.int64),
         "bool": torch.tensor([True, False, True]),

@@ -537,6 +537,7 @@ class EagerSimulator:
                     t = TensorType(tuple(v.shape), "", ins.placements[i])
                     v = local_value(v, t, c, sizes)
                 self._set(r, local, v)
+        sent = {k: v for k, v in ins.sent}  # local arguments sent with the call
         failed = [
             v
             for r in where.values()
@@ -547,7 +548,15 @@ class EagerSimulator:
             self._fail(list(where.values()), ins.outputs, failed[0].failure)
             return
         inputs: list[SlotType] = []
-        for ref in ins.inputs:
+        c0 = next(iter(where), None)
+        for k, ref in enumerate(ins.inputs):
+            if k in sent and c0 is not None:  # (each rank's part has the same type)
+                v = torch.empty_strided(
+                    sent[k].shape, sent[k].stride(), dtype=sent[k].dtype, device="meta"
+                )
+                t = TensorType(tuple(v.shape), "", ins.placements[k])
+                inputs.append(_type(local_value(v, t, c0, sizes)))
+                continue
             value = next((self.refs[r][ref] for r in where.values() if ref in self.refs[r]), None)
             inputs.append(_type(value))
         key = (ins.plan, tuple(inputs))

@@ -193,7 +193,10 @@ class RunPlan(NamedTuple):
     """Run plan ``plan`` on mesh ``mesh``: ``inputs`` are the refs of this rank's inputs (its
     shards), ``outputs`` the refs its results get. ``split``: (whole ref, local ref, input
     index) — a whole value sent by the controller; this rank keeps its part of it (by that
-    input's placements) as the local ref before the run."""
+    input's placements) as the local ref before the run. ``sent``: (input index, whole
+    value) — a local tensor argument sent with the call: this rank's part of it (by that
+    input's placements) is the input for this run only (its entry of ``inputs`` is -1; no ref
+    is made, so nothing is deleted after)."""
 
     plan: int
     mesh: int
@@ -203,6 +206,7 @@ class RunPlan(NamedTuple):
     placements: tuple[Any, ...]  # per input: its placements (for split)
     stream: str
     loc: str
+    sent: tuple[tuple[int, Any], ...] = ()
 
 
 INSTRUCTIONS: tuple[type, ...] = (

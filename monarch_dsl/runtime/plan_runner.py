@@ -117,7 +117,13 @@ class PlanRunner:
                 ex.refs[local] = local_value(v, t, coords, sizes)
         core = self.core
         env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
-        for slot, ref in zip(program.inputs, ins.inputs):
+        sent = dict(ins.sent)
+        for k, (slot, ref) in enumerate(zip(program.inputs, ins.inputs)):
+            if k in sent:  # a local argument sent with the call: this rank's part of it
+                whole = sent[k].to(ex.device)
+                t = TensorType(tuple(whole.shape), "", ins.placements[k])
+                env[slot] = local_value(whole, t, coords, sizes)
+                continue
             v = ex.refs.get(ref)
             if isinstance(v, Failure):
                 failure, v = failure or v, None  # (nothing is computed: see run_plan)

@@ -37,20 +37,24 @@ def _reduce_code(code: types.CodeType):
 _cloud_table[types.CodeType] = _reduce_code
 
 
-def _rebuild_tensor(buf, dtype, shape, requires_grad):
+def _rebuild_tensor(buf, dtype_name, shape, requires_grad):
     import torch
 
+    dtype = getattr(torch, dtype_name)
     if len(buf):
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        t = torch.frombuffer(buf, dtype=dtype)
+        t = t.view(*shape) if shape else t.view(())
     else:  # a factory: made here even under pm.activate() (which would make it on the mesh)
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            flat = torch.empty(0, dtype=torch.uint8)
-    t = flat.view(dtype).reshape(shape)
+            t = torch.empty(shape, dtype=dtype)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+_dtype_names: dict[Any, str] = {}  # torch.float32 -> "float32": a short string in the stream
 
 
 def _reduce_tensor(t):
@@ -64,13 +68,17 @@ def _reduce_tensor(t):
         or t.is_neg()
     ):
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return _rebuild_tensor, (
-        pickle.PickleBuffer(data.numpy()),
-        t.dtype,
-        tuple(t.shape),
-        t.requires_grad,
-    )
+    data = t.detach()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    try:  # its bytes, straight from the tensor's memory
+        array = data.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): as bytes
+        array = data.reshape(-1).view(torch.uint8).numpy()
+    name = _dtype_names.get(t.dtype)
+    if name is None:
+        name = _dtype_names[t.dtype] = str(t.dtype).rpartition(".")[2]
+    return _rebuild_tensor, (pickle.PickleBuffer(array), name, tuple(t.shape), t.requires_grad)
 
 
 _have_tensor_reducer = False
