@@ -141,7 +141,9 @@ def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
     plan = step.compile(*batch(name), mesh=md.Mesh.from_string("dp=1"))
     p = md.DeviceProfile.get(profile)
     report = plan.simulate(profile=p)
-    per_call = steady_step_time(report.step_time, p, len(plan.inputs), [], ranks=1)
+    per_call = steady_step_time(
+        report.step_time, p, len(plan.inputs), [], ranks=1, outputs=len(plan.outputs)
+    )
     args = sum(t.numel() * t.element_size() for t in batch(name))  # (dp=1: whole)
     return per_call, report.peak_memory[0] - report.resident_memory[0] - args
 

@@ -338,7 +338,7 @@ def predict_compiled(case: Case, profile) -> tuple[float, list[int], list[int]]:
     # sends) overlaps the workers' run of the call before.
     per_call = steady_step_time(
         report.step_time, profile, len(plan.inputs),
-        [a.numel() * a.element_size() for a in args], ranks=2,
+        [a.numel() * a.element_size() for a in args], ranks=2, outputs=len(plan.outputs),
     )  # fmt: skip
     ranks = sorted(report.peak_memory)
     in_call = [report.peak_memory[r] - report.resident_memory[r] for r in ranks]

@@ -7,7 +7,9 @@ Everything is measured on real local workers, through the runtime the steps use:
   workers, the slower rank's median. Each run cycles through up to ``OPERAND_SETS`` sets of
   inputs (``operand_sets``), so large operands come from memory, as a layer's weights do in a
   training step, and small ones from the cache. A tiny op's time is the
-  ``dispatch_overhead``. ``a + b`` of each size gives the ``bandwidth_curve`` (bytes read and
+  dispatch overhead in a loop of one op (the rates below are net of it; the profile's
+  ``dispatch_overhead`` is a step's CPU in a compiled plan called as a training loop calls
+  it: see ``_calls``). ``a + b`` of each size gives the ``bandwidth_curve`` (bytes read and
   written / s): the caches make that rate depend on the size several-fold, so one number
   would be wrong for most ops. The "pointwise" efficiency is then 1 by construction;
   "reduction" (``sum``) and "other" (``clone``) are their rate over the curve's at the same
@@ -26,9 +28,12 @@ Everything is measured on real local workers, through the runtime the steps use:
   ``controller_switch``: each program's CPU less what the terms before it explain) and the
   workers' per eager op beyond its compute (``eager_op_overhead``); what a
   call of a compiled step costs beyond its steps, called back to back while the ranks are
-  busy (``_calls``, ``_call_costs``): the controller's CPU per call and per input, a local
-  argument's sending, and the workers' ``plan_overhead``
-  (``compiler/simulate.py:steady_step_time``).
+  busy (``_calls``, ``_call_costs``): the controller's CPU per call, per input and per result,
+  a local argument's sending, the workers' ``plan_overhead``
+  (``compiler/simulate.py:steady_step_time``), and, on CPU workers, ``dispatch_overhead``: a
+  step's CPU in a plan of ``PLAN_STEPS`` tiny steps called back to back (2.3x the loop of one
+  op on a 2-core EPYC: the caches and branch predictors are the controller's and the other
+  rank's in between).
 - **Collectives** (a mesh of each ``--ranks`` size): float32 all-reduces of several sizes,
   each a communication step of a ``CompiledPlan`` run by ``run_plan`` on the group the
   runtime gives plan collectives on this host (``Executor.process_group``: shared memory,
@@ -71,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path
@@ -96,6 +102,7 @@ class Settings:
     dtypes: bool  # float64 / bfloat16 / float16 peaks (else float32's ratios below)
     eager_ops: int  # eager ops in a row (controller_overhead; the other terms' as long)
     plan_calls: int  # compiled-step calls in a row (plan_overhead, ...)
+    elementwise: tuple[str, ...] = ()  # pointwise ops timed per element (ELEMENTWISE_NUMEL)
     dtype_size: int = 256  # the matmul size at which other dtypes are compared with float32
 
 
@@ -114,6 +121,7 @@ FULL = Settings(
     dtypes=True,
     eager_ops=1000,
     plan_calls=200,
+    elementwise=("tanh", "sigmoid", "exp", "gelu", "silu", "erf", "sin", "cos"),
 )
 QUICK = Settings(
     matmul=(32, 256),
@@ -127,6 +135,7 @@ QUICK = Settings(
     dtypes=False,
     eager_ops=300,
     plan_calls=30,
+    elementwise=("tanh",),
 )
 # --device cuda: one GPU. Larger sizes (a GPU reaches its rates only there: a 1024^3 matmul is
 # still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy.
@@ -473,6 +482,7 @@ class Calibration:
     eager_wall: float = 0.0  # seconds per eager op, until the workers are done
     # compiled steps of _calls: seconds per call, the controller's CPU per call, the steps' time
     calls: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    loop_dispatch: float = 0.0  # an op's dispatch in a loop of that op (the rates' net of it)
     # (backend, n, kind, nbytes) -> seconds (median of the slowest rank's)
     comm: dict[tuple[str, int, str, int], float] = field(default_factory=dict)
     fit_error: dict[tuple[str, int], float] = field(default_factory=dict)  # max |relative|
@@ -528,6 +538,9 @@ def _quiet_spawn() -> Iterator[None]:
             os.environ["MONARCH_DSL_QUIET"] = old
 
 
+ELEMENTWISE_NUMEL = 1 << 16  # (256 KiB of float32 in, as much out: the caches serve it)
+
+
 def _compute_specs(s: Settings) -> list[OpSpec]:
     from monarch_dsl.isa import Slot
 
@@ -555,6 +568,10 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
             OpSpec(f"matmul {n} {d}", "aten.mm.default", ab, ((n, n), (n, n)), d)
             for d in DTYPE_RATIOS
         ]
+    specs += [
+        OpSpec(f"elementwise {op}", f"aten.{op}.default", (Slot(0),), ((ELEMENTWISE_NUMEL,),))
+        for op in s.elementwise
+    ]
     for numel in s.pointwise:
         specs += [
             OpSpec(f"add {numel}", "aten.add.Tensor", ab, ((numel,), (numel,))),
@@ -641,7 +658,7 @@ def _measure(
     comm: dict[tuple[str, int, str, int], float] = {}
     eager: dict[str, float] = {}
     worker_op = eager_wall = 0.0
-    calls: dict[str, tuple[Any, float, float, float]] = {}
+    calls: dict[str, tuple[Any, float, float, float, float]] = {}
     try:
         for i, n in enumerate(sizes):
             bar.show(f"starting {n} workers")
@@ -685,17 +702,19 @@ def _measure(
     else:
         cal = _profile(s, sizes, per_op, comm, eager, quick)
     cal.eager_wall = eager_wall
-    cal.profile = _replace(
-        cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
-    )
+    cal.loop_dispatch = cal.profile.dispatch_overhead
     if calls:
-        cal.profile = _call_costs(cal.profile, calls, sizes[0])
+        cal.profile = _call_costs(cal.profile, calls, sizes[0], in_plan_dispatch=not gpu)
         if gpu:  # a GPU computes: its ranks do not share the host's cores for it
             cal.profile = _replace(cal.profile, host_cores=0)
         cal.calls = {
             k: (t, c, plan.simulate(profile=cal.profile).step_time)
-            for k, (plan, t, c, _) in calls.items()
+            for k, (plan, t, c, _, _) in calls.items()
         }
+    # (after the dispatch overhead is final: an eager op's worker CPU is the two together)
+    cal.profile = _replace(
+        cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
+    )
     cal.seconds = time.monotonic() - started
     busy1 = _busy_seconds()
     if busy0 is not None and busy1 is not None:
@@ -736,21 +755,31 @@ def run(
 
 
 def _call_costs(
-    p: DeviceProfile, calls: dict[str, tuple[Any, float, float, float]], n: int
+    p: DeviceProfile,
+    calls: dict[str, tuple[Any, float, float, float, float]],
+    n: int,
+    in_plan_dispatch: bool = True,
 ) -> DeviceProfile:
     """``p`` with what a call of a compiled step costs beyond its steps
     (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
-    its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs, the
-    ``"controller"`` link from the local arguments: latency + bytes x ranks / bandwidth). The
+    its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs,
+    ``plan_issue_per_output`` from 14 more results, the ``"controller"`` link from the local
+    arguments: latency + bytes x ranks / bandwidth). With ``in_plan_dispatch`` (CPU workers:
+    a step's time is CPU), ``dispatch_overhead``: the busiest worker's CPU in the steps of
+    the ``"plan steps"`` case over its steps, where more than the loop of one op. The
     workers: where their cores are shared with the controller, their CPU per call beyond the
     plan's steps, measured in them (median of the cases); else, with the ranks busy, calls of
     the chain once and twice took ``w + chain`` and ``w + 2 chain`` (the overhead measured,
     not the simulator's guess of the chain taken off), where ``w`` is ``plan_overhead``."""
-    t = {k: v for k, (_, v, _, _) in calls.items()}
-    cpu = {k: c for k, (_, _, c, _) in calls.items()}
-    workers = {k: w for k, (_, _, _, w) in calls.items()}
-    per_input = max(0.0, (cpu["+14 inputs"] - cpu["base"]) / 14)
-    issue = max(0.0, cpu["base"] - 3 * per_input)
+    t = {k: v for k, (_, v, _, _, _) in calls.items()}
+    cpu = {k: c for k, (_, _, c, _, _) in calls.items()}
+    workers = {k: w for k, (_, _, _, w, _) in calls.items()}
+    per_input = max(0.0, (cpu[f"+{MORE} inputs"] - cpu["base"]) / MORE)
+    per_output = max(0.0, (cpu[f"+{MORE} results"] - cpu["base"]) / MORE)
+    issue = max(0.0, cpu["base"] - 3 * per_input - per_output)
+    dispatch = p.dispatch_overhead
+    if in_plan_dispatch and calls["plan steps"][4] > 0:
+        dispatch = max(dispatch, calls["plan steps"][4] / PLAN_STEPS)
     cost = {b: cpu[f"local {_size(b)}"] - cpu["base"] for b in LOCAL_ARG_BYTES}
     small, large = LOCAL_ARG_BYTES
     slope = (cost[large] - cost[small]) / (n * (large - small))
@@ -770,6 +799,8 @@ def _call_costs(
         plan_overhead=max(0.0, w),
         plan_issue=issue,
         plan_issue_per_input=per_input,
+        plan_issue_per_output=per_output,
+        dispatch_overhead=dispatch,
         host_cores=cores,
         links=links,
     )
@@ -901,39 +932,48 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
 
 LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the controller link)
 BUSY_MATMULS = 16  # 128^3 matmuls that keep the ranks busy in a measured call (about 1 ms)
+MORE = 14  # the inputs and results a call's case adds to the base case
+PLAN_STEPS = 200  # tiny steps of the plan whose steps' CPU gives a step's dispatch overhead
 
 
 def _calls(
     pm: Any, calls: int, reps: int, probe: Any = None
-) -> dict[str, tuple[Any, float, float, float]]:
+) -> dict[str, tuple[Any, float, float, float, float]]:
     """Compiled steps that keep every rank busy (a chain of ``BUSY_MATMULS`` 128^3 matmuls,
     as a training step does, so that what the controller and the workers spend on a call
     competes with the compute for the cores, as it does then), each with its seconds per call,
     called ``calls`` times in a row, the controller's CPU seconds per call (all its
     threads: issuing, sending, receiving) and, with ``probe``, the busiest worker's CPU
     seconds per call beyond the plan's steps (all its threads: receiving the call, the plan
-    runner's Python, the failure-flag round) (medians of ``reps``, the steps taking turns).
-    ``"base"``: the chain, then ``+ z.sum()`` of a small sharded mesh tensor ``z`` (its sum:
-    an all-reduce of one number); ``"double"``: twice the chain;
-    ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"local N"``: ``z`` a
-    local tensor of N bytes (sent whole to every worker at each call, as a batch passed to a
-    data-parallel step is, and split there)."""
+    runner's Python, the failure-flag round) and in them (medians of ``reps``, the steps
+    taking turns). ``"base"``: the chain, then ``+ z.sum()`` of a small sharded mesh tensor
+    ``z`` (its sum: an all-reduce of one number); ``"double"``: twice the chain;
+    ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"+14 results"``: 14 more
+    results (``z * i``: a handle each, deleted when the next call replaces it, as a step's
+    gradients are); ``"local N"``: ``z`` a local tensor of N bytes (sent whole to every
+    worker with each call, as a batch passed to a data-parallel step is, and split there);
+    ``"plan steps"``: no chain, ``PLAN_STEPS`` additions to ``z`` (a step's CPU)."""
     from monarch_dsl.compiler.plan import Shard
     from monarch_dsl.mesh import Mesh
     from monarch_dsl.mesh_fn import mesh_fn
     from monarch_dsl.parallel.distribute import distribute
     from monarch_dsl.tensor import inspect
 
-    def chain(times: int) -> Callable[..., torch.Tensor]:
+    def chain(times: int, results: int = 0) -> Callable[..., Any]:
         def step(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, *more: torch.Tensor):
             for _ in range(times * BUSY_MATMULS):
                 x = x @ w
             x = x + z.sum()
             for m in more:
                 x = x + m
-            return x
+            return (x, *(z * (i + 2) for i in range(results))) if results else x
 
         return step
+
+    def steps(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        for _ in range(PLAN_STEPS):
+            z = z + 1
+        return z
 
     n = pm.sizes["r"]
     size = 128
@@ -944,14 +984,16 @@ def _calls(
     cases: dict[str, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
     with pm.activate():
         mx, mw = distribute(x, {"r": Shard(0)}), distribute(w, {})
-        z, more = torch.ones(n, 2), [torch.ones(size) for _ in range(14)]
+        z, more = torch.ones(n, 2), [torch.ones(size) for _ in range(MORE)]
         mz, mmore = distribute(z, {"r": Shard(0)}), [distribute(m, {}) for m in more]
-        for key, times, args, local in (
-            ("base", 1, [mx, mw, mz], [x, w, z]),
-            ("double", 2, [mx, mw, mz], [x, w, z]),
-            ("+14 inputs", 1, [mx, mw, mz, *mmore], [x, w, z, *more]),
+        for key, fn, args, local in (
+            ("base", chain(1), [mx, mw, mz], [x, w, z]),
+            ("double", chain(2), [mx, mw, mz], [x, w, z]),
+            (f"+{MORE} inputs", chain(1), [mx, mw, mz, *mmore], [x, w, z, *more]),
+            (f"+{MORE} results", chain(1, MORE), [mx, mw, mz], [x, w, z]),
+            ("plan steps", steps, [mx, mw, mz], [x, w, z]),
         ):
-            step = mesh_fn(chain(times), placements=placements, out_placements=out)
+            step = mesh_fn(fn, placements=placements, out_placements=out)
             cases[key] = (step, args, local)
         for nbytes in LOCAL_ARG_BYTES:
             step = mesh_fn(chain(1), placements=placements, out_placements=out)
@@ -960,29 +1002,29 @@ def _calls(
         times: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
         workers: dict[str, list[float]] = {k: [] for k in cases}
+        in_steps: dict[str, list[float]] = {k: [] for k in cases}
 
         def workers_cpu() -> list[tuple[int, float, float]]:
             return list(probe.plan_cpu.call().get().values()) if probe is not None else []
 
         for step, args, _ in cases.values():
-            inspect(step(*args))
+            inspect(pytree.tree_leaves(step(*args))[0])
         for _ in range(reps):
             for key, (step, args, _) in cases.items():
                 w0 = workers_cpu()
                 start, cpu0 = time.perf_counter(), time.process_time()
                 for _ in range(calls):
                     result = step(*args)
-                inspect(result)
+                inspect(pytree.tree_leaves(result)[0])
                 times[key].append((time.perf_counter() - start) / calls)
                 cpu[key].append((time.process_time() - cpu0) / calls)
                 w1 = workers_cpu()
-                if w0:  # each worker's CPU per run beyond its steps
+                if w0:  # each worker's CPU per run beyond its steps, and in them
+                    runs = [max(1, b[0] - a[0]) for a, b in zip(w0, w1)]
                     workers[key].append(
-                        max(
-                            (b[2] - a[2] - b[1] + a[1]) / max(1, b[0] - a[0])
-                            for a, b in zip(w0, w1)
-                        )
+                        max((b[2] - a[2] - b[1] + a[1]) / r for a, b, r in zip(w0, w1, runs))
                     )
+                    in_steps[key].append(max((b[1] - a[1]) / r for a, b, r in zip(w0, w1, runs)))
     mesh = Mesh({"r": n})
     return {
         key: (
@@ -990,6 +1032,7 @@ def _calls(
             statistics.median(times[key]),
             statistics.median(cpu[key]),
             statistics.median(workers[key]) if workers[key] else 0.0,
+            statistics.median(in_steps[key]) if in_steps[key] else 0.0,
         )
         for key, (step, _, local) in cases.items()
     }
@@ -1306,6 +1349,10 @@ def _profile(
             (m, k, n, max(0.0, per_op[f"mm {m}x{k}x{n}"] - c.dispatch))
             for m, k, n in itertools.product(*s.shapes)
         ),
+        elementwise=tuple(
+            (op, max(0.0, per_op[f"elementwise {op}"] - c.dispatch) / ELEMENTWISE_NUMEL)
+            for op in s.elementwise
+        ),
         notes=(
             f"calibrated by `monarch-dsl calibrate{' --quick' if quick else ''}` on "
             f"{datetime.date.today().isoformat()}: {cpu}, {os.cpu_count()} cores, torch "
@@ -1405,9 +1452,15 @@ def table(cal: Calibration) -> str:
         f"  efficiency vs the add curve: reduction (sum) {e['reduction']:.2f}, "
         f"other (clone) {e['other']:.2f}"
     )
+    if p.elementwise:
+        out.append(
+            "  arithmetic, ns per element (elementwise): "
+            + ", ".join(f"{op} {t * 1e9:.2f}" for op, t in p.elementwise)
+        )
     out.append("")
     out.append("overheads")
     out.append(f"  dispatch, per op of a compiled plan (C++)   {_us(p.dispatch_overhead):>10s}")
+    out.append(f"    (in a loop of one op                      {_us(cal.loop_dispatch):>10s})")
     out.append("  eager programs: the controller's CPU (all its threads) per instruction")
     for label, value in (
         ("an op (controller_overhead)", p.controller_overhead),
@@ -1423,8 +1476,9 @@ def table(cal: Calibration) -> str:
     for key, (t, c, steps) in cal.calls.items():
         out.append(f"    {key:<14s} {_us(t):>10s} {_us(c):>10s} {_us(steps):>10s}")
     out.append(
-        f"  a call: controller {_us(p.plan_issue)} + {_us(p.plan_issue_per_input)} per input; "
-        f"workers {_us(p.plan_overhead)} (plan_overhead)"
+        f"  a call: controller {_us(p.plan_issue)} + {_us(p.plan_issue_per_input)} per input "
+        f"+ {_us(p.plan_issue_per_output)} per result; workers {_us(p.plan_overhead)} "
+        "(plan_overhead)"
     )
     c = p.links.get("controller")
     if c is not None:

@@ -44,6 +44,7 @@ def _calibrated(**changes) -> DeviceProfile:
         bandwidth_curve=BANDWIDTH,
         plan_overhead=2e-4,
         links=links,
+        elementwise=(("tanh", 3.5e-9), ("gelu", 2e-9)),
         notes="made up",
         **changes,
     )
@@ -55,6 +56,7 @@ def test_profile_json_round_trip_with_the_measured_fields(tmp_path):
     loaded = DeviceProfile.load(tmp_path / "p.json")
     assert loaded == p
     assert loaded.matmul_curve == MATMUL and loaded.links["shm@4"] == Link(3e-5, 2e9)
+    assert loaded.elementwise == (("tanh", 3.5e-9), ("gelu", 2e-9))
     # a file written before these fields existed still loads, with them empty
     old = BUILTIN["h100"].to_json()
     for key in ("matmul_curve", "bandwidth_curve", "plan_overhead", "controller_reduce"):
@@ -133,6 +135,16 @@ def test_compute_time_uses_the_measured_curves():
     assert compute_time(add, types, p) == pytest.approx(
         moved / interpolate(BANDWIDTH, moved) + p.dispatch_overhead
     )
+    # a pointwise op whose arithmetic was measured: the longer of its bytes' and its elements'
+    tanh = isa.Compute(name="aten.tanh.default", args=(Slot(0),), outs=(2,))
+    moved = 2 * 64 * 64 * 4
+    memory = moved / interpolate(BANDWIDTH, moved)
+    assert memory < 64 * 64 * 3.5e-9  # (so the arithmetic sets it)
+    assert compute_time(tanh, types, p) == pytest.approx(64 * 64 * 3.5e-9 + p.dispatch_overhead)
+    tiny = dataclasses.replace(p, elementwise=(("tanh", 1e-15),))
+    assert compute_time(tanh, types, tiny) == pytest.approx(memory + p.dispatch_overhead)
+    relu = isa.Compute(name="aten.relu.default", args=(Slot(0),), outs=(2,))  # not measured
+    assert compute_time(relu, types, p) == pytest.approx(memory + p.dispatch_overhead)
 
 
 def test_a_link_per_group_size():
@@ -226,7 +238,8 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     latencies = [link.latency for link in p.links.values()]
     eager = [p.controller_reduce, p.controller_borrow, p.controller_backward]
     eager += [p.controller_switch, p.eager_op_overhead]
-    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, *latencies, *eager]
+    others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, p.plan_issue_per_output]
+    others += [*latencies, *eager]
     assert all(math.isfinite(v) and v >= 0 for v in others), others
     assert p.matmul_passes >= 1 and not p.links["shm"].overlap and p.links["gloo"].overlap
     # the quick grid of matmul shapes (2 x 2 x 2), every time measured and positive
@@ -234,6 +247,8 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
         itertools.product(*calibrate.QUICK.shapes)
     )
     assert all(math.isfinite(t) and t > 0 for *_, t in p.matmul_shapes), p.matmul_shapes
+    assert [op for op, _ in p.elementwise] == list(calibrate.QUICK.elementwise)
+    assert all(math.isfinite(t) and t > 0 for _, t in p.elementwise), p.elementwise
     assert p.links["shm"] == p.links["shm@2"]
     # every kind measured beside the fitted all-reduces has its factor, on both backends
     for key in ("shm@2", "gloo@2"):
@@ -343,6 +358,38 @@ def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
     assert steady_step_time(0.0, p, 10, (10**6,), ranks=2) == pytest.approx(3e-4 + 1e-5 + 2e-3)
     shared = dataclasses.replace(p, host_cores=2)  # 3 processes on 2 cores: CPU sets the pace
     assert steady_step_time(1e-3, shared, 10, (), ranks=2) == pytest.approx((3e-4 + 2 * 1.1e-3) / 2)
+    # each result the plan returns (a handle, deleted when the next call replaces it)
+    per_result = dataclasses.replace(p, plan_issue_per_output=5e-5)
+    assert steady_step_time(0.0, per_result, 10, (), ranks=2, outputs=4) == pytest.approx(5e-4)
+
+
+def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a_plan():
+    """``_call_costs`` on made-up measurements: each term is the difference it was given."""
+    loop = dataclasses.replace(BUILTIN["cpu-local"], dispatch_overhead=2e-6)
+
+    def case(cpu: float, in_steps: float = 1e-3) -> tuple:
+        return (None, 1.5e-3, cpu, 1e-4, in_steps)
+
+    small, large = calibrate.LOCAL_ARG_BYTES
+    more = calibrate.MORE
+    calls = {
+        "base": case(2e-4),
+        "double": case(2e-4, 2e-3),
+        f"+{more} inputs": case(2e-4 + more * 5e-6),
+        f"+{more} results": case(2e-4 + more * 1e-5),
+        f"local {calibrate._size(small)}": case(2e-4 + 1e-5 + 2 * small / 1e9),
+        f"local {calibrate._size(large)}": case(2e-4 + 1e-5 + 2 * large / 1e9),
+        "plan steps": case(2e-4, calibrate.PLAN_STEPS * 4.5e-6),
+    }
+    p = calibrate._call_costs(loop, calls, 2)
+    assert p.plan_issue_per_input == pytest.approx(5e-6)
+    assert p.plan_issue_per_output == pytest.approx(1e-5)
+    assert p.plan_issue == pytest.approx(2e-4 - 3 * 5e-6 - 1e-5)
+    assert p.links["controller"].latency == pytest.approx(1e-5, rel=1e-3)
+    assert p.links["controller"].bandwidth == pytest.approx(1e9, rel=1e-3)
+    assert p.dispatch_overhead == pytest.approx(4.5e-6)  # a step in a plan, not in a loop
+    # a GPU's steps are kernels: the loop's dispatch stays
+    assert calibrate._call_costs(loop, calls, 2, in_plan_dispatch=False).dispatch_overhead == 2e-6
 
 
 def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_short():

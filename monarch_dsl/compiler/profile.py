@@ -129,8 +129,10 @@ class DeviceProfile:
     pointwise op reads and writes, bytes/s), ...); ``plan_overhead``, seconds one call of a
     compiled step costs its workers beyond its steps (the ``RunPlan`` message, the plan
     runner's bookkeeping, the failure-flag round after the run); ``plan_issue`` (+
-    ``plan_issue_per_input`` per tensor input), the controller's CPU seconds per call (a local
-    tensor argument adds its sending over ``links["controller"]``); ``host_cores``: the cores
+    ``plan_issue_per_input`` per tensor input, + ``plan_issue_per_output`` per result: its
+    handle, and its delete when the next call replaces it), the controller's CPU seconds per
+    call (a local tensor argument adds its sending over ``links["controller"]``);
+    ``host_cores``: the cores
     the ranks of a host and its controller share (0: not shared). See
     ``compiler/simulate.py:steady_step_time``.
 
@@ -160,7 +162,12 @@ class DeviceProfile:
     overhead). Where present, a 2-D matmul's time is read off it (``matmul_seconds``) instead
     of the curve and passes above: a CPU's BLAS is several times slower per FLOP on a thin
     batch (16 rows) than on a square one, and none of a few fitted numbers says by how much for
-    every shape (off by up to 2.4x on a 2-core EPYC)."""
+    every shape (off by up to 2.4x on a 2-core EPYC).
+
+    ``elementwise``: ((aten op, seconds per element), ...), float32 pointwise ops whose
+    arithmetic, not their bytes, can set their time (``tanh``: 3.5 ns an element on a 2-core
+    EPYC, 8x an ``add``'s bytes at its bandwidth), measured net of the dispatch overhead. Such
+    an op takes the longer of its bytes' time and its elements' (``elementwise_seconds``)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -178,6 +185,7 @@ class DeviceProfile:
     plan_overhead: float = 0.0
     plan_issue: float = 0.0
     plan_issue_per_input: float = 0.0
+    plan_issue_per_output: float = 0.0
     host_cores: int = 0
     matmul_passes: float = 0.0
     matmul_output_passes: float = 1.0
@@ -187,6 +195,7 @@ class DeviceProfile:
     controller_switch: float = 0.0
     eager_op_overhead: float = 0.0
     matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
+    elementwise: tuple[tuple[str, float], ...] = ()
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -219,6 +228,14 @@ class DeviceProfile:
         rate = interpolate([(mi, interpolate(curve, k)) for mi, curve in zip(ms, by_k)], m)
         scale = self.peak_flops["float32"] / self.flops_per_second(dtype)
         return rate * m * k * n * scale
+
+    def elementwise_seconds(self, op: str, numel: int) -> float | None:
+        """Seconds of the arithmetic of pointwise op ``op`` (``"tanh"``: an aten op's name
+        without namespace and overload) over ``numel`` elements, where measured (None else)."""
+        for name, per in self.elementwise:
+            if name == op:
+                return per * numel
+        return None
 
     def matmul_memory_seconds(self, inputs: float, outputs: float, efficiency: float) -> float:
         """The memory time of a matmul reading ``inputs`` bytes and writing ``outputs``: its
@@ -267,6 +284,8 @@ class DeviceProfile:
         for k in ("matmul_curve", "bandwidth_curve"):  # (JSON lists; the profile's tuples)
             if k in data:
                 values[k] = tuple((float(x), float(y)) for x, y in data[k])
+        if "elementwise" in data:
+            values["elementwise"] = tuple((str(op), float(t)) for op, t in data["elementwise"])
         if "matmul_shapes" in data:
             values["matmul_shapes"] = tuple(
                 (int(m), int(k), int(n), float(t)) for m, k, n, t in data["matmul_shapes"]

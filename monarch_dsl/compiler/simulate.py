@@ -200,7 +200,8 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     inputs read, outputs written) against the profile's rates at this size (a measured
     matmul or bandwidth curve, else the peaks; for a matmul their max, or their sum where the
     profile's ``matmul_passes`` says so; a 2-D matmul: the profile's measured shapes, where it
-    has them), plus the dispatch overhead."""
+    has them; a pointwise op the profile measured, ``elementwise``: the longer of its bytes'
+    time and its elements'), plus the dispatch overhead."""
     fam = family(step.name)
     if fam == "view":
         return profile.dispatch_overhead
@@ -209,6 +210,10 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     moved = sum(nbytes(t) for t in ins) + sum(nbytes(t) for t in outs)
     eff = profile.efficiency.get(fam, profile.efficiency.get("other", 1.0))
     seconds = moved / (profile.bandwidth(moved) * eff)
+    if fam == "pointwise" and profile.elementwise and outs and outs[0][0] is not None:
+        arithmetic = profile.elementwise_seconds(base_name(step.name)[0], math.prod(outs[0][0]))
+        if arithmetic is not None:  # (the longer of its bytes' time and its elements')
+            seconds = max(seconds, arithmetic)
     if fam == "matmul" and outs and outs[0][0] is not None:
         base, _ = base_name(step.name)
         at = 1 if base in ("addmm", "baddbmm", "addbmm") else 0  # (after the added term)
@@ -264,17 +269,24 @@ def steady_step_time(
     inputs: int,
     local_bytes: Sequence[int] = (),
     ranks: int = 1,
+    outputs: int = 0,
 ) -> float:
     """Seconds per call of a compiled step called back to back, from one call's simulated
     ``step_time`` (``plan.simulate()``, the steps alone). The controller issues a call while
     the workers run the one before, so the slower sets the pace: the controller's CPU per call
     (``plan_issue``, ``plan_issue_per_input`` per tensor input of the plan, parameters and
-    state included, and each argument passed as a local torch tensor, ``local_bytes``, sent
-    to every one of ``ranks`` workers over the ``"controller"`` link) or a rank's
+    state included, ``plan_issue_per_output`` per result of the plan (``len(plan.outputs)``:
+    gradients kept as state included), and each argument passed as a local torch tensor,
+    ``local_bytes``, sent to every one of ``ranks`` workers over the ``"controller"`` link)
+    or a rank's
     (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
     share fewer cores (``host_cores``), CPU time sets it too: (the controller's + every
     rank's) / cores."""
-    controller = profile.plan_issue + profile.plan_issue_per_input * inputs
+    controller = (
+        profile.plan_issue
+        + profile.plan_issue_per_input * inputs
+        + profile.plan_issue_per_output * outputs
+    )
     link = profile.links.get("controller")
     if link is not None:
         controller += sum(link.time(b * ranks, 1) for b in local_bytes)
