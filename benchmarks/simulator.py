@@ -22,8 +22,8 @@ blocks). Cases:
 - ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
 - ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
   ``md.Simulator`` (when it exists in this version): its step time, which on a host with
-  fewer cores than ranks + controller is at least their CPU over the cores, as a compiled
-  step's (``compiler/simulate.py:cpu_bound``).
+  fewer cores than ranks + controller is at least the time they take sharing the cores
+  fairly, as a compiled step's (``compiler/simulate.py:cpu_bound``).
 
 Memory (compiled cases): the bytes of the tensors each worker allocates, byte exact, from
 torch's profiler (``profile_memory``: each CPU allocation and free on the worker's main stream
@@ -44,6 +44,12 @@ pages and allocator caches, and the profiler's own memory.
 
 Printed per case: predicted, measured, error ((predicted - measured) / measured). Goals (issue
 13): median |error| <= 10%, max <= 25% for time; within 10% for memory (the peak in a call).
+
+The machine's drift: before each run, both workers time one shape of the profile's matmul grid
+(``PROBE``, as calibration measured it: every rank at once, through operand sets) and the run
+prints that time over the profile's (``speed probe``). On a shared host this moves by tens of
+percent within minutes, and every compute-bound case moves with it; the errors are not
+corrected by it, it says how far the machine was from the one the profile measured.
 """
 
 from __future__ import annotations
@@ -284,6 +290,44 @@ def stop_memory_trace():
     return torch.tensor([peak - at_mark, at_mark])
 
 
+# ---- the machine's drift -------------------------------------------------------------------------
+
+PROBE = (256, 1024, 1024)  # m, k, n: a shape of calibration's matmul grid (FULL.shapes)
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.float64, device="meta"))
+def probe_matmul():
+    """Seconds per float32 ``mm`` of the ``PROBE`` shape on this worker (median of 5 runs of
+    20, cycling through operand sets as calibration does)."""
+    from monarch_dsl.calibrate import cache_span, operand_sets
+
+    m, k, n = PROBE
+    sets = operand_sets(4 * (m * k + k * n), cache_span())
+    operands = [(torch.randn(m, k), torch.randn(k, n)) for _ in range(sets)]
+    out = torch.empty(m, n)
+    runs = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for i in range(20):
+            a, b = operands[i % sets]
+            torch.mm(a, b, out=out)
+        runs.append((time.perf_counter() - t0) / 20)
+    return torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
+
+
+def speed_probe(pm, profile) -> float | None:
+    """The probe's time on the slower worker (both at once) over the profile's for that shape
+    (None where the profile has no grid)."""
+    m, k, n = PROBE
+    modelled = profile.matmul_seconds(m, k, n, "float32")
+    if modelled is None:
+        return None
+    with pm.activate():
+        t = probe_matmul()
+        measured = max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
+    return measured / (modelled + profile.dispatch_overhead)
+
+
 # ---- measuring ---------------------------------------------------------------------------------
 
 
@@ -371,8 +415,14 @@ def main() -> None:
     predicted.update({c.name: predict_compiled(c, profile) for c in cases})
     times: dict[str, list[float]] = {n: [] for n in predicted}
     memory: dict[str, tuple] = {}
+    speeds: list[float] = []
     try:
         for run in range(opts.runs):
+            speed = speed_probe(pm, profile)
+            if speed is not None:
+                speeds.append(speed)
+                print(f"  run {run + 1}: speed probe: a {'x'.join(map(str, PROBE))} matmul took "
+                      f"{speed:.2f}x the profile's time", file=sys.stderr, flush=True)  # fmt: skip
             for name, fn in eager.items():
                 times[name].append(measure_eager(pm, fn, opts.blocks, steps))
             for case in cases:
@@ -408,6 +458,9 @@ def main() -> None:
               f"{max(pr) / 2**20:10.3f} /{max(mr) / 2**20:10.3f}")  # fmt: skip
     print(f"time: median |error| {statistics.median(errors):.1%} (goal <= 10%), "
           f"max {max(errors):.1%} (goal <= 25%)")  # fmt: skip
+    if speeds:
+        print(f"speed probe (the machine's drift since calibration): a {'x'.join(map(str, PROBE))} "
+              f"matmul took {min(speeds):.2f}-{max(speeds):.2f}x the profile's time")  # fmt: skip
     if mem_errors:
         print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip

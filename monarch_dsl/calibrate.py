@@ -110,8 +110,9 @@ FULL = Settings(
     matmul=(32, 64, 128, 256, 512, 1024),
     thin=(512, 1024, 2048),
     wide=(512, 1024, 2048),
-    # (a batch of 16 rows to 1024, through layers 64 to 2048 wide: DeviceProfile.matmul_shapes)
-    shapes=((16, 64, 256, 1024), (64, 256, 1024, 2048), (64, 256, 1024, 2048)),
+    # (a batch of 16 rows to 1024, through layers 64 to 2048 wide, and a weight's gradient over
+    # a batch of 16 to 2048 rows, k: DeviceProfile.matmul_shapes)
+    shapes=((16, 64, 256, 1024), (16, 64, 256, 1024, 2048), (64, 256, 1024, 2048)),
     # (not larger: an output above glibc's mmap threshold, 32 MiB, is mapped and faulted in
     # anew at every op, which measures the allocator, not the memory)
     pointwise=(1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),

@@ -20,6 +20,7 @@ from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrate
 from monarch_dsl.compiler.simulate import (
     compute_time,
     cpu_bound,
+    processor_sharing,
     simulate_program,
     steady_step_time,
 )
@@ -394,7 +395,12 @@ def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a
 
 def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_short():
     p = dataclasses.replace(BUILTIN["cpu-local"], host_cores=2)
-    assert cpu_bound(1.0, [2.0, 3.0], p) == pytest.approx(3.0)  # 3 processes, 2 cores
+    # 3 processes on 2 cores, shared fairly: 2/3 of a core each until the controller's 1 s is
+    # done (1.5 s), then a core each for the ranks' last 1 and 2 s: 3.5 s (not the sum / 2)
+    assert cpu_bound(1.0, [2.0, 3.0], p) == pytest.approx(3.5)
+    assert cpu_bound(2.0, [2.0, 2.0], p) == pytest.approx(3.0)  # alike: their sum over the cores
+    assert processor_sharing([1.2, 1.2, 2.0], 2) == pytest.approx(1.8 + 0.8)
+    assert processor_sharing([1.0, 5.0], 4) == pytest.approx(5.0)  # (a core each)
     assert cpu_bound(1.0, [2.0], p) == 0.0  # a core each
     assert cpu_bound(1.0, [2.0, 3.0], dataclasses.replace(p, host_cores=0)) == 0.0  # unknown
 

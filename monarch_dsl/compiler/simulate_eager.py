@@ -38,8 +38,9 @@ inputs are the same meta tensors share one run). The model, per rank:
   deleted. During a compiled step, the program's own peak comes on top of what is live.
 - **Shared cores.** Where a host's ranks and the controller are more processes than its
   ``host_cores`` (2 ranks and a controller on 2 cores), they take turns on the cores: the
-  step time is at least their CPU seconds over the cores (``simulate.cpu_bound``, the rule of
-  compiled steps' ``steady_step_time`` too; the controller's on the first host). A bound on
+  step time is at least the time their CPU seconds take with the cores shared fairly
+  (``simulate.cpu_bound``, the rule of compiled steps' ``steady_step_time`` too; the
+  controller's on the first host: a controller busier than its ranks finishes alone). A bound on
   the report's ``step_time`` rather than a stretched timeline: which process the OS runs
   when is not something the model knows, and the timeline keeps each instruction's own cost.
 - ``Fetch`` replies zeros of the value's shape and dtype (a barrier replies None); a failing
