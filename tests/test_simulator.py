@@ -241,6 +241,26 @@ def test_a_compiled_step_continues_the_timeline():
     assert min(e.start for e in plan) >= eager_end
 
 
+def test_a_local_argument_of_a_compiled_step_counts_its_part_in_the_peak():
+    """A batch passed as a local tensor arrives with the call; each rank's part of it is
+    memory during the run, as much as the same batch passed as mesh tensors (whose parts
+    live before and after)."""
+
+    def peak(as_mesh: bool) -> int:
+        sim = md.Simulator(gpus=2)
+        mesh = sim.mesh.flatten("dp")
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256)
+        step = md.mesh_fn(lambda x: model(x).sum(), data_parallel="dp")
+        x = torch.rand(512, 256)  # 512 KiB: 256 KiB a rank
+        with mesh.activate():
+            arg = md.distribute(x, {"dp": md.Shard(0)}) if as_mesh else x
+            md.inspect(step(arg))
+        return sim.summary().peak_memory[0]
+
+    assert peak(as_mesh=False) == peak(as_mesh=True)
+
+
 # ---- the tutorial's lesson: hand-written DDP, three ways -------------------------------------
 
 

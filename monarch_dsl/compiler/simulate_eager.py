@@ -550,13 +550,16 @@ class EagerSimulator:
             return
         inputs: list[SlotType] = []
         c0 = next(iter(where), None)
+        parts = 0  # the bytes of a rank's parts of the local arguments (for this run only)
         for k, ref in enumerate(ins.inputs):
             if k in sent and c0 is not None:  # (each rank's part has the same type)
                 v = torch.empty_strided(
                     sent[k].shape, sent[k].stride(), dtype=sent[k].dtype, device="meta"
                 )
                 t = TensorType(tuple(v.shape), "", ins.placements[k])
-                inputs.append(_type(local_value(v, t, c0, sizes)))
+                part = local_value(v, t, c0, sizes)
+                parts += part.numel() * part.element_size()
+                inputs.append(_type(part))
                 continue
             value = next((self.refs[r][ref] for r in where.values() if ref in self.refs[r]), None)
             inputs.append(_type(value))
@@ -581,7 +584,7 @@ class EagerSimulator:
         for c, r in where.items():
             self.clock[(r, ins.stream)] = ends[c]
             own = self.memory[r]
-            own.peak = max(own.peak, own.live + mem[c].peak)
+            own.peak = max(own.peak, own.live + parts + mem[c].peak)
             for slot, ref in zip(program.outputs, ins.outputs):
                 step = made_by.get(slot)
                 shape, dtype = types[slot]
