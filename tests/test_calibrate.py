@@ -364,6 +364,18 @@ def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
     assert steady_step_time(0.0, per_result, 10, (), ranks=2, outputs=4) == pytest.approx(5e-4)
 
 
+def test_a_compute_measurement_cycles_its_results_through_as_many_buffers_as_inputs():
+    """Each result lives until ``sets`` steps later (a step's gradients each have their own
+    buffer, gone from the caches by the next pass); the inputs cycle the same way."""
+    program = calibrate._program("aten.mm.default", (Slot(0), Slot(1)), 2, 3, 8)
+    assert program.inputs == tuple(range(6))
+    assert [s.args for s in program.steps[:4]] == [
+        (Slot(0), Slot(1)), (Slot(2), Slot(3)), (Slot(4), Slot(5)), (Slot(0), Slot(1)),
+    ]  # fmt: skip
+    assert [s.outs for s in program.steps] == [(6 + j,) for j in range(8)]
+    assert [s.frees for s in program.steps] == [(), (), ()] + [(6 + j,) for j in range(5)]
+
+
 def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a_plan():
     """``_call_costs`` on made-up measurements: each term is the difference it was given."""
     loop = dataclasses.replace(BUILTIN["cpu-local"], dispatch_overhead=2e-6)
