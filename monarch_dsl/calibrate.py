@@ -31,9 +31,8 @@ Everything is measured on real local workers, through the runtime the steps use:
   busy (``_calls``, ``_call_costs``): the controller's CPU per call, per input and per result,
   a local argument's sending, the workers' ``plan_overhead``
   (``compiler/simulate.py:steady_step_time``), and, on CPU workers, ``dispatch_overhead``: a
-  step's CPU in a plan of ``PLAN_STEPS`` tiny steps called back to back (2.3x the loop of one
-  op on a 2-core EPYC: the caches and branch predictors are the controller's and the other
-  rank's in between).
+  step's CPU in a plan of ``PLAN_STEPS`` tiny steps called back to back (1.6-2.3x the loop of
+  one op on a 2-core EPYC, whose cores the controller and the other rank share meanwhile).
 - **Collectives** (a mesh of each ``--ranks`` size): float32 all-reduces of several sizes,
   each a communication step of a ``CompiledPlan`` run by ``run_plan`` on the group the
   runtime gives plan collectives on this host (``Executor.process_group``: shared memory,

@@ -165,7 +165,7 @@ class DeviceProfile:
     every shape (off by up to 2.4x on a 2-core EPYC).
 
     ``elementwise``: ((aten op, seconds per element), ...), float32 pointwise ops whose
-    arithmetic, not their bytes, can set their time (``tanh``: 3.5 ns an element on a 2-core
+    arithmetic, not their bytes, can set their time (``tanh``: 4.5-5 ns an element on a 2-core
     EPYC, 8x an ``add``'s bytes at its bandwidth), measured net of the dispatch overhead. Such
     an op takes the longer of its bytes' time and its elements' (``elementwise_seconds``)."""
 
