@@ -241,6 +241,41 @@ def test_a_compiled_step_continues_the_timeline():
     assert min(e.start for e in plan) >= eager_end
 
 
+def test_a_compiled_call_costs_the_controller_what_steady_step_time_counts():
+    """With a calibrated call cost (``plan_issue`` ...), ``md.Simulator`` charges a compiled
+    step's call that, not one eager op's ``controller_overhead``."""
+    import dataclasses
+
+    from monarch_dsl.compiler.profile import Link
+    from monarch_dsl.compiler.simulate import call_issue
+
+    base = md.DeviceProfile.get("cpu-local")
+    profile = dataclasses.replace(
+        base,
+        controller_overhead=1e-6,
+        plan_issue=1e-3,
+        plan_issue_per_input=1e-4,
+        plan_issue_per_output=2e-4,
+        links={**base.links, "controller": Link(5e-5, 1e9)},
+    )
+    sim = md.Simulator(gpus=2, profile=profile)
+    mesh = sim.mesh.flatten("dp")
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    step = md.mesh_fn(lambda x: model(x).sum(), data_parallel="dp")
+    x = torch.rand(8, 16)
+    with mesh.activate():
+        md.inspect(step(x))  # (compiles; its parameters go to the workers)
+        before = sim.job.sim.issued
+        md.inspect(step(x))
+        spent = sim.job.sim.issued - before
+    # x, the weight and the bias in; the sum out; x (512 bytes) sent to 2 ranks
+    want = call_issue(profile, 3, 1, [x.numel() * 4], ranks=2)
+    assert want == pytest.approx(1e-3 + 3e-4 + 2e-4 + 5e-5 + 1024 / 1e9)
+    fetch = profile.controller_overhead  # (the inspect's Fetch: an op)
+    assert spent == pytest.approx(want + fetch)
+
+
 def test_a_local_argument_of_a_compiled_step_counts_its_part_in_the_peak():
     """A batch passed as a local tensor arrives with the call; each rank's part of it is
     memory during the run, as much as the same batch passed as mesh tensors (whose parts

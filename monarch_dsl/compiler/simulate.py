@@ -282,16 +282,29 @@ def steady_step_time(
     (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
     share fewer cores (``host_cores``), CPU time sets it too: (the controller's + every
     rank's) / cores."""
-    controller = (
+    controller = call_issue(profile, inputs, outputs, local_bytes, ranks)
+    worker = step_time + profile.plan_overhead
+    return max(controller, worker, cpu_bound(controller, [worker] * ranks, profile))
+
+
+def call_issue(
+    profile: DeviceProfile,
+    inputs: int,
+    outputs: int = 0,
+    local_bytes: Sequence[int] = (),
+    ranks: int = 1,
+) -> float:
+    """The controller's CPU seconds for one call of a compiled step (see ``steady_step_time``;
+    ``md.Simulator`` charges a ``RunPlan`` this too)."""
+    seconds = (
         profile.plan_issue
         + profile.plan_issue_per_input * inputs
         + profile.plan_issue_per_output * outputs
     )
     link = profile.links.get("controller")
     if link is not None:
-        controller += sum(link.time(b * ranks, 1) for b in local_bytes)
-    worker = step_time + profile.plan_overhead
-    return max(controller, worker, cpu_bound(controller, [worker] * ranks, profile))
+        seconds += sum(link.time(b * ranks, 1) for b in local_bytes)
+    return seconds
 
 
 def cpu_bound(controller: float, ranks: Sequence[float], profile: DeviceProfile) -> float:
@@ -856,6 +869,7 @@ __all__ = [
     "writes_out",
     "runs_in_place",
     "PLANNED_BYTES",
+    "call_issue",
     "cpu_bound",
     "processor_sharing",
     "traffic",

@@ -8,7 +8,10 @@ inputs are the same meta tensors share one run). The model, per rank:
 - **Controller.** The controller's CPU per instruction it issues (``Delete``, ``DefineMesh``
   and ``DefinePlan`` are free): ``controller_overhead``, or ``controller_reduce`` for a
   ``Reduce`` and ``controller_borrow`` for a ``BorrowBegin`` / ``BorrowEnd`` (they build more:
-  a reduce's output description, a borrow's bookkeeping); ``controller_backward`` more for an
+  a reduce's output description, a borrow's bookkeeping), and for a ``RunPlan`` (a compiled
+  step's call) ``simulate.call_issue``, as ``steady_step_time`` counts it, where the profile
+  measured it (``plan_issue``: per call, input and result, and the local arguments sent);
+  ``controller_backward`` more for an
   instruction autograd's backward pass issued (``Issued.backward``: its graph walk and the
   backward formulas run on the controller too), and ``controller_switch`` more when the
   thread issuing instructions changed (``Issued.thread``: ``md.grad_generator`` hands each
@@ -69,6 +72,7 @@ from monarch_dsl.compiler.simulate import (
     SlotType,
     _Memory,
     _report,
+    call_issue,
     comm_time,
     compute_time,
     cpu_bound,
@@ -96,7 +100,7 @@ class Issued(NamedTuple):
 
 
 # The controller's CPU seconds for an instruction are the sum of these terms (``charged``).
-CONTROLLER_TERMS = ("op", "reduce", "borrow", "backward", "switch")
+CONTROLLER_TERMS = ("op", "reduce", "borrow", "backward", "switch", "plan")
 
 
 class Failed(NamedTuple):
@@ -256,6 +260,12 @@ class EagerSimulator:
             term, cost = "reduce", p.controller_reduce or p.controller_overhead
         elif isinstance(ins, (isa.BorrowBegin, isa.BorrowEnd)):
             term, cost = "borrow", p.controller_borrow or p.controller_overhead
+        elif isinstance(ins, isa.RunPlan) and p.plan_issue:  # (calibrated: as a compiled call)
+            term = "plan"
+            sent = [v.numel() * v.element_size() for _, v in ins.sent]
+            ranks = len(self.meshes[ins.mesh].ranks) if ins.mesh in self.meshes else 1
+            outputs = sum(1 for o in ins.outputs if o >= 0)
+            cost = call_issue(p, len(ins.inputs), outputs, sent, ranks)
         else:
             term, cost = "op", p.controller_overhead
         self.charged[term] += 1
