@@ -4,6 +4,7 @@ as a user would -- the table of stopped ranks, ``attach``, pdb commands, ``cast`
 
 from __future__ import annotations
 
+import codecs
 import os
 import pty
 import re
@@ -41,6 +42,9 @@ class Terminal:
         os.close(slave)
         self.seen = ""  # everything it wrote
         self.pos = 0  # how far expect() has read in `seen`
+        # (a read can end inside a UTF-8 character or between a line's \r and \n)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.cr = False  # the last read ended with \r
 
     def expect(self, pattern: str, timeout: float = TIMEOUT) -> re.Match:
         """The first match of ``pattern`` after the previous match; fails at the deadline."""
@@ -67,7 +71,9 @@ class Terminal:
             return False
         if not data:
             return False
-        self.seen += data.decode(errors="replace").replace("\r\n", "\n")
+        text = ("\r" if self.cr else "") + self.decoder.decode(data)
+        self.cr = text.endswith("\r")
+        self.seen += (text[:-1] if self.cr else text).replace("\r\n", "\n")
         return True
 
     def send(self, line: str) -> None:
