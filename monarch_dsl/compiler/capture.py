@@ -45,6 +45,7 @@ from monarch_dsl.compiler.plan import (
     Var,
 )
 from monarch_dsl.frames import innermost_user
+from monarch_dsl.isa import dtype_name
 
 aten = torch.ops.aten
 
@@ -670,10 +671,6 @@ _DROPPED = {
     "profiler._record_function_enter_new.default",
     "profiler._record_function_exit._RecordFunction",
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _type_of(val: Any, ndims: int) -> TensorType:

@@ -78,7 +78,7 @@ from monarch_dsl.compiler.simulate import (
     cpu_bound,
     play_program,
 )
-from monarch_dsl.isa import Slot, collectives
+from monarch_dsl.isa import Slot, collectives, dtype_name
 from monarch_dsl.isa.opnames import resolve_op
 from monarch_dsl.mesh import all_coords, coords_of_index, index_of_coords
 
@@ -107,10 +107,6 @@ class Failed(NamedTuple):
     """A failed value: ``failure`` is (rank, line, op, error, traceback), as a worker's."""
 
     failure: Failure
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _type(x: Any) -> SlotType:

@@ -33,6 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name instructions and steps give a torch dtype: ``torch.float32`` -> ``"float32"``
+    (``getattr(torch, name)`` is the dtype again)."""
+    return str(dtype).removeprefix("torch.")
+
+
 class Ref(NamedTuple):
     """A value in the worker's ref table."""
 

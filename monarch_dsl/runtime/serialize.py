@@ -19,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 
+from monarch_dsl.isa import dtype_name
+
 # Plain dicts, not ChainMaps: the C pickler looks the type of every object up in its
 # dispatch_table, and a ChainMap lookup runs Python code (it made pickling 4x slower).
 _fast_table: dict = dict(copyreg.dispatch_table)
@@ -54,9 +56,6 @@ def _rebuild_tensor(buf, dtype_name, shape, requires_grad):
     return t
 
 
-_dtype_names: dict[Any, str] = {}  # torch.float32 -> "float32": a short string in the stream
-
-
 def _reduce_tensor(t):
     import torch
 
@@ -75,9 +74,8 @@ def _reduce_tensor(t):
         array = data.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16): as bytes
         array = data.reshape(-1).view(torch.uint8).numpy()
-    name = _dtype_names.get(t.dtype)
-    if name is None:
-        name = _dtype_names[t.dtype] = str(t.dtype).rpartition(".")[2]
+    # (the dtype by name: a short string in the stream, not a pickled torch.dtype)
+    name = dtype_name(t.dtype)
     return _rebuild_tensor, (pickle.PickleBuffer(array), name, tuple(t.shape), t.requires_grad)
 
 

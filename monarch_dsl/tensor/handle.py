@@ -262,7 +262,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     ref = engine.new_ref()
     meta = t._md_meta
     out = Tensor(torch.empty_like(meta), dest, engine, ref, t._md_stream)
-    dtype = str(meta.dtype).removeprefix("torch.")
+    dtype = isa.dtype_name(meta.dtype)
     engine.append(
         -1,
         isa.Transfer(t._md_ref, ref, pairs, tuple(meta.shape), dtype, t._md_stream, line),
@@ -325,7 +325,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
     else:
         ref = engine.new_ref()
         out = Tensor(out_meta, mesh, engine, ref, t._md_stream)
-    dtype = str(meta.dtype).removeprefix("torch.")
+    dtype = isa.dtype_name(meta.dtype)
     engine.append(
         t._md_mesh_id,
         isa.Reduce(
