@@ -280,8 +280,8 @@ def steady_step_time(
     ``local_bytes``, sent to every one of ``ranks`` workers over the ``"controller"`` link)
     or a rank's
     (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
-    share fewer cores (``host_cores``), CPU time sets it too: (the controller's + every
-    rank's) / cores."""
+    share fewer cores (``host_cores``), CPU time sets it too: the time their CPU takes with
+    the cores shared fairly (``cpu_bound``)."""
     controller = call_issue(profile, inputs, outputs, local_bytes, ranks)
     worker = step_time + profile.plan_overhead
     return max(controller, worker, cpu_bound(controller, [worker] * ranks, profile))

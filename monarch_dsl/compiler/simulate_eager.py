@@ -544,7 +544,7 @@ class EagerSimulator:
                     t = TensorType(tuple(v.shape), "", ins.placements[i])
                     v = local_value(v, t, c, sizes)
                 self._set(r, local, v)
-        sent = {k: v for k, v in ins.sent}  # local arguments sent with the call
+        sent = dict(ins.sent)  # local arguments sent with the call
         failed = [
             v
             for r in where.values()
