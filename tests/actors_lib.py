@@ -130,6 +130,21 @@ class Hog(md.Actor):
         return t.numel()
 
     @md.endpoint
+    def churn(self, tensors, numel, rounds):
+        """``rounds`` x (``tensors`` tensors of ``numel`` float32s made, written, freed):
+        (the page faults of this thread meanwhile, the pages written)."""
+        import resource
+
+        import torch
+
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(rounds):
+            held = [torch.ones(numel) for _ in range(tensors)]
+            del held
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        return faults, rounds * tensors * numel * 4 // resource.getpagesize()
+
+    @md.endpoint
     def allocate_numpy(self, numel):
         import numpy
 

@@ -411,6 +411,7 @@ def connect_and_serve(
     if fd:  # a persistent mesh's worker (forkserver.Keeper)
         keeper = socket.socket(fileno=int(fd))
     device = worker_device()
+    memory.retain_freed_memory()
     memory.apply_from_env(device, local_world_size)  # from here on, over budget is an error
     conn = _join(address, token, rank, device)
     Worker(conn, rank, device, keeper, token).run()
