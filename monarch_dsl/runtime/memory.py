@@ -153,7 +153,6 @@ def private() -> int:
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
 RETAIN_BELOW = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
@@ -163,12 +162,14 @@ def retain_freed_memory() -> bool:
     step (an all-gathered weight, a gradient before its reduce-scatter), and by default glibc
     gives such memory back to the kernel as it is freed: the next step's first write to each
     page is a page fault. With 8 x Linear(1024) under ``md.fully_shard`` on 2 ranks that was
-    1,500-2,100 faults and 16-20 ms of kernel time per step (now about 100 and 4-7 ms, most of
-    it the shared-memory waits' yields). So: blocks up to ``RETAIN_BELOW`` come from the heap,
-    not an ``mmap`` each; the heap is never trimmed; and every thread allocates from the one
-    main heap (a thread's own arena is unmapped whenever it empties, whatever the trim
-    threshold). What a worker holds stays at its peak, as torch's CUDA caching allocator keeps
-    it, and counts against its budget. Returns whether glibc took the settings."""
+    1,500-2,100 faults and 16-20 ms of kernel time per step (now 150-600). So: blocks up to
+    ``RETAIN_BELOW`` come from the heap, not an ``mmap`` each, and the heap is never trimmed.
+    (Not also one arena for all threads, ``M_ARENA_MAX=1``, which took the faults to ~100: a
+    worker whose budget was used up then could not start a stream, its thread's first
+    allocation needing a 1 MiB mapping of the full main heap where an arena of its own needs
+    132 KiB; tests/test_memory.py hung so.) What a worker holds stays at its peak, as torch's
+    CUDA caching allocator keeps it, and counts against its budget. Returns whether glibc took
+    the settings."""
     if os.environ.get("MD_MALLOC_RETAIN", "1") == "0":
         return False
     import ctypes
@@ -181,7 +182,6 @@ def retain_freed_memory() -> bool:
     settings = (
         (_M_MMAP_THRESHOLD, RETAIN_BELOW),  # (fixed: glibc's own adjustment of both ends)
         (_M_TRIM_THRESHOLD, 2**31 - 1),
-        (_M_ARENA_MAX, 1),
     )
     return all([bool(mallopt(k, v)) for k, v in settings])
 
