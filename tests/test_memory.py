@@ -106,21 +106,19 @@ def test_a_touched_allocation_over_the_budget_is_an_error_not_a_kill():
 
 def test_workers_keep_freed_memory_for_their_next_step():
     # A step's multi-MiB tensors, made and freed again every step (fully_shard's gathered
-    # weights): with glibc's defaults each round gives 72 MiB back as it is freed (over the
-    # largest trim threshold glibc adapts to, 64 MiB, whatever the process did before) and
-    # every page of the next round is a page fault again; a worker keeps it
-    # (MD_MALLOC_RETAIN=0: the defaults).
-    rounds, tensors, numel = 5, 3, 6 * MiB  # 3 x 24 MiB a round
-    faults = {}
-    for retain in ("1", "0"):
-        env = {"MD_MALLOC_RETAIN": retain}
-        with md.this_host().spawn_procs({"gpu": 1}, env=env) as pm:
-            hog = pm.spawn("hog", Hog)
-            faults[retain], pages = hog.churn.call_one(tensors, numel, rounds).get()
-    # Kept: the first round's pages fault, the other four reuse them (measured: 12,400 of
-    # 92,160); given back: most rounds fault again (36,900).
-    assert faults["1"] < 2 * pages // rounds, (faults, pages)
-    assert faults["0"] > 2 * faults["1"], (faults, pages)
+    # weights): a worker keeps the memory, so only the first round's pages fault. (With
+    # glibc's defaults, how many rounds fault again depends on what the process did before,
+    # as glibc adapts its thresholds: a fresh worker faulted 11,100 times here, one forked
+    # after the rest of the suite 4,700; no reliable comparison, so none is made.)
+    rounds, tensors, numel = 10, 3, MiB  # 3 x 4 MiB a round
+    with md.this_host().spawn_procs({"gpu": 1}) as pm:
+        faults, pages = pm.spawn("hog", Hog).churn.call_one(tensors, numel, rounds).get()
+    assert faults < 2 * pages // rounds, (faults, pages)
+
+
+def test_md_malloc_retain_0_keeps_glibcs_defaults(monkeypatch):
+    monkeypatch.setenv("MD_MALLOC_RETAIN", "0")
+    assert memory.retain_freed_memory() is False
 
 
 def test_a_fetch_with_no_room_for_its_copy_fails_and_the_value_stays():

@@ -164,12 +164,12 @@ def retain_freed_memory() -> bool:
     page is a page fault. With 8 x Linear(1024) under ``md.fully_shard`` on 2 ranks that was
     1,500-2,100 faults and 16-20 ms of kernel time per step (now 150-600). So: blocks up to
     ``RETAIN_BELOW`` come from the heap, not an ``mmap`` each, and the heap is never trimmed.
-    (Not also one arena for all threads, ``M_ARENA_MAX=1``, which took the faults to ~100: a
-    worker whose budget was used up then could not start a stream, its thread's first
-    allocation needing a 1 MiB mapping of the full main heap where an arena of its own needs
-    132 KiB; tests/test_memory.py hung so.) What a worker holds stays at its peak, as torch's
-    CUDA caching allocator keeps it, and counts against its budget. Returns whether glibc took
-    the settings."""
+    (Not also one arena for all threads, ``M_ARENA_MAX=1``, which took the faults to ~100:
+    with it a worker whose budget was used up hung starting a stream, in tests/test_memory.py;
+    likely, not confirmed, because its thread's first allocation then needed a 1 MiB mapping
+    of the full main heap, where an arena of its own needs 132 KiB.) What a worker holds stays
+    at its peak, as torch's CUDA caching allocator keeps it, and counts against its budget.
+    Returns whether glibc took the settings."""
     if os.environ.get("MD_MALLOC_RETAIN", "1") == "0":
         return False
     import ctypes
