@@ -61,19 +61,20 @@ def _assert_same(mesh_module, local, pm, atol=1e-5):
 
 
 @pytest.mark.parametrize(
-    "opt_cls, kwargs, cap",
+    "opt_cls, kwargs, cap, views",
     [
-        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 25),  # one bucket
-        (torch.optim.SGD, {"lr": 0.1}, 0.0005),  # a bucket per parameter or two
-        (torch.optim.AdamW, {"lr": 0.01}, 25),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 25, False),  # one bucket
+        (torch.optim.SGD, {"lr": 0.1}, 0.0005, False),  # a bucket per parameter or two
+        (torch.optim.AdamW, {"lr": 0.01}, 25, False),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 0.0005, True),  # .grad: bucket views
     ],
 )
-def test_matches_one_process(dp2, opt_cls, kwargs, cap):
+def test_matches_one_process(dp2, opt_cls, kwargs, cap, views):
     local = _mlp()
     batches = _batches()
     with dp2.activate():
         model = md.to_mesh(copy.deepcopy(local), dp2)
-        ddp = md.DistributedDataParallel(model, bucket_cap_mb=cap)
+        ddp = md.DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=views)
         opt = opt_cls(ddp.parameters(), **kwargs)
         for x, y in batches:
             xb, yb = md.distribute((x, y), {"dp": md.Shard(0)})
@@ -113,11 +114,14 @@ def test_buckets_follow_the_first_iterations_gradient_order(dp2):
         assert ddp.bucket_names[-1][0].startswith("b.")
 
 
-def test_no_sync_accumulates_then_averages_the_sums(dp2):
+@pytest.mark.parametrize("views", [False, True])
+def test_no_sync_accumulates_then_averages_the_sums(dp2, views):
     local = _mlp()
     batches = _batches(n=3)
     with dp2.activate():
-        ddp = md.DistributedDataParallel(md.to_mesh(copy.deepcopy(local), dp2))
+        ddp = md.DistributedDataParallel(
+            md.to_mesh(copy.deepcopy(local), dp2), gradient_as_bucket_view=views
+        )
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         opt.zero_grad()
         with ddp.no_sync():
@@ -128,6 +132,12 @@ def test_no_sync_accumulates_then_averages_the_sums(dp2):
         assert not torch.equal(md.inspect(w, dp=0), md.inspect(w, dp=1)), "no_sync communicated"
         xb, yb = md.distribute(batches[2], {"dp": md.Shard(0)})
         F.mse_loss(ddp(xb), yb).backward()
+        if views:  # the averages are views of the bucket; the .grad taken before kept its sums
+            assert ddp.module[0].weight.grad is not w
+            w = ddp.module[0].weight.grad
+            assert ddp.module[0].bias.grad._base is w._base is not None
+        else:  # the averages were copied into the same .grad
+            assert ddp.module[0].weight.grad is w
         torch.testing.assert_close(md.inspect(w, dp=0), md.inspect(w, dp=1))
         opt.step()
         _train_local(local, torch.optim.SGD(local.parameters(), lr=0.1), batches, micro=3)

@@ -27,11 +27,18 @@ What it does, as torch's reducer does:
 - ``no_sync()`` accumulates gradients locally; the first backward outside it reduces the sums.
 - ``broadcast_buffers=True`` re-broadcasts buffers from the first rank before each forward.
 
+``gradient_as_bucket_view=True``: at the end of each backward, ``.grad`` becomes a view of its
+bucket's reduced buffer, as in torch, instead of the average being copied into the ``.grad``
+tensor it had (the default, which keeps each ``.grad`` the same tensor, as torch's default
+does). Nothing is copied back on the workers (6.7 ms a step per rank for 8 x Linear(1024) on
+the 2-core machine); the controller issues an instruction per parameter instead of one per
+bucket. Unlike torch's, the buffer is new at each backward: a ``.grad`` taken before it keeps
+the values it had.
+
 Accepted for compatibility, with no effect because the single controller makes them moot:
-``static_graph`` (the graph is seen whole), ``gradient_as_bucket_view`` (gradients are written
-back either way), ``init_sync`` (the broadcast is one collective), ``check_reduction``,
-``output_device``, ``device_ids`` of one device (each worker uses its own device), and
-``dim=0`` in torch's sense (the batch dim; our batches are already per rank).
+``static_graph`` (the graph is seen whole), ``init_sync`` (the broadcast is one collective),
+``check_reduction``, ``output_device``, ``device_ids`` of one device (each worker uses its own
+device), and ``dim=0`` in torch's sense (the batch dim; our batches are already per rank).
 """
 
 from __future__ import annotations
@@ -238,8 +245,15 @@ class DistributedDataParallel(nn.Module):
             b.borrow.drop()  # the main stream waits here for the bucket's reduce
             flat, b.flat, b.borrow = b.flat, None, None
             with torch.no_grad():
-                grads = [self._params[i].grad for i in b.present]
-                torch.ops.monarch_dsl.unflatten_into(flat, grads, 1.0)
+                params = [self._params[i] for i in b.present]
+                if self.gradient_as_bucket_view:
+                    # .grad becomes the bucket's views: no copy back on the workers (6.7 ms a
+                    # step per rank for 8 x Linear(1024) here), an instruction per parameter
+                    views = flat.split([p.numel() for p in params])
+                    for p, v in zip(params, views):
+                        p.grad = v.view(p.shape)
+                else:
+                    torch.ops.monarch_dsl.unflatten_into(flat, [p.grad for p in params], 1.0)
         if unused and not self.find_unused_parameters:
             names = ", ".join(f"module.{self._names[i]}" for i in unused)
             raise RuntimeError(
