@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -184,9 +184,19 @@ class MeshFunction:
         self._state_key: tuple | None = None  # of the state's layout, while it is unchanged
 
     # ---- compiling -----------------------------------------------------------------------
-    def compile(self, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Plan:
-        """The plan for these example arguments on ``mesh`` (a ``Mesh`` value: no processes
-        needed), the decorator's mesh, or the active one."""
+    def compile(
+        self, *args: Any, mesh: Mesh | Mapping[str, int] | None = None, **kwargs: Any
+    ) -> Plan:
+        """The plan for these example arguments on ``mesh`` (a ``Mesh`` value, or its dims'
+        sizes as ``{"dp": 2}``: no processes needed), the decorator's mesh, or the active
+        one."""
+        if isinstance(mesh, Mapping):
+            mesh = Mesh(mesh)
+        elif mesh is not None and not hasattr(mesh, "sizes"):
+            raise TypeError(
+                f"{self.__name__}.compile: mesh must be a mesh or its sizes ({{'dp': 2}}), got "
+                f"{type(mesh).__name__}"
+            )
         mesh = mesh or self.mesh or active_mesh()
         if mesh is None:
             raise ValueError(

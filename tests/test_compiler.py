@@ -106,6 +106,16 @@ def test_dp_times_tp():
     assert {c.dims for c in plans[0].collectives} == {("dp",), ("tp",)}
 
 
+def test_compile_takes_a_mesh_or_its_sizes_and_refuses_anything_else():
+    model, opt, _ = _mlp()()
+    step = md.mesh_fn(data_parallel="dp", placements=MEGATRON_MLP)(mse_step(model, opt))
+    args = mse_batches(1, (8, 16))[0]
+    by_sizes = step.compile(*args, mesh={"dp": 2, "tp": 2})
+    assert str(by_sizes) == str(step.compile(*args, mesh=md.Mesh.from_string("dp=2,tp=2")))
+    with pytest.raises(TypeError, match="mesh must be a mesh or its sizes.*got str"):
+        step.compile(*args, mesh="dp=2,tp=2")
+
+
 def test_plan_summary_is_a_table_of_the_communications():
     model, opt, _ = _mlp()()
     step = md.mesh_fn(data_parallel="dp", placements=MEGATRON_MLP)(mse_step(model, opt))
