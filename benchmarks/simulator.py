@@ -4,6 +4,7 @@
     python benchmarks/simulator.py        # about 3 minutes on a 2-core machine
     python benchmarks/simulator.py --runs 3   # each case measured 3 times in turn: medians
     python benchmarks/simulator.py --profile my.json --only ddp
+    python benchmarks/simulator.py --calibrate --runs 3   # calibrate first, in this run
 
 For each case the same step is (1) simulated with the device profile (``plan.simulate`` for a
 compiled step, ``md.Simulator`` for an eager program; no processes) and (2) run on 2 local
@@ -50,6 +51,13 @@ The machine's drift: before each run, both workers time one shape of the profile
 prints that time over the profile's (``speed probe``). On a shared host this moves by tens of
 percent within minutes, and every compute-bound case moves with it; the errors are not
 corrected by it, it says how far the machine was from the one the profile measured.
+``--calibrate`` measures the machine first, in the same run (``monarch-dsl calibrate``'s
+measurement, about 3 minutes; not saved), so the profile is the machine as it was minutes
+ago rather than hours. On this 2-core machine that helped once and not the next time: a
+profile calibrated 80 minutes earlier under-predicted the tiny step by 25%, one calibrated just
+before was within 5% of it, every term alike (the controller's CPU per call, the workers', the
+steps'), and the whole table had median 5.9%, max 19.6%; the next calibrate-then-measure gave
+14.4% and 36.3% (tiny -36%), the speed probe at 0.77-0.90x: the machine drifts within minutes.
 """
 
 from __future__ import annotations
@@ -403,10 +411,22 @@ def main() -> None:
         help="measure every case this many times, in turn (each case's median is compared: "
         "this machine's speed drifts by tens of percent within minutes)",
     )  # fmt: skip
+    ap.add_argument(
+        "--calibrate", action="store_true",
+        help="measure this machine first, in this run (monarch-dsl calibrate's measurement, "
+        "about 3 minutes; not saved), and predict with that profile",
+    )  # fmt: skip
     opts = ap.parse_args()
     if opts.runs < 1 or opts.blocks < 1:
         ap.error("--runs and --blocks must be at least 1")
-    profile = md.DeviceProfile.get(opts.profile)
+    if opts.calibrate and opts.profile:
+        ap.error("--calibrate makes the profile: give it or --profile, not both")
+    if opts.calibrate:
+        from monarch_dsl import calibrate
+
+        profile = calibrate.run(progress=True)
+    else:
+        profile = md.DeviceProfile.get(opts.profile)
     cases = [c for c in CASES if opts.only is None or opts.only in c.name]
     eager = {n: fn for n, fn in EAGER.items() if opts.only is None or opts.only in n}
     pm = md.this_host().spawn_procs({"x": 2})
