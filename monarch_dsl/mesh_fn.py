@@ -58,7 +58,7 @@ def mesh_fn(
     placements: dict[str, Any] | None = None,
     data_parallel: str | None = None,
     out_placements: dict[str, Any] | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | Mapping[str, int] | None = None,
     bucket_cap_mb: float = 25,
     micro_batches: int = 1,
 ):
@@ -190,20 +190,15 @@ class MeshFunction:
         """The plan for these example arguments on ``mesh`` (a ``Mesh`` value, or its dims'
         sizes as ``{"dp": 2}``: no processes needed), the decorator's mesh, or the active
         one."""
-        if isinstance(mesh, Mapping):
-            mesh = Mesh(mesh)
-        elif mesh is not None and not hasattr(mesh, "sizes"):
-            raise TypeError(
-                f"{self.__name__}.compile: mesh must be a mesh or its sizes ({{'dp': 2}}), got "
-                f"{type(mesh).__name__}"
-            )
         mesh = mesh or self.mesh or active_mesh()
         if mesh is None:
             raise ValueError(
                 f"{self.__name__}.compile: no mesh: pass mesh=md.Mesh.from_string('dp=2'), "
                 "give one to @md.mesh_fn(mesh=...), or call it under pm.activate()"
             )
-        return self._compiled(args, kwargs, _mesh_spec(mesh), None).plan
+        return self._compiled(
+            args, kwargs, _mesh_spec(mesh, f"{self.__name__}.compile: "), None
+        ).plan
 
     def _compiled(self, args, kwargs, spec, state) -> _Compiled:
         if state is None:  # starting from the local modules and optimizers, as they are now
@@ -328,7 +323,15 @@ class MeshFunction:
         }
 
 
-def _mesh_spec(mesh: Any) -> tuple[tuple[str, int], ...]:
+def _mesh_spec(mesh: Any, where: str = "") -> tuple[tuple[str, int], ...]:
+    """(dim, size) of ``mesh``: a mesh (a ``Mesh`` value, a process mesh) or its dims' sizes
+    as ``{"dp": 2}`` (checked as ``Mesh`` checks them)."""
+    if isinstance(mesh, Mapping):
+        mesh = Mesh(mesh)
+    if not hasattr(mesh, "sizes"):
+        raise TypeError(
+            f"{where}mesh must be a mesh or its sizes ({{'dp': 2}}), got {type(mesh).__name__}"
+        )
     return tuple((d, n) for d, n in mesh.sizes.items())
 
 

@@ -114,6 +114,10 @@ def test_compile_takes_a_mesh_or_its_sizes_and_refuses_anything_else():
     assert str(by_sizes) == str(step.compile(*args, mesh=md.Mesh.from_string("dp=2,tp=2")))
     with pytest.raises(TypeError, match="mesh must be a mesh or its sizes.*got str"):
         step.compile(*args, mesh="dp=2,tp=2")
+    step = md.mesh_fn(data_parallel="dp", placements=MEGATRON_MLP, mesh={"dp": 2, "tp": 2})(
+        mse_step(model, opt)
+    )
+    assert str(step.compile(*args)) == str(by_sizes)  # the decorator's mesh, as sizes too
 
 
 def test_plan_summary_is_a_table_of_the_communications():
