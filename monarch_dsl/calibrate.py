@@ -19,6 +19,11 @@ Everything is measured on real local workers, through the runtime the steps use:
   ``matmul_output_passes`` (``fit_matmul``); float64 / bfloat16 / float16 at one size give
   their peaks relative to float32's. Rates are work / (time - dispatch overhead), as the
   simulator adds the overhead back (``compiler/simulate.py:compute_time``).
+  The adds and the matmul grid are measured a second time with the operands in the cache
+  (``WARM_KINDS``: cycling through at most a quarter of the last-level cache, all ranks
+  together), where the first measurement cycled through more: the profile's ``warm_*`` tables
+  and ``cache_bytes``, for steps whose data is still in the cache (a small model's weights
+  between micro-batches; ``DeviceProfile.warm``).
 - **Overheads seen from the controller** (same mesh): eager programs (``EAGER_TERMS``: ``y =
   x + 1``, ``reduce_``, a borrow and its drop, ``autograd.grad`` of a chain of ops,
   ``md.grad_generator`` over a chain of layers), each run on the mesh (the controller's CPU,
@@ -172,6 +177,10 @@ BACKENDS = ("shm", "gloo")
 # An all-reduce is measured as a gradient bucket of this many tensors (what moves the most bytes
 # in a data-parallel step: the C++ runtime reduces the pieces where they are into one buffer).
 BUCKET_PIECES = 8
+# Measured a second time with the operands in the cache (``DeviceProfile.warm_*``): the adds of
+# the bandwidth curve and the matmul grid, each cycling through at most a quarter of the
+# last-level cache with all ranks together, where their first measurement cycled through more.
+WARM_KINDS = ("add ", "mm ")
 BUSY_WARNING = 0.15  # of the CPU taken by other processes: the measurements are suspect
 # What alpha and beta are fitted from: all-reduces (what data-parallel and tensor-parallel
 # steps do). All-gathers, reduce-scatters and send/recv are measured too: through shared
@@ -234,6 +243,11 @@ def _program(op: str, args: tuple, n_args: int, sets: int, count: int) -> Any:
         for j in range(count)
     )
     return isa.Program(op, (), (), steps, n_inputs + count, tuple(range(n_inputs)), (), (), ())
+
+
+def _set_bytes(spec: OpSpec) -> int:
+    """The bytes of one set of ``spec``'s inputs (``Probe.compute``'s)."""
+    return sum(math.prod(s) for s in spec.shapes) * getattr(torch, spec.dtype).itemsize
 
 
 def operand_sets(set_bytes: int, span: int) -> int:
@@ -351,8 +365,7 @@ class Probe(Actor):
 
         ex, core, _ = self._group_and_core()
         dtype = getattr(torch, spec.dtype)
-        set_bytes = sum(math.prod(s) for s in spec.shapes) * dtype.itemsize
-        sets = operand_sets(set_bytes, span)
+        sets = operand_sets(_set_bytes(spec), span)
         device = ex.device
         inputs = [torch.randn(s, device=device).to(dtype) for _ in range(sets) for s in spec.shapes]
         cuda = device.type == "cuda"
@@ -659,6 +672,7 @@ def _measure(
     busy0, mine0 = _busy_seconds(), time.process_time()
     workers_cpu = 0.0
     per_op: dict[str, float] = {}
+    warm: dict[str, float] = {}  # (WARM_KINDS) label -> seconds, operands in the cache
     comm: dict[tuple[str, int, str, int], float] = {}
     eager: dict[str, float] = {}
     worker_op = eager_wall = 0.0
@@ -682,10 +696,21 @@ def _measure(
                     bar.step("compiled step calls")
                 backends = probe.backends.call().get().values()[0] if n > 1 else []
                 if i == 0:
+                    warm_span = 0 if gpu else cache_span() // 2 // (4 * n)
                     for spec in specs:
                         bar.show(spec.label)
                         got = probe.compute.call(spec, s.reps, s.run_seconds, span).get()
                         per_op[spec.label] = max(got.values())
+                        if warm_span and spec.label.startswith(WARM_KINDS):
+                            size = _set_bytes(spec)
+                            if operand_sets(size, warm_span) < operand_sets(size, span):
+                                bar.show(f"{spec.label}, operands in the cache")
+                                got = probe.compute.call(
+                                    spec, s.reps, s.run_seconds, warm_span
+                                ).get()
+                                warm[spec.label] = max(got.values())
+                            else:  # (measured so already: its operands fit)
+                                warm[spec.label] = per_op[spec.label]
                         bar.step(spec.label)
                 tasks = _comm_tasks(s, n, BACKENDS)
                 for backend, kind, nbytes in tasks:
@@ -704,7 +729,7 @@ def _measure(
     if gpu:
         cal = _gpu_profile(s, per_op, eager, quick, info)
     else:
-        cal = _profile(s, sizes, per_op, comm, eager, quick)
+        cal = _profile(s, sizes, per_op, comm, eager, quick, warm)
     cal.eager_wall = eager_wall
     cal.loop_dispatch = cal.profile.dispatch_overhead
     if calls:
@@ -1162,6 +1187,21 @@ class _Compute:
     efficiency: dict[str, float]
 
 
+def bandwidth_curve(add: dict[int, float], dispatch: float) -> tuple[tuple[float, float], ...]:
+    """Bytes/s of an ``a + b`` by the bytes it moves (12 per element), from its seconds per op
+    by element count ``add``, net of the ``dispatch`` overhead (all dispatch-bound: the
+    largest one's, gross)."""
+    points = []
+    for numel, t in add.items():
+        net = _net(t, dispatch)
+        if net is not None:
+            points.append((12 * numel, net))
+    if not points:
+        numel, t = max(add.items())
+        points.append((12 * numel, t))
+    return _curve(points)
+
+
 def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Compute:
     """Dispatch overhead, bandwidth curve, matmul curve, dtype peaks and family efficiencies
     from the times of ``_compute_specs(s)``. ``roofline``: a matmul's time is the max of its
@@ -1174,15 +1214,7 @@ def _fit_compute(s: Settings, per_op: dict[str, float], roofline: bool) -> _Comp
         for numel in s.pointwise:
             pointwise[op][numel] = per_op[f"{op} {numel}"]
     moved = {"add": 12, "sum": 4, "clone": 8}  # bytes per element read and written
-    bw_points = []
-    for numel, t in pointwise["add"].items():
-        net = _net(t, dispatch)
-        if net is not None:
-            bw_points.append((moved["add"] * numel, net))
-    if not bw_points:
-        numel, t = max(pointwise["add"].items())
-        bw_points.append((moved["add"] * numel, t))
-    bw_curve = _curve(bw_points)
+    bw_curve = bandwidth_curve(pointwise["add"], dispatch)
     probe = DeviceProfile("cpu-local", {}, 1.0, {}, dispatch, {}, bandwidth_curve=bw_curve)
     matmul = {n: per_op[f"matmul {n}"] for n in s.matmul}
     if roofline:
@@ -1297,8 +1329,13 @@ def _profile(
     comm: dict[tuple[str, int, str, int], float],
     eager: dict[str, float],
     quick: bool,
+    warm: dict[str, float] | None = None,
 ) -> Calibration:
     c = _fit_compute(s, per_op, roofline=False)
+    warm = warm or {}
+    warm_add = {n: warm[f"add {n}"] for n in s.pointwise if f"add {n}" in warm}
+    grid = list(itertools.product(*s.shapes))
+    warm_grid = all(f"mm {m}x{k}x{n}" in warm for m, k, n in grid)
     links: dict[str, Link] = {}
     errors: dict[tuple[str, int], float] = {}
     for backend in BACKENDS:
@@ -1350,8 +1387,16 @@ def _profile(
         matmul_passes=c.matmul_passes,
         matmul_output_passes=c.matmul_output_passes,
         matmul_shapes=tuple(
-            (m, k, n, max(0.0, per_op[f"mm {m}x{k}x{n}"] - c.dispatch))
-            for m, k, n in itertools.product(*s.shapes)
+            (m, k, n, max(0.0, per_op[f"mm {m}x{k}x{n}"] - c.dispatch)) for m, k, n in grid
+        ),
+        cache_bytes=cache_span() // 2 if warm else 0,
+        warm_bandwidth_curve=(
+            bandwidth_curve(warm_add, c.dispatch) if len(warm_add) == len(s.pointwise) else ()
+        ),
+        warm_matmul_shapes=(
+            tuple((m, k, n, max(0.0, warm[f"mm {m}x{k}x{n}"] - c.dispatch)) for m, k, n in grid)
+            if warm and warm_grid and grid
+            else ()
         ),
         elementwise=tuple(
             (op, max(0.0, per_op[f"elementwise {op}"] - c.dispatch) / ELEMENTWISE_NUMEL)
@@ -1451,6 +1496,8 @@ def table(cal: Calibration) -> str:
         for op, per in (("add", 12), ("sum", 4), ("clone", 8)):
             row.append(f"{per * numel / cal.pointwise[op][numel] / 1e9:9.1f}")
         out.append(f"  {numel:>10d} elements  " + "  ".join(row))
+    if p.has_warm:
+        out.extend(_warm_table(cal))
     e = p.efficiency
     out.append(
         f"  efficiency vs the add curve: reduction (sum) {e['reduction']:.2f}, "
@@ -1512,6 +1559,33 @@ def table(cal: Calibration) -> str:
     if cal.others_busy is not None and cal.others_busy > BUSY_WARNING:
         out.append("WARNING: the machine was busy: calibrate again when it is idle")
     return "\n".join(out)
+
+
+def _warm_table(cal: Calibration) -> list[str]:
+    """The table's rows for operands in the cache: the add's rate by size, and how much faster
+    the matmul grid's shapes ran (``DeviceProfile.warm``)."""
+    p = cal.profile
+    warm = p.warm()
+    out = [f"  operands in the cache ({p.cache_bytes / (1 << 20):.0f} MiB, shared by the ranks):"]
+    rates = [
+        f"{n * 12 / (1 << 20):.2f} MiB {warm.bandwidth(n * 12) / 1e9:.1f}"
+        for n in cal.pointwise["add"]
+    ]
+    out.append("    add GB/s: " + ", ".join(rates))
+    if p.warm_matmul_shapes:
+        ratios = sorted(
+            cold[3] / hot[3]
+            for cold, hot in zip(p.matmul_shapes, p.warm_matmul_shapes)
+            if hot[3] > 0 and cold[3] > 0
+        )
+        faster = [(a, b, c, cold / hot) for (a, b, c, cold), (*_, hot) in zip(
+            p.matmul_shapes, p.warm_matmul_shapes) if hot > 0]  # fmt: skip
+        a, b, c, most = max(faster, key=lambda row: row[3])
+        out.append(
+            f"    matmul grid: {statistics.median(ratios):.2f}x faster (median), up to "
+            f"{most:.2f}x ({a}x{b}x{c})"
+        )
+    return out
 
 
 def _links_table(cal: Calibration) -> list[str]:

@@ -248,6 +248,14 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
         itertools.product(*calibrate.QUICK.shapes)
     )
     assert all(math.isfinite(t) and t > 0 for *_, t in p.matmul_shapes), p.matmul_shapes
+    # measured again with the operands in the cache: the same grid and sizes, every time
+    # positive, and the cache the ranks share
+    assert p.cache_bytes > 0 and p.has_warm
+    assert [row[:3] for row in p.warm_matmul_shapes] == [row[:3] for row in p.matmul_shapes]
+    assert all(math.isfinite(t) and t > 0 for *_, t in p.warm_matmul_shapes)
+    assert [x for x, _ in p.warm_bandwidth_curve] == [x for x, _ in p.bandwidth_curve]
+    assert all(math.isfinite(r) and r > 0 for _, r in p.warm_bandwidth_curve)
+    assert "operands in the cache" in r.stdout
     assert [op for op, _ in p.elementwise] == list(calibrate.QUICK.elementwise)
     assert all(math.isfinite(t) and t > 0 for _, t in p.elementwise), p.elementwise
     assert p.links["shm"] == p.links["shm@2"]
@@ -524,3 +532,114 @@ def test_the_simulator_times_each_collective_kind_by_its_link_factor():
     assert scaled["all_gather"] == pytest.approx(3.0 * plain["all_gather"])
     assert scaled["reduce_scatter"] == pytest.approx(0.5 * plain["reduce_scatter"])
     assert scaled["all_reduce"] == pytest.approx(plain["all_reduce"])  # (the loss's)
+
+
+# ---- the cache: operands still in it run at the warm rates -------------------------------------
+
+
+def _warm_profile(cache_bytes: int) -> DeviceProfile:
+    """``_calibrated()`` with a matmul grid, and warm tables: the grid 2x and the bandwidth 4x
+    faster with the operands in a cache of ``cache_bytes``."""
+    grid = tuple((m, k, n, 1e-9 * m * k * n) for m in (8, 64) for k in (8, 64) for n in (8, 64))
+    return _calibrated(
+        matmul_shapes=grid,
+        cache_bytes=cache_bytes,
+        warm_matmul_shapes=tuple((m, k, n, t / 2) for m, k, n, t in grid),
+        warm_bandwidth_curve=tuple((x, 4 * r) for x, r in BANDWIDTH),
+    )
+
+
+def test_the_warm_tables_round_trip_and_replace_the_cold_ones():
+    p = _warm_profile(1 << 20)
+    loaded = DeviceProfile.from_json(json.loads(json.dumps(p.to_json())))
+    assert loaded == p and loaded.has_warm
+    hot = p.warm()
+    assert hot.matmul_seconds(8, 8, 8, "float32") == pytest.approx(
+        p.matmul_seconds(8, 8, 8, "float32") / 2
+    )
+    assert hot.bandwidth(1e7) == pytest.approx(4 * p.bandwidth(1e7)) and not hot.has_warm
+    assert not dataclasses.replace(p, cache_bytes=0).has_warm and not BUILTIN["h100"].has_warm
+    with pytest.raises(ValueError, match="not a grid"):
+        dataclasses.replace(p, warm_matmul_shapes=p.warm_matmul_shapes[1:])
+
+
+def test_warm_fraction_is_one_within_a_quarter_of_the_cache_and_zero_beyond_it():
+    from monarch_dsl.compiler.simulate import warm_fraction
+
+    assert warm_fraction(0, 1 << 20) == 1.0 and warm_fraction(1 << 18, 1 << 20) == 1.0
+    assert warm_fraction(1 << 20, 1 << 20) == 0.0 and warm_fraction(math.inf, 1 << 20) == 0.0
+    assert warm_fraction(1 << 19, 1 << 20) == pytest.approx(0.5)  # (log-linear between)
+
+
+def test_a_step_whose_data_fits_the_cache_runs_at_the_warm_rates_and_one_larger_at_the_cold():
+    plan = _one_linear_plan(torch_mlp(4, 16), width=16)
+    program, types = _lowered(plan)
+    ranks = [(0,), (1,)]
+    hosts = {c: 0 for c in ranks}
+    from monarch_dsl.compiler.simulate import warm_fractions
+
+    # the whole step's data (a few KiB a rank) in a quarter of each rank's half of 1 MiB:
+    # every step warm, the parameters too (last touched by the last call's update: the
+    # reuse is counted in a steady state of calls, not from a cold start)
+    warm = warm_fractions(program, types, _warm_profile(1 << 20), ranks, hosts)
+    assert set(warm) == set(ranks) and warm[(0,)]
+    assert all(f == 1.0 for f in warm[(0,)].values()), warm[(0,)]
+    fast = plan.simulate(profile=_warm_profile(1 << 20)).step_time
+    hot = plan.simulate(profile=_warm_profile(1 << 20).warm()).step_time
+    assert fast == pytest.approx(hot, rel=1e-4)  # (a local shard's copy: not a compute step)
+    # a cache of 1 KiB (512 bytes a rank) holds no weight (1 KiB): mostly the cold rates, but
+    # a value used right after it is made is still there
+    cold = warm_fractions(program, types, _warm_profile(1 << 10), ranks, hosts)[(0,)]
+    assert sum(cold.values()) / len(cold) < 0.5 and 0.0 in cold.values(), cold
+    assert any(f == 1.0 for f in cold.values()), cold
+    slow = plan.simulate(profile=_warm_profile(1 << 10)).step_time
+    uncached = plan.simulate(profile=_warm_profile(0)).step_time
+    assert fast < slow < uncached
+    # four ranks on the host share its cache: each rank's share is a quarter
+    four = {c: 0 for c in [(0,), (1,), (2,), (3,)]}
+    shared = warm_fractions(program, types, _warm_profile(1 << 20), list(four), four)
+    assert (
+        shared[(0,)] == warm_fractions(program, types, _warm_profile(1 << 18), ranks, hosts)[(0,)]
+    )
+
+
+def test_reuse_distance_counts_the_distinct_bytes_touched_since():
+    from monarch_dsl.compiler.simulate import warm_fractions
+
+    # x (4 KiB) read; then 8 steps each make a fresh 4 KiB tensor from y; then x negated in
+    # place (its only bytes: x's)
+    kb4 = ((1024,), "float32")
+    steps = [isa.Compute(name="aten.neg.default", args=(Slot(0),), outs=(2,))]
+    steps += [
+        isa.Compute(name="aten.neg.default", args=(Slot(1),), outs=(3 + j,), frees=(3 + j,))
+        for j in range(8)
+    ]
+    steps += [isa.Compute(name="aten.neg_.default", args=(Slot(0),), outs=(11,))]
+    program = isa.Program("p", ("r",), (1,), tuple(steps), 12, (0, 1), (2, 11), (), ())
+    types = [kb4] * 12
+    c = (0,)
+
+    def last(cache: int) -> float:
+        return warm_fractions(program, types, _warm_profile(cache), [c], {c: 0})[c][9]
+
+    # touched since x: the first result, y (once, read 8 times) and the 8 results: 40 KiB
+    assert last(160 << 10) == 1.0  # within a quarter of the cache
+    assert last(80 << 10) == pytest.approx(0.5)  # half way, in log, to all of it
+    assert last(40 << 10) == 0.0  # the whole cache touched since: x gone
+    # the first step reads x after its update at the end of the last call: nothing between
+    assert warm_fractions(program, types, _warm_profile(40 << 10), [c], {c: 0})[c][0] > 0
+
+
+def _lowered(plan):
+    from monarch_dsl.compiler.lower import lower
+    from monarch_dsl.compiler.simulate import slot_types
+
+    return lower(plan), slot_types(plan)
+
+
+def torch_mlp(layers: int, width: int):
+    import torch
+
+    return torch.nn.Sequential(
+        *[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    )

@@ -167,7 +167,16 @@ class DeviceProfile:
     ``elementwise``: ((aten op, seconds per element), ...), float32 pointwise ops whose
     arithmetic, not their bytes, can set their time (``tanh``: 4.5-5 ns an element on a 2-core
     EPYC, 8x an ``add``'s bytes at its bandwidth), measured net of the dispatch overhead. Such
-    an op takes the longer of its bytes' time and its elements' (``elementwise_seconds``)."""
+    an op takes the longer of its bytes' time and its elements' (``elementwise_seconds``).
+
+    ``cache_bytes``: the last-level cache a host's ranks share (0: none modelled), and
+    ``warm_bandwidth_curve`` / ``warm_matmul_shapes``: ``bandwidth_curve`` / ``matmul_shapes``
+    measured with the operands in it (calibration cycles through few enough operand sets that
+    the host's ranks together touch at most a quarter of it; the tables above cycle through
+    more than it holds, as the weights of a model larger than the cache come from memory). A
+    step whose inputs were touched recently enough to still be in the cache runs at the warm
+    rates (``warm``; ``compiler/simulate.py:warm_fractions`` says which): a 16 x 512 x 512
+    matmul and a 512 x 512 ``add`` took 2x and 3x less so on a 2-core EPYC."""
 
     name: str
     peak_flops: dict[str, float]
@@ -196,11 +205,31 @@ class DeviceProfile:
     eager_op_overhead: float = 0.0
     matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     elementwise: tuple[tuple[str, float], ...] = ()
+    cache_bytes: int = 0
+    warm_bandwidth_curve: Curve = ()
+    warm_matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        if self.matmul_shapes:
-            _shape_table(self.matmul_shapes)  # a grid, or a ValueError when the profile loads
+        for shapes in (self.matmul_shapes, self.warm_matmul_shapes):
+            if shapes:
+                _shape_table(shapes)  # a grid, or a ValueError when the profile loads
+
+    @property
+    def has_warm(self) -> bool:
+        """Whether the profile says how much faster an op runs on operands in the cache."""
+        return bool(self.cache_bytes and (self.warm_bandwidth_curve or self.warm_matmul_shapes))
+
+    def warm(self) -> DeviceProfile:
+        """This profile with operands in the cache: its warm tables in place of the others
+        (each where it has one)."""
+        return dataclasses.replace(
+            self,
+            bandwidth_curve=self.warm_bandwidth_curve or self.bandwidth_curve,
+            matmul_shapes=self.warm_matmul_shapes or self.matmul_shapes,
+            warm_bandwidth_curve=(),
+            warm_matmul_shapes=(),
+        )
 
     def flops_per_second(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -281,15 +310,14 @@ class DeviceProfile:
             raise ValueError(f"unknown device profile fields: {sorted(unknown)}")
         values = dict(data)
         values["links"] = {k: Link.from_json(v) for k, v in data["links"].items()}
-        for k in ("matmul_curve", "bandwidth_curve"):  # (JSON lists; the profile's tuples)
+        for k in ("matmul_curve", "bandwidth_curve", "warm_bandwidth_curve"):  # (JSON lists)
             if k in data:
                 values[k] = tuple((float(x), float(y)) for x, y in data[k])
         if "elementwise" in data:
             values["elementwise"] = tuple((str(op), float(t)) for op, t in data["elementwise"])
-        if "matmul_shapes" in data:
-            values["matmul_shapes"] = tuple(
-                (int(m), int(k), int(n), float(t)) for m, k, n, t in data["matmul_shapes"]
-            )
+        for k in ("matmul_shapes", "warm_matmul_shapes"):
+            if k in data:
+                values[k] = tuple((int(m), int(a), int(n), float(t)) for m, a, n, t in data[k])
         return cls(**values)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -14,7 +14,9 @@ is ready:
   thread), a ``comms``-stream collective also holds ``main`` while it runs;
 - a send is buffered: it costs the sender the transfer, and its receiver gets the value when
   both the send has ended and the receiver has reached the recv;
-- a compute step costs its roofline time for its op family plus the dispatch overhead.
+- a compute step costs its roofline time for its op family plus the dispatch overhead; where
+  the profile measured the rates with operands in the cache too (``DeviceProfile.warm``), by
+  how much of its input is still in the cache when it runs (``warm_fractions``).
 
 Shapes: a ``Compute`` step names slots, not shapes, so the simulator is given each slot's local
 shape and dtype (``SlotType``) beside the program. For a compiled plan they come from the
@@ -43,7 +45,7 @@ import json
 import math
 import os
 import sys
-from collections import defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -654,6 +656,102 @@ def _steady(
     return {k: v for k, v in kept.items() if k not in taken}, sum(dry.size[r] for r in roots)
 
 
+# A reuse distance is looked for among at most this many storages touched since (beyond: cold).
+REUSE_DEPTH = 4096
+
+
+def warm_fraction(distance: float, cache: float) -> float:
+    """How much of an input last touched ``distance`` bytes ago (the distinct bytes a rank
+    touched since) is still in its share ``cache`` of the last-level cache: 1 within a quarter
+    of it (where calibration measured the warm rates), 0 from all of it on (its other rates
+    cycle through more), log-linear between."""
+    if distance <= cache / 4:
+        return 1.0
+    if distance >= cache:
+        return 0.0
+    return math.log(cache / distance) / math.log(4)
+
+
+def warm_fractions(
+    program: Program,
+    types: Sequence[SlotType],
+    prof: DeviceProfile,
+    ranks: Sequence[Coords],
+    hosts: dict[Coords, int],
+) -> dict[Coords, dict[int, float]]:
+    """Per rank, each compute step's share of bytes still in the cache when it runs: its
+    inputs', and its new results' storages' (the allocator gives a step the storage it gave
+    it in the last call, or one as long unused; ``warm_fraction`` of each one's reuse
+    distance, weighted by its bytes), in a steady
+    state of calls (the program run twice: an input's last touch may be in the call before,
+    as a weight's update is before its next forward). A rank's share of the cache: the
+    profile's ``cache_bytes`` over the ranks of its host. Storages are followed through
+    views and in-place steps as the memory model does (``_allocate``). Empty where the profile
+    has no warm rates."""
+    if not prof.has_warm:
+        return {}
+    per_host = Counter(hosts[c] for c in ranks)
+    done: dict[tuple[tuple[int, ...], int], dict[int, float]] = {}
+    out = {}
+    for c in ranks:
+        mine = tuple(k for k, step in enumerate(program.steps) if step.runs_on(c))
+        share = prof.cache_bytes // per_host[hosts[c]]
+        if (mine, share) not in done:
+            done[(mine, share)] = _reuse(program, types, mine, share)
+        out[c] = done[(mine, share)]
+    return out
+
+
+def _reuse(
+    program: Program, types: Sequence[SlotType], mine: Sequence[int], cache: int
+) -> dict[int, float]:
+    recent: OrderedDict[int, int] = OrderedDict()  # storage -> bytes, the latest last
+
+    def distance(root: int) -> float:
+        seen = 0
+        for depth, r in enumerate(reversed(recent)):
+            if r == root:
+                return seen
+            seen += recent[r]
+            if seen >= cache or depth >= REUSE_DEPTH:
+                break
+        return math.inf
+
+    def touch(root: int | None, size: int) -> None:
+        if root is not None:
+            recent.pop(root, None)
+            recent[root] = size
+
+    fractions: dict[int, float] = {}
+    for call in range(2):
+        mem = _Memory()
+        for s in program.inputs:
+            mem.new(s, nbytes(types[s]))
+        for k in mine:
+            step = program.steps[k]
+            ins = [s.index for s in isa.leaves(step.args, Slot)]
+            if isinstance(step, isa.Compute):
+                ins += [s.index for s in isa.leaves(step.kwargs, Slot)]
+            fresh = [o for o in step.outs if o not in mem.root]
+            _allocate(k, step, types, mem)
+            made = [o for o in fresh if mem.root.get(o) == o]
+            if call == 1 and isinstance(step, isa.Compute):
+                weighted = total = 0.0
+                for s in ins + made:  # (a new result's storage: where the last call's was)
+                    size = nbytes(types[s])
+                    r = mem.root.get(s)
+                    warm = warm_fraction(distance(r), cache) if r is not None else 0.0
+                    weighted += warm * size
+                    total += size
+                fractions[k] = weighted / total if total else 1.0
+            for s in ins + list(step.outs):
+                r = mem.root.get(s)
+                touch(r, mem.size.get(r, 0) if r is not None else 0)
+            for s in step.frees:
+                mem.free(s)
+    return fractions
+
+
 def play_program(
     program: Program,
     types: Sequence[SlotType],
@@ -691,6 +789,8 @@ def play_program(
             ready[c][o] = end
 
     settle_at = isa.settles(program)
+    warm = warm_fractions(program, types, prof, ranks, hosts)
+    hot = prof.warm() if warm else prof
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]
         waits = [s for s in settle_at[k] if s not in step.uses()]
@@ -735,9 +835,11 @@ def play_program(
                 record(c, step, start, start + comm_time(step, types, 1, prof, False), "compute")
         elif isinstance(step, isa.Compute):
             cost = compute_time(step, types, prof)
+            faster = cost - compute_time(step, types, hot) if warm else 0.0
             for c in active:
                 start = reached(c, step)
-                record(c, step, start, start + cost, "compute")
+                seconds = cost - faster * warm[c].get(k, 0.0) if warm else cost
+                record(c, step, start, start + seconds, "compute")
         else:
             raise TypeError(f"the simulator has no handler for {type(step).__name__}")
         for c in active:
