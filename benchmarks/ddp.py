@@ -32,7 +32,10 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    of that many float32s between the two worker processes, timed in them. The other buckets
    could in principle overlap the backward pass; on this 2-core machine they cannot (each
    rank's core does its own compute and its share of the shared-memory reduction), so the
-   whole all-reduce is printed too, as ``compute + all buckets``.
+   whole all-reduce is printed too, as ``compute + all buckets``. ``floor, 2 at once``: the
+   same, with the compute timed in both worker processes at once (each its own model and
+   rows, no communication; the slower rank's time): on a machine whose ranks share cores,
+   caches or memory bandwidth, what a rank's compute costs while the other computes too.
 
 5. ``torch FSDP`` and ``md fully_shard``: the same step with parameters, gradients and
    optimizer state sharded over the 2 ranks -- torch's FSDP2 (``fully_shard`` on each Linear,
@@ -304,10 +307,31 @@ class RawAllReduce(md.Actor):
         return statistics.median(times)
 
 
+class LocalSteps(md.Actor):
+    """The floor's compute in every worker at once: each rank runs the step alone (its own
+    model, its 32 rows, no communication) -- what a rank's compute costs while the other
+    rank computes too, on the cores they share."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, object] = {}
+
+    @md.endpoint
+    def secs(self, name: str, steps: int) -> float:
+        from monarch_dsl.runtime import worker
+
+        run = self.runs.get(name)
+        if run is None:
+            run = self.runs[name] = local_step(name)
+            run(2)  # warm
+        group = worker.current._executor.process_group(list(range(WORLD)), "bench-floor")
+        group.shm.barrier()  # (both ranks start together)
+        return timed(run, steps)
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
-def measure(pm, ddp_torch: TorchDDP, raw, name: str, blocks: int) -> dict:
+def measure(pm, ddp_torch: TorchDDP, raw, both, name: str, blocks: int) -> dict:
     eager = md_eager(pm, name)
     compiled = md_compiled(pm, name)
     compute = local_step(name)
@@ -324,6 +348,7 @@ def measure(pm, ddp_torch: TorchDDP, raw, name: str, blocks: int) -> dict:
         "md eager": lambda n: timed(eager, n),
         "compiled": lambda n: timed(compiled, n),
         "compute": lambda n: timed(compute, n),
+        "compute, 2 at once": lambda n: max(both.secs.call(name, n).get().values()),
         "torch FSDP": lambda n: ddp_torch.step_secs(f"{name} fsdp", n),
         "md fully_shard": lambda n: timed(sharded, n),
     }
@@ -343,6 +368,7 @@ def measure(pm, ddp_torch: TorchDDP, raw, name: str, blocks: int) -> dict:
     med["last bucket"] = statistics.median(last_bucket)
     med["all buckets"] = statistics.median(all_buckets)
     med["floor"] = med["compute"] + med["last bucket"]
+    med["floor, 2 at once"] = med["compute, 2 at once"] + med["last bucket"]
     return {"med": med, "times": times, "steps": steps, "buckets": buckets}
 
 
@@ -360,7 +386,8 @@ def main() -> None:
     ddp_torch = TorchDDP()
     try:
         raw = pm.spawn("raw_all_reduce", RawAllReduce)
-        results = {name: measure(pm, ddp_torch, raw, name, blocks) for name in MODELS}
+        both = pm.spawn("local_steps", LocalSteps)
+        results = {name: measure(pm, ddp_torch, raw, both, name, blocks) for name in MODELS}
     finally:
         ddp_torch.close()
         pm.stop()
@@ -370,7 +397,7 @@ def main() -> None:
         f"torch {torch.__version__}; median of {blocks} interleaved blocks"
     )
     header = (
-        f"{'model':5s}  {'system':14s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
+        f"{'model':5s}  {'system':18s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
         f"{'vs floor':>8s}"
     )
     print(header)
@@ -378,11 +405,11 @@ def main() -> None:
     for name, r in results.items():
         med = r["med"]
         rows = [(k, med[k], "torch DDP") for k in ("torch DDP", "md eager", "compiled")]
-        rows += [("floor", med["floor"], "torch DDP")]
+        rows += [(k, med[k], "torch DDP") for k in ("floor", "floor, 2 at once")]
         rows += [(k, med[k], "torch FSDP") for k in ("torch FSDP", "md fully_shard")]
         for system, secs, peer in rows:
             print(
-                f"{name:5s}  {system:14s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
+                f"{name:5s}  {system:18s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
                 f"{med[peer] / secs:7.2f}x  {secs / med['floor']:7.2f}x"
             )
     print()
@@ -393,11 +420,14 @@ def main() -> None:
         print(
             f"{name}: floor = compute {med['compute'] * 1e3:.2f} ms (1 process, 1 thread, batch "
             f"{BATCH}) + last bucket's shm all-reduce {med['last bucket'] * 1e3:.2f} ms; "
-            f"compute + all buckets ({mib} MiB) {whole * 1e3:.2f} ms"
+            f"compute + all buckets ({mib} MiB) {whole * 1e3:.2f} ms; the same compute in both "
+            f"workers at once {med['compute, 2 at once'] * 1e3:.2f} ms "
+            f"({med['compute, 2 at once'] / med['compute']:.2f}x alone); compiled / that floor "
+            f"{med['compiled'] / med['floor, 2 at once']:.2f}x"
         )
         for system, v in r["times"].items():
             print(
-                f"    {system:14s} blocks of {r['steps'][system]:4d} steps (ms/step): "
+                f"    {system:18s} blocks of {r['steps'][system]:4d} steps (ms/step): "
                 + ", ".join(f"{s * 1e3:.2f}" for s in v)
             )
     big, tiny = results["big"]["med"], results["tiny"]["med"]
