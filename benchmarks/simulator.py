@@ -78,7 +78,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the workers' profiler: no log lines
+# The workers' profiler: no log lines (5 still let kineto's "USDT" ones by, 2 per trace), and
+# not c10's warning that blocks allocated before a trace have no free event (we know).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
