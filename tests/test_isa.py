@@ -191,3 +191,40 @@ def test_a_communication_step_carries_its_arguments_shapes():
     plan = step.compile(torch.ones(8, 16), mesh=md.Mesh.from_string("dp=2"))
     gathers = [s for s in lower(plan).steps if isinstance(s, isa.AllGather)]
     assert gathers and all(s.shapes[0][0] * 2 == 16 for s in gathers), gathers
+
+
+@pytest.mark.parametrize("executor", ["reference", "cpp"])
+def test_a_stream_outlives_a_barrier_whose_reply_fails(executor, executors, capfd):
+    """A barrier's reply that raises (its connection gone) is an internal error said on
+    stderr; the stream goes on with what comes after it (no thread ends with a traceback
+    and leaves the next instructions unrun)."""
+    replies: list[int] = []
+    done = threading.Event()
+
+    def reply(call_id, value):
+        if call_id == 1:
+            raise ConnectionResetError("the controller's connection is gone")
+        replies.append(call_id)
+        done.set()
+
+    callbacks = dict(reply=reply, reply_failure=lambda c, f: done.set(), report=lambda f: None)
+    cpu = torch.device("cpu")
+    if executor == "cpp":
+        ex = CoreExecutor(core, 0, cpu, **callbacks)
+    else:
+        ex = ReferenceExecutor(0, cpu, **callbacks)
+    executors.append(ex)
+    a, _ = _inputs()
+    ex.run(
+        (
+            (-1, isa.DefineMesh(0, ("x",), (1,), (0,))),
+            (0, isa.CallOp("aten::clone", (a,), {}, (1,), "main", "t.py:1")),
+            (0, isa.Fetch(1, -1, "main", "t.py:2")),  # its reply raises
+            (0, isa.CallOp("aten::neg", (isa.Ref(1),), {}, (2,), "main", "t.py:3")),
+            (0, isa.Fetch(2, -1, "main", "t.py:4")),
+        )
+    )
+    assert done.wait(30), "the stream stopped at the failed reply"
+    assert replies == [2]
+    torch.testing.assert_close(ex.refs.get(2), -ex.refs.get(1))
+    assert "connection is gone" in capfd.readouterr().err

@@ -140,18 +140,18 @@ class ReferenceExecutor:
             ins = q.get()
             if ins is None:  # close()
                 return
-            if type(ins) is tuple:  # ("signal" | "wait" | "barrier", event id or counter)
-                what, arg = ins
-                if what == "signal":
-                    self._event(arg).set()
-                elif what == "wait":
-                    self._event(arg).wait()
-                    self.events.pop(arg, None)
-                else:
-                    arg()
-                continue
             try:
-                handlers[type(ins)](ins)
+                if type(ins) is tuple:  # ("signal" | "wait" | "barrier", event id or callback)
+                    what, arg = ins
+                    if what == "signal":
+                        self._event(arg).set()
+                    elif what == "wait":
+                        self._event(arg).wait()
+                        self.events.pop(arg, None)
+                    else:
+                        arg()  # (a barrier's reply: it may fail to send)
+                else:
+                    handlers[type(ins)](ins)
             except Exception:  # noqa: BLE001 - a bug of ours; keep the stream alive and say so
                 print(
                     f"monarch_dsl executor: internal error on {ins!r}:\n{traceback.format_exc()}",
