@@ -228,3 +228,29 @@ def test_a_stream_outlives_a_barrier_whose_reply_fails(executor, executors, capf
     assert replies == [2]
     torch.testing.assert_close(ex.refs.get(2), -ex.refs.get(1))
     assert "connection is gone" in capfd.readouterr().err
+
+
+def test_a_stream_whose_thread_set_up_fails_still_runs(executors, capfd, monkeypatch):
+    """The reference executor's stream thread sets its intra-op threads first; where that
+    raises, it says so and runs its instructions anyway (not a dead thread and a hang)."""
+    done = threading.Event()
+    callbacks = dict(reply=lambda c, v: done.set(), reply_failure=lambda c, f: done.set(),
+                     report=lambda f: None)  # fmt: skip
+    ex = ReferenceExecutor(0, torch.device("cpu"), **callbacks)
+    executors.append(ex)
+
+    def refuse(n):
+        raise RuntimeError("no threads for you")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    a, _ = _inputs()
+    ex.run(
+        (
+            (-1, isa.DefineMesh(0, ("x",), (1,), (0,))),
+            (0, isa.CallOp("aten::neg", (a,), {}, (1,), "main", "t.py:1")),
+            (0, isa.Fetch(1, -1, "main", "t.py:2")),
+        )
+    )
+    assert done.wait(30), "the stream never ran"
+    torch.testing.assert_close(ex.refs.get(1), -a)
+    assert "no threads for you" in capfd.readouterr().err

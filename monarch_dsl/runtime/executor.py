@@ -132,9 +132,16 @@ class ReferenceExecutor:
     def _stream_loop(self, q: queue.SimpleQueue) -> None:
         # OpenMP's and MKL's thread counts are per thread (a new one starts at one per core):
         # take the process's, as the C++ executor's stream threads do (at::init_num_threads).
-        torch.set_num_threads(torch.get_num_threads())
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # per thread: ops without a device use this GPU
+        try:
+            torch.set_num_threads(torch.get_num_threads())
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # per thread: ops without a device use this GPU
+        except Exception:  # noqa: BLE001 - the stream still runs what it is given (or fails it)
+            print(
+                f"monarch_dsl executor: setting up a stream thread:\n{traceback.format_exc()}",
+                file=sys.stderr,
+                flush=True,
+            )
         handlers = self.handlers
         while True:
             ins = q.get()
