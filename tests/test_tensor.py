@@ -413,6 +413,37 @@ def test_device_arguments_mean_the_workers_device(pm, monkeypatch):
             assert md.inspect(y + x, host=1, gpu=1).tolist() == [2.0, 2.0]
 
 
+def test_ops_on_lists_of_mesh_tensors_take_the_fast_path_the_second_time(pm, monkeypatch):
+    """An op given a list of mesh tensors (torch.cat, _foreach_*, the DDP bucket ops) is
+    recorded from the cache once it has been seen with those shapes -- values alike -- and
+    a list that mixes meshes or streams still gets the full checks."""
+    from monarch_dsl.tensor import dispatch
+
+    general = []
+    real = dispatch._dispatch_general
+    monkeypatch.setattr(
+        dispatch, "_dispatch_general", lambda *a, **k: (general.append(a[0]), real(*a, **k))[1]
+    )
+    with pm.activate():
+        x, y = torch.ones(2), pm.rank("gpu").float().expand(2).contiguous()
+        for k in range(2):
+            general.clear()
+            z = torch.cat([x, y])
+            torch._foreach_add_((x, y), 1.0)  # (returns nothing: cached as such)
+            assert values(z) == [[1.0 + k] * 2 + [g + k] * 2 for _, g in COORDS]
+            assert values(y) == [[g + 1.0 + k] * 2 for _, g in COORDS]
+            if k == 1:
+                assert not any("cat" in str(f) or "foreach" in str(f) for f in general), general
+        with md.Stream("side").activate():
+            w = torch.ones(2)
+        with pytest.raises(TypeError, match="stream"):
+            torch.cat([x, w])
+    with pm.slice(host=0).activate():
+        b = torch.ones(2)
+    with pytest.raises(TypeError, match="two meshes"):
+        torch.cat([x, b])
+
+
 def test_python_values_of_mesh_tensors_need_a_fetch(pm):
     with pm.activate():
         s = torch.ones(2).sum()

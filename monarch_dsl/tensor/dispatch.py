@@ -38,8 +38,8 @@ _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
 def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     """Record ``func(*args, **kwargs)`` for the workers; return handles of its outputs.
 
-    The fast path covers flat arguments (tensors, scalars, lists of scalars) of an op seen
-    before with the same shapes: no pytree walks, no meta execution."""
+    The fast path covers flat arguments (tensors, scalars, lists of scalars, lists of
+    tensors) of an op seen before with the same shapes: no pytree walks, no meta execution."""
     info = _func_info.get(id(func))
     if info is None:
         info = _new_func_info(func)
@@ -64,6 +64,22 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
                 return _dispatch_general(func, args, kwargs, active)  # raises, with the details
             key.append(a._md_desc)
             wargs.append(_tuple_new(isa.Ref, (a._md_ref,)))
+        elif (kind is list or kind is tuple) and a and isinstance(a[0], Tensor):
+            # a list of mesh tensors (torch.cat, the bucket ops, _foreach_*), checked as above
+            descs, refs = [], []
+            for t in a:
+                if not isinstance(t, Tensor) or t._md_state is not None or t._md_stream != stream:
+                    return _dispatch_general(func, args, kwargs, active)
+                if first is None:
+                    first, mesh = t, t._md_mesh
+                elif t._md_mesh is not mesh and (
+                    t._md_mesh != mesh or t._md_engine is not first._md_engine
+                ):
+                    return _dispatch_general(func, args, kwargs, active)
+                descs.append(t._md_desc)
+                refs.append(_tuple_new(isa.Ref, (t._md_ref,)))
+            key.append((kind, *descs))
+            wargs.append(kind(refs))
         elif isinstance(a, torch.device) or (
             isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a)
         ):
@@ -103,7 +119,10 @@ def _emit(
     The user's line is looked for from ``depth`` frames up (the frames below are ours)."""
     op, out = hit
     engine = first._md_engine  # mesh's engine
-    if type(out) is int:  # the op returns its input #out (in place)
+    if out is None:  # the op returns nothing (it writes its arguments)
+        result = None
+        outs: tuple = ()
+    elif type(out) is int:  # the op returns its input #out (in place)
         result = args[out]
         outs = (result._md_ref,)
     else:
@@ -151,8 +170,8 @@ def _new_func_info(func) -> tuple[Any, bool]:
 
 
 # (id(func), argument descriptions) -> (op name, output): (the description of a single new
-# output tensor, the device and the wrapper maker of ``handle.maker``), or the index of the input
-# an in-place op returns.
+# output tensor, the device and the wrapper maker of ``handle.maker``), the index of the input
+# an in-place op returns, or None for an op that returns nothing.
 _fast_cache: dict[tuple, tuple] = {}
 
 
@@ -258,6 +277,8 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
         elif isinstance(leaf, torch.Tensor):
             desc = results[0]._md_desc
             _fast_cache[fast_key] = (op, (desc, *maker(desc, engine.device)))
+        elif leaf is None and not outs:
+            _fast_cache[fast_key] = (op, None)
     return pytree.tree_unflatten(results, out_spec)
 
 
