@@ -89,6 +89,51 @@ def test_matches_one_process(dp2, opt_cls, kwargs, cap, views):
         assert len(ddp.bucket_sizes) >= 3
 
 
+@pytest.mark.parametrize("threshold", [0, 16 * 16 * 4])
+@pytest.mark.parametrize("views", [False, True])
+def test_large_gradients_are_averaged_where_they_are(dp2, monkeypatch, threshold, views):
+    """On CPU workers a gradient of IN_PLACE_BYTES or more gets an in-place all-reduce of its
+    own (no copy into the bucket and back); the rest of its bucket is flattened as before.
+    Training matches one process, with no_sync accumulation too; each backward issues one
+    reduce per such gradient plus one per bucket of the others."""
+    from monarch_dsl import isa
+    from monarch_dsl.parallel import ddp as ddp_module
+
+    monkeypatch.setattr(ddp_module, "IN_PLACE_BYTES", threshold)
+    local = _mlp()
+    batches = _batches(n=4)
+    sizes = [p.numel() * 4 for p in local.parameters()]
+    alone = sum(size >= threshold for size in sizes)  # 0: all 6; 1 KiB: the 16 x 16 weight
+    with dp2.activate():
+        model = md.to_mesh(copy.deepcopy(local), dp2)
+        ddp = md.DistributedDataParallel(model, gradient_as_bucket_view=views)
+        engine = next(iter(ddp.parameters()))._md_engine
+        sent = []
+        real = engine.append
+        monkeypatch.setattr(engine, "append", lambda m, i: (sent.append(i), real(m, i)))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for k in range(0, len(batches), 2):
+            opt.zero_grad()
+            with ddp.no_sync():
+                x, y = batches[k]
+                F.mse_loss(
+                    ddp(md.distribute(x, {"dp": md.Shard(0)})),
+                    md.distribute(y, {"dp": md.Shard(0)}),
+                ).backward()
+            sent.clear()
+            x, y = batches[k + 1]
+            F.mse_loss(
+                ddp(md.distribute(x, {"dp": md.Shard(0)})), md.distribute(y, {"dp": md.Shard(0)})
+            ).backward()
+            reduces = [i for i in sent if isinstance(i, isa.Reduce)]
+            assert len(reduces) == alone + (alone < len(sizes)), (len(reduces), alone)
+            opt.step()
+        _train_local(
+            local, torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9), batches, micro=2
+        )
+        _assert_same(ddp.module, local, dp2)
+
+
 class _Backwards(nn.Module):
     """Registered a, b; used b then a: gradients arrive a's first."""
 
