@@ -181,6 +181,7 @@ BUCKET_PIECES = 8
 # the bandwidth curve and the matmul grid, each cycling through at most a quarter of the
 # last-level cache with all ranks together, where their first measurement cycled through more.
 WARM_KINDS = ("add ", "mm ")
+WARM_BELOW = 0.85  # a warm time counts where it is below this share of the cold one (_profile)
 BUSY_WARNING = 0.15  # of the CPU taken by other processes: the measurements are suspect
 # What alpha and beta are fitted from: all-reduces (what data-parallel and tensor-parallel
 # steps do). All-gathers, reduce-scatters and send/recv are measured too: through shared
@@ -1332,10 +1333,15 @@ def _profile(
     warm: dict[str, float] | None = None,
 ) -> Calibration:
     c = _fit_compute(s, per_op, roofline=False)
-    # Operands in the cache are never slower than from memory: a warm time above the cold one
-    # is the machine's drift between the two measurements (half the grid, on a 2-core EPYC
-    # whose speed moves by tens of percent within minutes), and the cold one stands.
-    warm = {label: min(t, per_op[label]) for label, t in (warm or {}).items()}
+    # A warm time counts only where it is clearly below the cold one (WARM_BELOW): operands in
+    # the cache are never slower than from memory, and a difference within the machine's drift
+    # between the two measurements (a 2-core EPYC's speed moves by tens of percent within
+    # minutes; half the grid came out slower warm) is no difference -- the smaller of two
+    # noisy times would bias every compute-bound shape low.
+    warm = {
+        label: t if t < WARM_BELOW * per_op[label] else per_op[label]
+        for label, t in (warm or {}).items()
+    }
     warm_add = {n: warm[f"add {n}"] for n in s.pointwise if f"add {n}" in warm}
     grid = list(itertools.product(*s.shapes))
     warm_grid = all(f"mm {m}x{k}x{n}" in warm for m, k, n in grid)
