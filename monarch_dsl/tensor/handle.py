@@ -289,43 +289,41 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
     if reduction not in isa.REDUCTIONS:
         raise ValueError(f"reduction must be one of {isa.REDUCTIONS}, got {reduction!r}")
     n = mesh.size(dims)
-    meta = t._md_meta
-    if reduction == "avg" and not (meta.is_floating_point() or meta.is_complex()):
-        raise TypeError(f"reduction 'avg' needs a floating point tensor, got {meta.dtype}")
+    # Shapes from the handle's description; a meta tensor only for a new output (in place,
+    # none: under activation every meta op here goes through the dispatch mode, about half
+    # the controller's time for a reduce_).
+    _, shape, _, dtype_, _ = t._md_desc
+    shape = tuple(shape)
+    if reduction == "avg" and not (dtype_.is_floating_point or dtype_.is_complex):
+        raise TypeError(f"reduction 'avg' needs a floating point tensor, got {dtype_}")
+    if scatter and (not shape or shape[0] % n):
+        what = "stack+scatter (all-to-all)" if reduction == "stack" else (
+            f"{reduction}+scatter (reduce-scatter)")  # fmt: skip
+        raise ValueError(f"{what} over {dims} needs dim 0 divisible by {n}, got shape {shape}")
     if reduction == "stack":
-        if scatter:
-            if meta.dim() == 0 or meta.shape[0] % n:
-                raise ValueError(
-                    f"stack+scatter (all-to-all) over {dims} needs dim 0 divisible by {n}, "
-                    f"got shape {tuple(meta.shape)}"
-                )
-            out_meta = torch.empty_like(meta)
-        else:
-            out_meta = torch.empty((n, *meta.shape), dtype=meta.dtype, device="meta")
+        out_shape = shape if scatter else (n, *shape)
     elif scatter:
-        if meta.dim() == 0 or meta.shape[0] % n:
-            raise ValueError(
-                f"{reduction}+scatter (reduce-scatter) over {dims} needs dim 0 divisible by "
-                f"{n}, got shape {tuple(meta.shape)}"
-            )
-        out_meta = torch.empty(
-            (meta.shape[0] // n, *meta.shape[1:]), dtype=meta.dtype, device="meta"
-        )
+        out_shape = (shape[0] // n, *shape[1:])
     else:
-        out_meta = torch.empty_like(meta)
-    if in_place and tuple(out_meta.shape) != tuple(meta.shape):
+        out_shape = shape
+    if in_place and out_shape != shape:
         raise ValueError(
             f"reduce_ with {reduction}{'+scatter' if scatter else ''} changes the shape "
-            f"{tuple(meta.shape)} -> {tuple(out_meta.shape)}; use the out-of-place reduce()"
+            f"{shape} -> {out_shape}; use the out-of-place reduce()"
         )
     engine = t._md_engine
     engine.ensure_collectives()
     if in_place:
         out, ref = t, t._md_ref
     else:
+        meta = t._md_meta
+        if out_shape == shape:
+            out_meta = torch.empty_like(meta)
+        else:
+            out_meta = torch.empty(out_shape, dtype=dtype_, device="meta")
         ref = engine.new_ref()
         out = Tensor(out_meta, mesh, engine, ref, t._md_stream)
-    dtype = isa.dtype_name(meta.dtype)
+    dtype = isa.dtype_name(dtype_)
     engine.append(
         t._md_mesh_id,
         isa.Reduce(
@@ -335,7 +333,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
             dims,
             reduction,
             scatter,
-            tuple(meta.shape),
+            shape,
             dtype,
             t._md_stream,
             line,
