@@ -762,13 +762,15 @@ def play_program(
     events: list[SimEvent],
     mem: dict[Coords, _Memory],
     stream_of: Callable[[str], str] = lambda s: s,
+    warm: dict[Coords, dict[int, float]] | None = None,
 ) -> dict[Coords, float]:
     """The timeline of one run of ``program``, appended to ``events``: every rank at
     ``coords`` (its rank ``rank_of[coords]`` in the events, its host ``hosts[coords]``)
     starts at ``begin[coords]`` with its inputs ready then; its allocations go to
-    ``mem[coords]``; ``stream_of`` names the events' streams. Returns when each rank's last
-    step ends (``simulate_program`` runs one from 0; ``md.Simulator`` continues an eager
-    timeline with it)."""
+    ``mem[coords]``; ``stream_of`` names the events' streams; ``warm``: ``warm_fractions``
+    of the program on these ranks, where the caller keeps them (computed here else). Returns
+    when each rank's last step ends (``simulate_program`` runs one from 0; ``md.Simulator``
+    continues an eager timeline with it)."""
     ranks = list(begin)
     free_at: dict[tuple[Coords, str], float] = {}
     ready: dict[Coords, list[float]] = {c: [begin[c]] * program.n_slots for c in ranks}
@@ -789,7 +791,8 @@ def play_program(
             ready[c][o] = end
 
     settle_at = isa.settles(program)
-    warm = warm_fractions(program, types, prof, ranks, hosts)
+    if warm is None:
+        warm = warm_fractions(program, types, prof, ranks, hosts)
     hot = prof.warm() if warm else prof
     for k, step in enumerate(program.steps):
         active = [c for c in ranks if step.runs_on(c)]

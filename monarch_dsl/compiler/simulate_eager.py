@@ -77,6 +77,7 @@ from monarch_dsl.compiler.simulate import (
     compute_time,
     cpu_bound,
     play_program,
+    warm_fractions,
 )
 from monarch_dsl.isa import Slot, collectives, dtype_name
 from monarch_dsl.isa.opnames import resolve_op
@@ -193,6 +194,8 @@ class EagerSimulator:
         self.meshes: dict[int, isa.DefineMesh] = {}
         self.plans: dict[int, isa.Program] = {}
         self.plan_types: dict[tuple[int, tuple[SlotType, ...]], list[SlotType]] = {}
+        # (those keys, the ranks that run it) -> simulate.warm_fractions: the same every call
+        self.plan_warm: dict[tuple[Any, ...], dict[tuple[int, ...], dict[int, float]]] = {}
         self.refs: list[dict[int, Any]] = [{} for _ in range(self.world)]
         self.memory = [_Storages() for _ in range(self.world)]
         self.clock: dict[tuple[int, str], float] = defaultdict(float)
@@ -575,16 +578,24 @@ class EagerSimulator:
             types = self.plan_types[key] = program_types(program, inputs)
         begin = {c: self._begin(r, ins.stream) for c, r in where.items()}
         mem = {c: _Memory() for c in where}
+        hosts = {c: self.host[r] for c, r in where.items()}
+        placed = (key, tuple(hosts.items()))
+        warm = self.plan_warm.get(placed)
+        if warm is None:
+            warm = self.plan_warm[placed] = warm_fractions(
+                program, types, self.prof, list(where), hosts
+            )
         ends = play_program(
             program,
             types,
             self.prof,
             where,
-            {c: self.host[r] for c, r in where.items()},
+            hosts,
             begin,
             self.events,
             mem,
             lambda s: ins.stream if s == "main" else s,
+            warm,
         )
         made_by = {o: step for step in program.steps for o in step.outs}
         for c, r in where.items():
