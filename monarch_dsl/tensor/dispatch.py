@@ -53,33 +53,25 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
         if kind in _SCALAR_TYPES:  # for a pointwise op only the type matters (type promotion)
             key.append(kind if pointwise else a)
             wargs.append(a)
-        elif isinstance(a, Tensor):
-            if a._md_state is not None or a._md_stream != stream:
-                return _dispatch_general(func, args, kwargs, active)  # checks, with details
-            if first is None:
-                first, mesh = a, a._md_mesh
-            elif a._md_mesh is not mesh and (
-                a._md_mesh != mesh or a._md_engine is not first._md_engine
-            ):
-                return _dispatch_general(func, args, kwargs, active)  # raises, with the details
-            key.append(a._md_desc)
-            wargs.append(_tuple_new(isa.Ref, (a._md_ref,)))
-        elif (kind is list or kind is tuple) and a and isinstance(a[0], Tensor):
-            # a list of mesh tensors (torch.cat, the bucket ops, _foreach_*), checked as above
-            descs, refs = [], []
-            for t in a:
+        elif isinstance(a, Tensor) or (
+            (kind is list or kind is tuple) and a and isinstance(a[0], Tensor)
+        ):  # a mesh tensor, or a list of them (torch.cat, the bucket ops, _foreach_*)
+            alone = isinstance(a, Tensor)
+            for t in (a,) if alone else a:
                 if not isinstance(t, Tensor) or t._md_state is not None or t._md_stream != stream:
-                    return _dispatch_general(func, args, kwargs, active)
+                    return _dispatch_general(func, args, kwargs, active)  # checks, with details
                 if first is None:
                     first, mesh = t, t._md_mesh
                 elif t._md_mesh is not mesh and (
                     t._md_mesh != mesh or t._md_engine is not first._md_engine
                 ):
-                    return _dispatch_general(func, args, kwargs, active)
-                descs.append(t._md_desc)
-                refs.append(_tuple_new(isa.Ref, (t._md_ref,)))
-            key.append((kind, *descs))
-            wargs.append(kind(refs))
+                    return _dispatch_general(func, args, kwargs, active)  # raises, with details
+            if alone:
+                key.append(a._md_desc)
+                wargs.append(_tuple_new(isa.Ref, (a._md_ref,)))
+            else:
+                key.append((kind, *(t._md_desc for t in a)))
+                wargs.append(kind(_tuple_new(isa.Ref, (t._md_ref,)) for t in a))
         elif isinstance(a, torch.device) or (
             isinstance(a, (torch.Tensor, list, tuple, dict)) and _holds_tensor(a)
         ):
