@@ -389,21 +389,32 @@ def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int], lis
     return statistics.median(times), [t[0] for t in traced], [t[1] for t in traced]
 
 
-def predict_compiled(case: Case, profile) -> tuple[float, list[int], list[int]]:
+def predict_compiled(
+    case: Case, profile
+) -> tuple[tuple[float, list[int], list[int]], float | None]:
     """Seconds per call; each rank's predicted peak bytes during a call above those resident
-    when it starts, and those."""
+    when it starts, and those; and the seconds per call without the cache model (None where
+    the profile has none), from the same compiled plan."""
     step, args = case.make()
     plan = step.compile(*args, mesh=md.Mesh.from_string(f"{case.dim}=2"))
+
+    def per_call(report, profile) -> float:
+        # Called back to back: the controller's per-call work (its inputs, the local arguments
+        # it sends) overlaps the workers' run of the call before.
+        return steady_step_time(
+            report.step_time, profile, len(plan.inputs),
+            [a.numel() * a.element_size() for a in args], ranks=2, outputs=len(plan.outputs),
+        )  # fmt: skip
+
     report = plan.simulate(profile=profile)
-    # Called back to back: the controller's per-call work (its inputs, the local arguments it
-    # sends) overlaps the workers' run of the call before.
-    per_call = steady_step_time(
-        report.step_time, profile, len(plan.inputs),
-        [a.numel() * a.element_size() for a in args], ranks=2, outputs=len(plan.outputs),
-    )  # fmt: skip
     ranks = sorted(report.peak_memory)
     in_call = [report.peak_memory[r] - report.resident_memory[r] for r in ranks]
-    return per_call, in_call, [report.resident_memory[r] for r in ranks]
+    uncached = None
+    if profile.has_warm:  # compute as if every operand came from memory (see the docstring)
+        cold = dataclasses.replace(profile, cache_bytes=0)
+        uncached = per_call(plan.simulate(profile=cold), cold)
+    resident = [report.resident_memory[r] for r in ranks]
+    return (per_call(report, profile), in_call, resident), uncached
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -441,11 +452,14 @@ def main() -> None:
     pm = md.this_host().spawn_procs({"x": 2})
     steps = 20
     predicted = {n: (predict_eager(fn, profile, steps), None, None) for n, fn in eager.items()}
-    predicted.update({c.name: predict_compiled(c, profile) for c in cases})
-    # The same without the cache model (compiled steps' compute as if every operand came from
-    # memory, as before it): printed beside, so what it changes is seen on the same runs.
-    cold = dataclasses.replace(profile, cache_bytes=0)
-    uncached = {c.name: predict_compiled(c, cold)[0] for c in cases} if profile.has_warm else {}
+    # Beside each compiled case: its prediction without the cache model (compiled steps'
+    # compute as if every operand came from memory, as before it), so what the model changes is
+    # seen on the same runs.
+    uncached: dict[str, float] = {}
+    for c in cases:
+        predicted[c.name], without = predict_compiled(c, profile)
+        if without is not None:
+            uncached[c.name] = without
     times: dict[str, list[float]] = {n: [] for n in predicted}
     memory: dict[str, tuple] = {}
     speeds: list[float] = []
