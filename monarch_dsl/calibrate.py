@@ -1582,17 +1582,15 @@ def _warm_table(cal: Calibration) -> list[str]:
     ]
     out.append("    add GB/s: " + ", ".join(rates))
     if p.warm_matmul_shapes:
-        ratios = sorted(
-            cold[3] / hot[3]
-            for cold, hot in zip(p.matmul_shapes, p.warm_matmul_shapes)
-            if hot[3] > 0 and cold[3] > 0
-        )
-        faster = [(a, b, c, cold / hot) for (a, b, c, cold), (*_, hot) in zip(
-            p.matmul_shapes, p.warm_matmul_shapes) if hot > 0]  # fmt: skip
+        faster = [
+            (a, b, c, cold / hot)
+            for (a, b, c, cold), (*_, hot) in zip(p.matmul_shapes, p.warm_matmul_shapes)
+            if hot > 0 and cold > 0
+        ]
         a, b, c, most = max(faster, key=lambda row: row[3])
+        median = statistics.median(row[3] for row in faster)
         out.append(
-            f"    matmul grid: {statistics.median(ratios):.2f}x faster (median), up to "
-            f"{most:.2f}x ({a}x{b}x{c})"
+            f"    matmul grid: {median:.2f}x faster (median), up to {most:.2f}x ({a}x{b}x{c})"
         )
     return out
 
