@@ -99,6 +99,32 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
         assert torch.equal(held, value)  # what the caller kept was never written again
 
 
+def test_an_op_whose_out_overload_takes_other_types_is_not_written_with_it():
+    """div.Scalar's formals have the names of div.out's but a Scalar where div.out takes a
+    Tensor: its result is made anew each run, not written with div.out (which failed from the
+    second run on: "Expected Tensor but got Int" -- a compiled ``x.mean(1)`` step's third call).
+    """
+    steps = [
+        _step("aten.sum.dim_IntList", (Slot(0), [1]), (1,)),
+        _step("aten.div.Scalar", (Slot(1), 5), (2,)),
+        _step("aten.mul.Scalar", (Slot(2), 3), (3,)),
+        _step("aten.add.Tensor", (Slot(3), Slot(2)), (4,), frees=(3,)),  # add.out: as before
+        _step("aten.neg.default", (Slot(4),), (5,), frees=(4,)),
+    ]
+    compiled = _program(steps, 6, (0,), (2, 5))
+    for run in range(3):
+        x = torch.randn(4, 5)
+        env, cenv = [x] + [None] * 5, core.Env(6)
+        cenv[0] = x
+        for s in steps:
+            run_step(s, env)
+        assert compiled.run(cenv, 0, len(steps)) == -1, compiled.last_error()
+        for k in (2, 5):
+            assert torch.equal(env[k], cenv[k]), (run, k)
+        del env, cenv
+    assert compiled.reused() >= 1  # add's buffer is still written again
+
+
 def _program(steps, n, inputs, outputs):
     from monarch_dsl.compiler.lower import core_steps
     from monarch_dsl.isa import Program

@@ -105,6 +105,8 @@ def test_small_results_are_written_into_buffers_kept_between_calls():
     program = _program(steps, 3, (0,), (2,), types)
     assert writes_out("aten.mm.default") and writes_out("aten.mul.Tensor")
     assert not writes_out("aten.sum.dim_IntList")  # (its out= kernel is no CPU kernel)
+    # div.out / mul.out take a Tensor where div.Scalar / mul.Scalar take a Scalar
+    assert not writes_out("aten.div.Scalar") and not writes_out("aten.mul.Scalar")
     alone = simulate_program(program, types, "cpu-local", held=())
     assert alone.resident_memory == {0: 3 * 1024} and alone.peak_memory == {0: 3 * 1024}
     held = simulate_program(program, types, "cpu-local")  # the caller holds the last output

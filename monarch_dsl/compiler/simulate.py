@@ -369,7 +369,11 @@ def _makes_one_tensor(schema: Any) -> bool:
 
 
 def _same_formals(a: Any, b: Any) -> bool:
-    return all(x.name == y.name and x.kwarg_only == y.kwarg_only for x, y in zip(a, b))
+    """Names, kinds and types alike (``same_formals`` in cpp/program.cpp): ``div.out`` is no
+    out= overload of ``div.Scalar``, whose ``other`` is a Scalar, not a Tensor."""
+    return all(
+        x.name == y.name and x.kwarg_only == y.kwarg_only and x.type == y.type for x, y in zip(a, b)
+    )
 
 
 @functools.cache

@@ -96,6 +96,18 @@ struct Pending {
 // to the allocator, so planning never holds much memory between runs.
 constexpr int64_t kPlannedBytes = 64 << 10;
 
+// Whether `a` and `b` have the same formal arguments, of the same names, types and kinds
+// (div.Scalar and div.out share the names `self, other`, but not other's type: a Scalar there
+// is no Tensor, and writing div.Scalar's result with div.out failed on the second run).
+bool same_formals(const std::vector<c10::Argument>& a, const std::vector<c10::Argument>& b) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (a[i].name() != b[i].name() || a[i].kwarg_only() != b[i].kwarg_only() ||
+        *a[i].type() != *b[i].type())
+      return false;
+  }
+  return true;
+}
+
 // The out= overload of `handle`, when it takes exactly the op's arguments plus one `out`
 // tensor and the op returns one fresh (non-aliasing) tensor.
 std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& handle) {
@@ -115,12 +127,9 @@ std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& handle
     return std::nullopt;
   const auto& formals = schema.arguments();
   const auto& out_formals = out->schema().arguments();
-  if (out_formals.size() != formals.size() + 1 || !out_formals.back().is_out()) return std::nullopt;
-  for (size_t i = 0; i < formals.size(); ++i) {
-    if (formals[i].name() != out_formals[i].name() ||
-        formals[i].kwarg_only() != out_formals[i].kwarg_only())
-      return std::nullopt;
-  }
+  if (out_formals.size() != formals.size() + 1 || !out_formals.back().is_out() ||
+      !same_formals(formals, out_formals))
+    return std::nullopt;
   return out;
 }
 
@@ -139,12 +148,8 @@ std::optional<c10::OperatorHandle> inplace_variant(const c10::OperatorHandle& ha
   if (!twin) return std::nullopt;
   const auto& formals = schema.arguments();
   const auto& twin_formals = twin->schema().arguments();
-  if (twin_formals.size() != formals.size()) return std::nullopt;
-  for (size_t i = 0; i < formals.size(); ++i) {
-    if (formals[i].name() != twin_formals[i].name() ||
-        formals[i].kwarg_only() != twin_formals[i].kwarg_only())
-      return std::nullopt;
-  }
+  if (twin_formals.size() != formals.size() || !same_formals(formals, twin_formals))
+    return std::nullopt;
   const auto* alias = twin_formals[0].alias_info();
   if (!alias || !alias->isWrite() || twin_formals[0].type()->kind() != c10::TypeKind::TensorType)
     return std::nullopt;
