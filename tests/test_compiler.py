@@ -77,6 +77,38 @@ def test_data_parallel_matches_one_process(opt):
         assert all(c.dims == ("dp",) for c in plan.collectives)
 
 
+class _Attention(nn.Module):
+    """Token embedding, nn.MultiheadAttention (batch first) and a classifier on the mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.embed(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head((a + h).mean(1))
+
+
+def test_data_parallel_multihead_attention_matches_one_process():
+    """nn.MultiheadAttention's ``permute(...).contiguous().view(...)`` is traced without the
+    ``contiguous`` (a no-op on the traced layout); on the ranks, the attention's inputs come
+    from collectives laid out otherwise, and its ``view`` failed until views ran as
+    ``reshape`` (lower._AS_RESHAPE)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = _Attention()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 40, (8, 6), generator=g), torch.randint(0, 10, (8,), generator=g))]
+    model, ref, losses, ref_losses, _ = simulate_training(make, batches=batches * 2, steps=2, **DP)
+    _assert_parity(model, ref, losses, ref_losses)
+
+
 def test_megatron_mlp_tp2():
     model, ref, losses, ref_losses, plans = simulate_training(
         _mlp(), (("tp", 2),), mse_batches(), placements=MEGATRON_MLP

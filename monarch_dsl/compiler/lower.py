@@ -1,8 +1,9 @@
 """Lowering: a plan becomes a ``Program`` every rank can run.
 
 The program is the plan with names replaced by slot numbers, sizes rewritten to each rank's
-local shapes (a ``view`` of a sharded value views the shard), and, per step, the slots whose
-last use it is (so memory goes as soon as it can). Steps that only rename a value are left
+local shapes (a ``view`` of a sharded value views the shard; views run as ``reshape``:
+``_AS_RESHAPE``), and, per step, the slots whose last use it is (so memory goes as soon as it
+can). Steps that only rename a value are left
 out: a ``detach`` (the workers record no autograd history) and a transpose back are their
 argument (the same slot; ``_aliases``), and a view nobody uses is not made. It is plain data
 (picklable): the controller sends it to the workers once, then only "run program k with these
@@ -44,6 +45,16 @@ _SIZE_ARG = {
     "rand": 0,
     "randn": 0,
 }
+
+
+# Views lowered as ``reshape``: the same view where the argument's strides allow it, else a
+# copy. A traced view is legal for the strides its argument had while tracing; on a rank, the
+# argument can be laid out otherwise when the plan changed what produced it -- a collective's
+# result is contiguous where the traced value was a transposed view, and an op such as CPU
+# attention lays its result out after its inputs. nn.MultiheadAttention's
+# ``permute(2, 0, 1, 3).contiguous().view(...)`` is traced without the ``contiguous`` (a no-op
+# there) and its ``view`` failed on the workers.
+_AS_RESHAPE = {"aten.view.default", "aten._unsafe_view.default"}
 
 
 class _StepFields(TypedDict):
@@ -228,7 +239,8 @@ def lower(plan: Plan) -> Program:
             elif "size" in kwargs:
                 kwargs["size"] = local
         common["args"] = tuple(args)
-        steps.append(Compute(name=ins.op, kwargs=kwargs, **common))
+        op = "aten.reshape.default" if ins.op in _AS_RESHAPE else ins.op
+        steps.append(Compute(name=op, kwargs=kwargs, **common))
     outputs = tuple(slots[o.var] for o in plan.outputs)
     out_types = [types[o.var] for o in plan.outputs]
     return Program(
