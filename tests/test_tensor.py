@@ -237,6 +237,34 @@ def test_autograd_module_and_optimizer_match_local_training(pm):
                 torch.testing.assert_close(md.inspect(p, host=h, gpu=g), want)
 
 
+def test_deepcopy_of_a_mesh_model_is_a_model_on_the_mesh_and_local_ones_stay_local(pm):
+    """copy.deepcopy of a model on the mesh (an EMA copy) copies on the workers: parameters
+    stay parameters, with their requires_grad and .grad, independent of the original. Under
+    pm.activate(), a local model's copy (buffers too: torch copies their storages) is local."""
+    import copy
+
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    with pm.activate():
+        kept = copy.deepcopy(local)
+        assert not any(isinstance(t, md.Tensor) for t in kept.state_dict().values())
+        for name, t in kept.state_dict().items():
+            assert torch.equal(t, local.state_dict()[name]), name
+        model = md.to_mesh(torch.nn.Linear(3, 2), pm)
+        model(torch.ones(4, 3)).sum().backward()
+        ema = copy.deepcopy(model)
+        assert isinstance(ema.weight, torch.nn.Parameter) and isinstance(ema.weight, md.Tensor)
+        assert ema.weight.requires_grad and ema.weight is not model.weight
+        assert torch.equal(md.inspect(ema.weight.grad), md.inspect(model.weight.grad))
+        before = md.inspect(model.weight)
+        with torch.no_grad():
+            ema.weight.mul_(0)
+        assert torch.equal(md.inspect(model.weight, host=1, gpu=1), before)
+        assert md.inspect(ema.weight, host=1, gpu=1).abs().sum() == 0
+        with pytest.raises(RuntimeError, match="graph leaf"):
+            copy.deepcopy(model(torch.ones(1, 3)))
+
+
 def test_to_mesh_between_pipeline_stages(pm):
     stages = pm.rename(host="pp", gpu="dp")
     s0, s1 = stages.slice(pp=0), stages.slice(pp=1)
@@ -467,7 +495,7 @@ def test_an_in_place_reduce_makes_no_meta_tensor(pm, monkeypatch):
 def test_python_values_of_mesh_tensors_need_a_fetch(pm):
     with pm.activate():
         s = torch.ones(2).sum()
-        for get in (s.item, lambda: bool(s), torch.ones(2).tolist):
+        for get in (s.item, lambda: bool(s), torch.ones(2).tolist, s.numpy):
             with pytest.raises(TypeError, match=r"md\.inspect\(t\)"):
                 get()
         with pytest.raises(TypeError, match="output shape is not known"):

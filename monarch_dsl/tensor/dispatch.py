@@ -8,6 +8,7 @@ controller knows (see ``handle.known_value``) are computed along here.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -359,12 +360,23 @@ class MeshMode(TorchDispatchMode):
         if any(isinstance(x, Tensor) for x in flat):
             return _dispatch(func, args, kwargs, self.mesh)
         if any(isinstance(x, torch.Tensor) for x in flat):
-            if func._schema.name in _FACTORY_DEVICE_OPS:
+            if func._schema.name in _FACTORY_DEVICE_OPS and not _from_storage_code():
                 return _dispatch(func, args, kwargs, self.mesh)
             return func(*args, **kwargs)  # local tensors stay local
-        if _is_factory(func):
+        if _is_factory(func) and not _from_storage_code():
             return _dispatch(func, args, kwargs, self.mesh)
         return func(*args, **kwargs)  # no tensors in or out (profiler marks and such)
+
+
+_STORAGE_FILE = torch.storage.__file__
+
+
+def _from_storage_code() -> bool:
+    """Whether the op was called by torch's storage code, which makes a tensor on the spot to
+    copy a local storage (``copy.deepcopy`` of a local tensor under ``pm.activate()``): that
+    tensor stays local, as storages are (a mesh tensor has none)."""
+    frame = sys._getframe(2)  # (this function's caller is MeshMode.__torch_dispatch__)
+    return frame.f_code.co_filename == _STORAGE_FILE
 
 
 _factories: dict[Any, bool] = {}

@@ -100,6 +100,12 @@ class Tensor(torch.Tensor):
             "e.g. md.inspect(t).tolist()"
         )
 
+    def numpy(self, *, force: bool = False):  # noqa: ARG002 - torch's signature
+        raise TypeError(
+            "numpy() needs the tensor's value, which lives on the workers: fetch it first, "
+            "e.g. md.inspect(t).numpy()"
+        )
+
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
         return (
             f"md.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._md_mesh!r}, "
@@ -177,6 +183,28 @@ class Tensor(torch.Tensor):
         engine = self._md_engine
         if engine is not None:
             engine.dead.append((self._md_ref, self._md_stream))  # engine.delete, inlined
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        """A copy on the same mesh and stream, made on the workers (``clone``), as DTensor's
+        deepcopy: ``copy.deepcopy(model)`` of a model on a mesh (an EMA copy, a reference) is a
+        model on the mesh. A parameter's copy is a parameter with its ``requires_grad``, and its
+        ``.grad`` is copied too, as torch copies a local tensor's."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "copy.deepcopy: only an md.Tensor that autograd did not make (a graph leaf) can be "
+                "copied, as with a local tensor; detach() it first"
+            )
+        with torch.no_grad():
+            new = self.clone()
+        new.requires_grad_(self.requires_grad)
+        if self.__dict__.get("_is_param"):
+            new.__dict__["_is_param"] = True  # what nn.Parameter(t) sets on a subclass
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        return new
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
