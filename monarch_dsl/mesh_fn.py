@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -182,6 +183,11 @@ class MeshFunction:
         self.state_mesh: Any = None
         self.home: dict[str, tuple] = {}  # state name -> the pipeline stage that holds it
         self._state_key: tuple | None = None  # of the state's layout, while it is unchanged
+        # The modules and optimizers the step uses (``used_objects``), found when the step
+        # starts from the local objects (its first call, or after pull()).
+        self._objects: tuple[dict, dict] | None = None
+        self._submodules: dict[str, list] = {}  # each of those modules' submodules, then
+        self._settings: tuple | None = None  # the settings key of the latest compile
 
     # ---- compiling -----------------------------------------------------------------------
     def compile(
@@ -201,16 +207,28 @@ class MeshFunction:
         ).plan
 
     def _compiled(self, args, kwargs, spec, state) -> _Compiled:
+        if state is None or self._objects is None:
+            self._objects = used_objects(self.fn)
+            self._submodules = _submodules(self._objects[0])
         if state is None:  # starting from the local modules and optimizers, as they are now
-            skey = ("local", _local_state_key(self.fn))
+            skey = ("local", _local_state_key(*self._objects))
         else:
             if self._state_key is None:
                 self._state_key = _state_key(state)
             skey = self._state_key
-        key = (spec, _signature((args, kwargs)), skey)
+        settings = _settings_key(*self._objects, self._submodules)
+        key = (spec, _signature((args, kwargs)), skey, settings)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
+        if self._settings is not None and settings != self._settings:
+            warnings.warn(
+                f"{self.__name__}: {_settings_change(self._settings, settings)} since it was "
+                "compiled; a plan holds these as constants, so it is compiled again (a scheduler "
+                "that changes the learning rate at every step compiles at every step)",
+                stacklevel=4,
+            )
+        self._settings = settings
         opt_state = values = placements = None
         if state is not None:  # what the workers hold: whole shapes, and placements
 
@@ -312,6 +330,7 @@ class MeshFunction:
                         opt.state[p][key] = v
         self.state = {}
         self._state_key = None
+        self._objects = None
         self.state_mesh = None
         _release(self)
 
@@ -375,14 +394,65 @@ def _named_tensors(modules, optimizers, state: bool = False) -> dict[str, torch.
     return named
 
 
-def _local_state_key(fn) -> tuple:
+def _local_state_key(modules, optimizers) -> tuple:
     """The layout of the optimizer state and gradients a step would start from locally."""
-    modules, optimizers = used_objects(fn)
     params = _named_tensors(modules, optimizers)
     named = _named_tensors(modules, optimizers, state=True)
     return tuple(
         sorted((n, tuple(t.shape), str(t.dtype)) for n, t in named.items() if n not in params)
     )
+
+
+def _settings_key(modules, optimizers, every: dict | None = None) -> tuple:
+    """What a plan holds as constants from the objects its step uses, besides their tensors'
+    layout: each module's train/eval mode (dropout, batch norm) and each optimizer's
+    hyperparameters per parameter group (a scheduler's learning rate). A change compiles the
+    step again instead of running the old plan with the old values. ``every``: each module's
+    submodules (``_submodules``), when the caller keeps them."""
+    every = every or _submodules(modules)
+    modes = tuple((name, tuple([m.training for m in subs])) for name, subs in every.items())
+    groups = tuple(
+        (
+            name,
+            tuple(
+                tuple([_setting(k, v) for k, v in g.items() if k != "params"])
+                for g in opt.param_groups
+            ),
+        )
+        for name, opt in optimizers.items()
+    )
+    return modes, groups
+
+
+def _submodules(modules) -> dict[str, list]:
+    return {name: list(module.modules()) for name, module in modules.items()}
+
+
+def _setting(key: str, value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):  # a tensor learning rate: its value, where it is local
+        if value.numel() == 1 and not isinstance(value, Tensor):
+            return (key, "tensor", value.item())
+        return (key, "tensor", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return (key, repr(value))
+    return (key, value)
+
+
+def _settings_change(old: tuple, new: tuple) -> str:
+    """What changed between two ``_settings_key`` values, for the recompile warning."""
+    if old[0] != new[0]:
+        changed = [name for (name, a), (_, b) in zip(old[0], new[0]) if a != b]
+        return f"the train/eval mode of {', '.join(changed) or 'a module'} changed"
+    for (name, a), (_, b) in zip(old[1], new[1]):
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            for sa, sb in zip(ga, gb):
+                if sa != sb:
+                    return (
+                        f"{name}.param_groups[{i}][{sa[0]!r}] changed from {sa[-1]!r} to {sb[-1]!r}"
+                    )
+    return "the optimizers' settings changed"
 
 
 def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,39 @@ def test_a_plans_comms_do_not_share_groups_with_a_users_comms_stream(pm):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     streams = dp.spawn("groups", Groups).streams.call().get(timeout=30).values()
     assert all("plan/main/comms" in s and "comms" in s for s in streams), streams
+
+
+def test_a_changed_learning_rate_or_train_mode_compiles_the_step_again(pm):
+    """A plan holds the optimizer's hyperparameters and the modules' train/eval mode as
+    constants: a scheduler's new lr, or model.train(), compiles the step again (with a warning
+    naming the change) instead of running the old plan -- which trained on with the first lr."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 16)).eval()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
+    batches = _batches(3)
+    with pm.activate(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches:
+            step(x, y)
+            sched.step()
+        step.pull()
+    said = [str(w.message) for w in caught if "compiled again" in str(w.message)]
+    assert len(said) == 2 and "opt.param_groups[0]['lr'] changed from 0.1 to" in said[0], said
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.1)
+    for x, y in batches:
+        mse_step(ref, ref_opt)(x, y)
+        ref_sched.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, msg=name)  # each step with its own lr
+    model.train()
+    with pm.activate(), pytest.warns(UserWarning, match="train/eval mode of model changed"):
+        md.inspect(step(*batches[0]))
+    # the first call (lr 0.1), then with the state on the mesh at lr 0.01 and 0.001; train mode
+    assert step.compiles == 4
 
 
 def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
