@@ -265,6 +265,22 @@ def test_deepcopy_of_a_mesh_model_is_a_model_on_the_mesh_and_local_ones_stay_loc
             copy.deepcopy(model(torch.ones(1, 3)))
 
 
+def test_a_local_checkpoint_loads_into_a_model_on_the_mesh(pm):
+    """load_state_dict of local tensors into a model on the mesh (copy_ with a local source)
+    sends each value to every rank; another op with a local argument is still refused."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(3, 2).state_dict()
+    other = torch.ones(2, 3)
+    with pm.activate():
+        model = md.to_mesh(torch.nn.Linear(3, 2), pm)
+        model.load_state_dict(saved)
+        for name, value in saved.items():
+            for h, g in COORDS:
+                assert torch.equal(md.inspect(model.state_dict()[name], host=h, gpu=g), value)
+        with pytest.raises(TypeError, match="is a local tensor"):
+            model.weight.detach().add_(other)
+
+
 def test_to_mesh_between_pipeline_stages(pm):
     stages = pm.rename(host="pp", gpu="dp")
     s0, s1 = stages.slice(pp=0), stages.slice(pp=1)

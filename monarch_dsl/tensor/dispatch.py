@@ -202,6 +202,10 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
         return lift(flat[local], active)
     if mesh is None:
         mesh = active
+    if local == 1 and first == 0 and name == "aten::copy_" and isinstance(args[1], torch.Tensor):
+        # A mesh tensor written with a local value (module.load_state_dict of a local
+        # checkpoint): the value is sent to every rank, as md.to_mesh would.
+        return _dispatch_general(func, (args[0], lift(args[1], mesh), *args[2:]), kwargs, active)
     if local is not None:
         raise TypeError(
             f"{op}: argument #{local} is a local tensor (shape {tuple(flat[local].shape)}) but "
