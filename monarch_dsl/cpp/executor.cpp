@@ -380,13 +380,7 @@ class Executor {
         py::gil_scoped_acquire gil;
         auto fn = py::reinterpret_steal<py::object>(item.fn);
         item.fn = nullptr;
-        try {
-          fn();
-        } catch (py::error_already_set& e) {
-          PySys_WriteStderr("monarch_dsl executor: internal error in a Python step:\n");
-          e.restore();
-          PyErr_Print();
-        }
+        run_python_step(fn, "monarch_dsl executor: internal error in a Python step:\n");
         break;
       }
       case Kind::Barrier: {
@@ -394,16 +388,39 @@ class Executor {
         py::gil_scoped_acquire gil;
         auto fn = py::reinterpret_steal<py::object>(item.fn);
         item.fn = nullptr;
-        if (last) {
-          try {
-            fn();
-          } catch (py::error_already_set& e) {
-            e.restore();
-            PyErr_Print();
-          }
-        }
+        if (last) run_python_step(fn, "");
         break;
       }
+    }
+  }
+
+  // Runs a Python step (under the GIL); what it lets out is said on stderr. A MemoryError at
+  // a worker's budget's last pages can come before the step's own code runs (its frame), and
+  // its caller may be waiting for its answer (a fetch: the controller hung): the step runs once
+  // more with kStepRoom more, the runtime's own room (as runtime/memory.py's grace()).
+  static void run_python_step(const py::object& fn, const char* what) {
+    constexpr size_t kStepRoom = size_t{16} << 20;  // runtime/memory.py's GRACE
+    try {
+      fn();
+      return;
+    } catch (py::error_already_set& e) {
+      std::optional<rlim_t> before;
+      if (e.matches(PyExc_MemoryError) && (before = md::exec::grow_data_limit(kStepRoom))) {
+        try {
+          fn();
+          md::exec::set_data_limit(*before);
+          return;
+        } catch (py::error_already_set& again) {
+          md::exec::set_data_limit(*before);
+          if (*what) PySys_WriteStderr("%s", what);
+          again.restore();
+          PyErr_Print();
+          return;
+        }
+      }
+      if (*what) PySys_WriteStderr("%s", what);
+      e.restore();
+      PyErr_Print();
     }
   }
 

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <sys/resource.h>
 
+#include <optional>
 #include <system_error>
 
 namespace md::exec {
@@ -27,12 +28,28 @@ void start_stream_thread(const c10::Device& device) {
   }
 }
 
+std::optional<rlim_t> grow_data_limit(size_t room) {
+  struct rlimit limit;
+  if (getrlimit(RLIMIT_DATA, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return std::nullopt;
+  if (limit.rlim_max != RLIM_INFINITY && limit.rlim_cur + room > limit.rlim_max)
+    return std::nullopt;
+  const rlim_t before = limit.rlim_cur;
+  limit.rlim_cur += room;
+  if (setrlimit(RLIMIT_DATA, &limit) != 0) return std::nullopt;
+  return before;
+}
+
+void set_data_limit(rlim_t soft) {
+  struct rlimit limit;
+  if (getrlimit(RLIMIT_DATA, &limit) != 0) return;
+  limit.rlim_cur = soft;
+  setrlimit(RLIMIT_DATA, &limit);
+}
+
 std::thread start_thread(std::function<void()> body) {
   try {
     return std::thread(body);
   } catch (const std::system_error&) {
-    struct rlimit limit;
-    if (getrlimit(RLIMIT_DATA, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) throw;
     size_t stack = 0;
     pthread_attr_t attr;
     if (pthread_getattr_default_np(&attr) == 0) {
@@ -40,10 +57,7 @@ std::thread start_thread(std::function<void()> body) {
       pthread_attr_destroy(&attr);
     }
     // The stack (glibc's default: RLIMIT_STACK, 8 MiB) and its guard page, with room to spare.
-    const rlim_t room = (stack > 0 ? stack : size_t{8} << 20) + (size_t{1} << 20);
-    if (limit.rlim_max != RLIM_INFINITY && limit.rlim_cur + room > limit.rlim_max) throw;
-    limit.rlim_cur += room;
-    if (setrlimit(RLIMIT_DATA, &limit) != 0) throw;
+    if (!grow_data_limit((stack > 0 ? stack : size_t{8} << 20) + (size_t{1} << 20))) throw;
     return std::thread(body);
   }
 }

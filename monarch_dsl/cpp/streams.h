@@ -6,6 +6,7 @@
 #pragma once
 
 #include <c10/core/Device.h>
+#include <sys/resource.h>
 
 #include <condition_variable>
 #include <deque>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -28,6 +30,12 @@ void start_stream_thread(const c10::Device& device);
 
 // An exception that running an item let out (a bug of ours): said on stderr, under the GIL.
 void report_internal_error(const std::exception& e);
+
+// Grows a worker's memory budget (RLIMIT_DATA, runtime/memory.py; which counts the growth
+// as the runtime's own) by `room` bytes; returns the soft limit before, or nothing where there
+// is no budget or no room under its hard limit. `set_data_limit` puts a soft limit back.
+std::optional<rlim_t> grow_data_limit(size_t room);
+void set_data_limit(rlim_t soft);
 
 // A new thread running `body`. Its stack is the runtime's, not the user's: where a worker's
 // memory budget (RLIMIT_DATA, runtime/memory.py) has no room left for it, the limit grows by

@@ -321,6 +321,15 @@ class ReferenceExecutor:
                 self.reply(ins.shapes_to, (leaves, spec))
 
     def fetch(self, ins: isa.Fetch) -> None:
+        try:
+            self._fetch(ins)
+        except MemoryError as e:
+            # At the budget's last pages anything can fail (making the reply, a frame): the
+            # caller waits for an answer, so say it from the grace room instead of losing it.
+            with memory.grace():
+                self.reply_failure(ins.call_id, self.root_failure(ins.loc, "fetch", e))
+
+    def _fetch(self, ins: isa.Fetch) -> None:
         if ins.ref < 0:  # a barrier: everything before it has run
             self.reply(ins.call_id, None)
             return

@@ -177,6 +177,18 @@ class Worker:
             with memory.grace():
                 self._reply(msg)
 
+    def reply_made(self, make: Callable[[], Any]) -> None:
+        """``reply(make())``, with the message made in the grace room where the budget has no
+        room left for it: a failure's report (its text, ``memory.explain``) must not be lost
+        to a MemoryError -- the controller waits for it (a fetch of a value whose allocation
+        failed at the budget's last pages hung)."""
+        try:
+            msg = make()
+        except MemoryError:
+            with memory.grace():
+                msg = make()
+        self.reply(msg)
+
     def _reply(self, msg: Any) -> None:
         try:
             parts = transport.encode(msg)
@@ -309,10 +321,10 @@ class Worker:
                 torch.cuda.set_device(device)  # NCCL and new CUDA tensors use this GPU
             callbacks = dict(
                 reply=lambda call_id, value: self.reply(Reply(call_id, self.rank, value)),
-                reply_failure=lambda call_id, f: self.reply(
-                    FetchFailed(call_id, self.rank, _outgoing(f))
+                reply_failure=lambda call_id, f: self.reply_made(
+                    lambda: FetchFailed(call_id, self.rank, _outgoing(f))
                 ),
-                report=lambda f: self.reply(FailureReport(self.rank, _outgoing(f))),
+                report=lambda f: self.reply_made(lambda: FailureReport(self.rank, _outgoing(f))),
             )
             core = _core.worker_native()  # None: MD_EXECUTOR=python, or no build (said once)
             if core is None:
