@@ -154,6 +154,42 @@ def test_streams_run_concurrently_and_borrows_wait():
     assert len(ex) == 0
 
 
+def test_a_python_step_that_let_a_memory_error_out_runs_once_more_with_room(capfd):
+    """At a worker's budget's last pages a Python step (a fetch: its caller waits for the
+    answer) can fail before its own code runs: it runs once more with 16 MiB more under
+    RLIMIT_DATA, put back after. Another error is said on stderr and not run again."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    budget = 1 << 40  # a finite limit far above this process's use: a budget to grow
+    resource.setrlimit(resource.RLIMIT_DATA, (budget, hard))
+    ex = core.Executor(0, isa.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    try:
+        limits, others = [], []
+
+        def step():
+            limits.append(resource.getrlimit(resource.RLIMIT_DATA)[0])
+            if len(limits) == 1:
+                raise MemoryError
+
+        def other():
+            others.append(1)
+            raise ValueError("a bug of ours")
+
+        done = threading.Event()
+        ex.python("main", step)
+        ex.python("main", other)
+        ex.barrier(done.set)
+        assert done.wait(30)
+        assert limits == [budget, budget + (16 << 20)]
+        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == budget
+        assert others == [1]
+        assert "internal error in a Python step" in capfd.readouterr().err
+    finally:
+        ex.close()
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
 def test_an_op_the_dispatcher_cannot_take_is_refused_when_queued():
     ex = core.Executor(0, isa.Ref, D, torch.device("cpu"), Failure, lambda f: None)
     with pytest.raises(RuntimeError):
