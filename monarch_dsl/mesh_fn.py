@@ -216,7 +216,7 @@ class MeshFunction:
             if self._state_key is None:
                 self._state_key = _state_key(state)
             skey = self._state_key
-        settings = _settings_key(*self._objects, self._submodules)
+        settings = _settings_key(self._submodules, self._objects[1])
         key = (spec, _signature((args, kwargs)), skey, settings)
         hit = self.cache.get(key)
         if hit is not None:
@@ -403,14 +403,13 @@ def _local_state_key(modules, optimizers) -> tuple:
     )
 
 
-def _settings_key(modules, optimizers, every: dict | None = None) -> tuple:
+def _settings_key(submodules: dict[str, list], optimizers) -> tuple:
     """What a plan holds as constants from the objects its step uses, besides their tensors'
-    layout: each module's train/eval mode (dropout, batch norm) and each optimizer's
+    layout: the train/eval mode (dropout, batch norm) of each module's ``submodules``
+    (``_submodules``, found once while the step's objects are the same) and each optimizer's
     hyperparameters per parameter group (a scheduler's learning rate). A change compiles the
-    step again instead of running the old plan with the old values. ``every``: each module's
-    submodules (``_submodules``), when the caller keeps them."""
-    every = every or _submodules(modules)
-    modes = tuple((name, tuple([m.training for m in subs])) for name, subs in every.items())
+    step again instead of running the old plan with the old values."""
+    modes = tuple((name, tuple([m.training for m in subs])) for name, subs in submodules.items())
     groups = tuple(
         (
             name,

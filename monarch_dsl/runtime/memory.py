@@ -60,7 +60,8 @@ import numbers
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 ENV = "MONARCH_DSL_MEMORY_LIMIT"
 # Room beyond the budget, while the runtime reports that the budget is used up (``grace``).
@@ -209,6 +210,9 @@ def set_budget(budget: int) -> None:
         _apply()
 
 
+T = TypeVar("T")
+
+
 @contextlib.contextmanager
 def grace():
     """``GRACE`` bytes beyond the budget for the runtime to say the budget is used up: a reply
@@ -225,6 +229,17 @@ def grace():
             _graces -= 1
             if _inherited is not None:
                 _apply()
+
+
+def or_in_grace(fn: Callable[[], T]) -> T:
+    """``fn()``; where that found no room left (MemoryError: a worker used up to its last
+    pages), ``fn()`` once more in the grace room. For what the runtime owes its controller: a
+    reply, and the failure it reports."""
+    try:
+        return fn()
+    except MemoryError:
+        with grace():
+            return fn()
 
 
 def start_thread(thread: threading.Thread) -> None:

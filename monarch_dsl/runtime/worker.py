@@ -171,23 +171,14 @@ class Worker:
                     )
 
     def reply(self, msg: Any) -> None:
-        try:
-            self._reply(msg)
-        except MemoryError:  # no room left to send it: this worker's budget is used up
-            with memory.grace():
-                self._reply(msg)
+        memory.or_in_grace(lambda: self._reply(msg))  # sent even with no room left to send it
 
     def reply_made(self, make: Callable[[], Any]) -> None:
         """``reply(make())``, with the message made in the grace room where the budget has no
         room left for it: a failure's report (its text, ``memory.explain``) must not be lost
         to a MemoryError -- the controller waits for it (a fetch of a value whose allocation
         failed at the budget's last pages hung)."""
-        try:
-            msg = make()
-        except MemoryError:
-            with memory.grace():
-                msg = make()
-        self.reply(msg)
+        self.reply(memory.or_in_grace(make))
 
     def _reply(self, msg: Any) -> None:
         try:
