@@ -40,6 +40,14 @@
    (``y = x + 1``) measured now, times the plan's instruction count — roughly what issuing
    the same step op by op in eager mode would cost.
 
+3. A learning rate that a scheduler changes at every step (``LambdaLR``, cosine), on the same
+   2-process mesh, the ``mlp12`` step: wall time per step through the workers' completion
+   (``SCHED_STEPS`` steps after 3 warm-up steps, median of ``RUNS``) with the rate an input
+   of the plan (``compiler/hyper.py``: compiled twice, then reused) against the old way, the
+   rate a constant of the plan (every step compiles again; ``_changed_settings`` patched to
+   report no float settings, as before they were lifted) and against no scheduler at all
+   (the floor: the same plan every call, one input fewer).
+
 Targets (issue 4): compile <= 2 s for each model; <= 1 ms of controller time per call.
 The garbage collector is off inside timed loops (as ``timeit`` does).
 """
@@ -349,6 +357,50 @@ def per_call(pm, case: Case, runs: int, calls: int) -> dict:
     }
 
 
+# ---- 3. a per-step learning-rate schedule ---------------------------------------------------
+
+
+def scheduled(pm, case: Case, runs: int, steps: int, how: str) -> dict:
+    """ms per step of ``case`` under a per-step cosine schedule: ``how`` "input" (the rate an
+    input of the plan), "constant" (compiled again at every step, as before), "none" (no
+    scheduler)."""
+    import warnings
+
+    mesh_fn_module = sys.modules["monarch_dsl.mesh_fn"]
+    model, opt = case.make()
+    total = WARMUP + runs * steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)) if how != "none" else 1.0
+    )
+    step = md.mesh_fn(step_of(model, opt, case.loss), data_parallel="dp")
+    per_step = []
+    patch = (
+        unittest.mock.patch.object(mesh_fn_module, "_changed_settings", lambda old, new: None)
+        if how == "constant"
+        else unittest.mock.patch.object(
+            mesh_fn_module, "_changed_settings", mesh_fn_module._changed_settings
+        )
+    )
+    with pm.activate(), patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(WARMUP):
+            loss = step(case.x, case.y)
+            sched.step()
+        md.inspect(loss)
+        for _ in range(runs):
+            gc.collect()
+            w0 = time.perf_counter()
+            for _ in range(steps):
+                loss = step(case.x, case.y)
+                sched.step()
+            value = md.inspect(loss).item()
+            per_step.append((time.perf_counter() - w0) / steps * 1e3)
+            assert math.isfinite(value), value
+        del loss
+    step.pull()
+    return {"ms": statistics.median(per_step), "all": per_step, "compiles": step.compiles}
+
+
 # ---- report --------------------------------------------------------------------------------
 
 
@@ -366,6 +418,11 @@ def main() -> None:
     try:
         op_us = eager_op_us(pm)
         called = [(c, per_call(pm, c, runs, calls)) for c in run_cases]
+        steps = 20 if not opts.quick else 8
+        sched = {
+            h: scheduled(pm, compile_cases[0], runs, steps, h)
+            for h in ("input", "constant", "none")
+        }
     finally:
         pm.stop()
 
@@ -414,6 +471,25 @@ def main() -> None:
             f"issue {r['issue']:.0f} us; eager on the mesh, estimated: {r['instrs']} instrs x "
             f"{op_us:.1f} us/op = {r['instrs'] * op_us:.0f} us"
         )
+    name = compile_cases[0].name.split()[0]
+    print(
+        f"{name} under a per-step lr schedule, wall ms/step to done (median of {runs} x {steps} "
+        "steps):"
+    )
+    for how, label in (
+        ("input", "lr an input of the plan"),
+        ("constant", "lr a constant: compiled every step"),
+        ("none", "no scheduler (the floor)"),
+    ):
+        r = sched[how]
+        print(
+            f"    {label:38s} {r['ms']:9.2f} ms  ({', '.join(f'{v:.2f}' for v in r['all'])}; "
+            f"{r['compiles']} compiles)"
+        )
+    print(
+        f"    constant / input {sched['constant']['ms'] / sched['input']['ms']:.1f}x; "
+        f"input / floor {sched['input']['ms'] / sched['none']['ms']:.2f}x"
+    )
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from monarch_dsl import isa
 from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
+from monarch_dsl.compiler.hyper import Hyper, current, is_setting, sign_of
 from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.ops import ALIASING, base_name
 from monarch_dsl.compiler.plan import (
@@ -85,6 +86,8 @@ class _Compiled:
         self.types = plan.types()
         self.home = _homes(plan)
         self.n_args = sum(1 for i in plan.inputs if i.kind == "arg")
+        self.hypers = captured.hypers  # the optimizer settings its inputs of kind hyper follow
+        self.lifted = {lift.name: lift for lift in captured.lifted}
         # per input: (name, kind, whole type, local shape, stage)
         self.inputs = [
             (i.name, i.kind, i.type, i.type.local_shape(sizes), self.home.get(i.name, ()))
@@ -188,6 +191,10 @@ class MeshFunction:
         self._objects: tuple[dict, dict] | None = None
         self._submodules: dict[str, list] = {}  # each of those modules' submodules, then
         self._settings: tuple | None = None  # the settings key of the latest compile
+        # Optimizer settings the plans take as inputs (``compiler/hyper.py``): those a
+        # scheduler changed; and (setting, state key) pairs where that failed, not tried again.
+        self._lifted: tuple[Hyper, ...] = ()
+        self._lift_failed: set[tuple[Hyper, tuple]] = set()
 
     # ---- compiling -----------------------------------------------------------------------
     def compile(
@@ -216,19 +223,29 @@ class MeshFunction:
             if self._state_key is None:
                 self._state_key = _state_key(state)
             skey = self._state_key
-        settings = _settings_key(self._submodules, self._objects[1])
-        key = (spec, _signature((args, kwargs)), skey, settings)
-        hit = self.cache.get(key)
+        optimizers = self._objects[1]
+        settings = _settings_key(self._submodules, optimizers, self._lifted)
+        sig = _signature((args, kwargs))
+        hit = self.cache.get((spec, sig, skey, settings))
         if hit is not None:
             return hit
+        lift, change = self._lifted, ""
         if self._settings is not None and settings != self._settings:
-            warnings.warn(
-                f"{self.__name__}: {_settings_change(self._settings, settings)} since it was "
-                "compiled; a plan holds these as constants, so it is compiled again (a scheduler "
-                "that changes the learning rate at every step compiles at every step)",
-                stacklevel=4,
-            )
-        self._settings = settings
+            change = _settings_change(self._settings, settings)
+            changed = _changed_settings(self._settings, settings) or []
+            new = [
+                h
+                for h in changed
+                if h not in lift and (h, skey) not in self._lift_failed and _nonzero(h, optimizers)
+            ]
+            if new:  # a scheduler's: take them in as inputs of the plan from now on
+                lift, change = lift + tuple(new), ""
+            if change:
+                warnings.warn(
+                    f"{self.__name__}: {change} since it was compiled; a plan holds this as a "
+                    "constant, so it is compiled again",
+                    stacklevel=4,
+                )
         opt_state = values = placements = None
         if state is not None:  # what the workers hold: whole shapes, and placements
 
@@ -239,6 +256,9 @@ class MeshFunction:
             values = {n: example(t) for n, (_, t, k) in state.items() if k != "state"}
             placements = {n: t.placements for n, (_, t, _k) in state.items()}
         ex_args, ex_kwargs = self._examples(args, kwargs, spec)
+        # A lifted setting now at zero (a warmup's first step) is a constant of this plan
+        # (its cache key says zero: the sign of a lifted setting is part of it).
+        now = tuple(h for h in lift if _nonzero(h, optimizers))
         plan, captured = compile_step(
             self.fn,
             ex_args,
@@ -253,9 +273,22 @@ class MeshFunction:
             bucket_cap_mb=self.bucket_cap_mb,
             name=self.__name__,
             micro_batches=self.micro_batches,
+            lift=now,
         )
+        if captured.not_lifted:  # they stay constants: a change compiles again, as it did
+            self._lift_failed |= {(h, skey) for h in now}
+            lift = ()
+            warnings.warn(
+                f"{self.__name__}: {_settings_change(self._settings or settings, settings)} "
+                f"since it was compiled, and it cannot be an input of the plan "
+                f"({captured.not_lifted}); a plan holds it as a constant, so it is compiled "
+                "again at every change",
+                stacklevel=4,
+            )
+        self._lifted = lift
+        self._settings = settings = _settings_key(self._submodules, optimizers, lift)
         compiled = _Compiled(plan, lower(plan), captured)
-        self.cache[key] = compiled
+        self.cache[(spec, sig, skey, settings)] = compiled
         self.compiles += 1
         return compiled
 
@@ -403,19 +436,23 @@ def _local_state_key(modules, optimizers) -> tuple:
     )
 
 
-def _settings_key(submodules: dict[str, list], optimizers) -> tuple:
+def _settings_key(submodules: dict[str, list], optimizers, lifted: tuple = ()) -> tuple:
     """What a plan holds as constants from the objects its step uses, besides their tensors'
     layout: the train/eval mode (dropout, batch norm) of each module's ``submodules``
     (``_submodules``, found once while the step's objects are the same) and each optimizer's
     hyperparameters per parameter group (a scheduler's learning rate). A change compiles the
-    step again instead of running the old plan with the old values."""
+    step again instead of running the old plan with the old values. Of the ``lifted``
+    settings (``hyper.Hyper``: inputs of the plan) only the sign counts."""
     modes = tuple((name, tuple([m.training for m in subs])) for name, subs in submodules.items())
+    # (optimizer, group, key, index) of each lifted setting, and (optimizer, group, key)
+    taken = {(h.opt, h.group, h.key, h.index) for h in lifted}
+    taken |= {t[:3] for t in taken}
     groups = tuple(
         (
             name,
             tuple(
-                tuple([_setting(k, v) for k, v in g.items() if k != "params"])
-                for g in opt.param_groups
+                tuple([_setting(k, v, (name, i), taken) for k, v in g.items() if k != "params"])
+                for i, g in enumerate(opt.param_groups)
             ),
         )
         for name, opt in optimizers.items()
@@ -423,11 +460,69 @@ def _settings_key(submodules: dict[str, list], optimizers) -> tuple:
     return modes, groups
 
 
+def _nonzero(h: Hyper, optimizers: dict) -> bool:
+    try:
+        v = h.get(optimizers)
+    except (KeyError, IndexError, TypeError):
+        return False
+    return is_setting(v) and v != 0
+
+
+def _changed_settings(old: tuple, new: tuple) -> list[Hyper] | None:
+    """The float settings (``hyper.Hyper``) that differ between two ``_settings_key`` values;
+    None where anything else changed too (a mode, a group, a setting of another kind)."""
+    if old[0] != new[0] or len(old[1]) != len(new[1]):
+        return None
+    out: list[Hyper] = []
+    for (name, a), (name_b, b) in zip(old[1], new[1]):
+        if name != name_b or len(a) != len(b):
+            return None
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            if len(ga) != len(gb):
+                return None
+            for sa, sb in zip(ga, gb):
+                if sa == sb:
+                    continue
+                if sa[0] != sb[0] or len(sa) != 2 or len(sb) != 2:
+                    return None
+                va, vb = sa[1], sb[1]
+                if is_setting(va) and is_setting(vb):
+                    out.append(Hyper(name, i, sa[0]))
+                elif (
+                    isinstance(va, tuple)
+                    and isinstance(vb, tuple)
+                    and len(va) == len(vb)
+                    and all(x == y or (is_setting(x) and is_setting(y)) for x, y in zip(va, vb))
+                ):
+                    out += [
+                        Hyper(name, i, sa[0], j) for j, (x, y) in enumerate(zip(va, vb)) if x != y
+                    ]
+                else:
+                    return None
+    return out
+
+
 def _submodules(modules) -> dict[str, list]:
     return {name: list(module.modules()) for name, module in modules.items()}
 
 
-def _setting(key: str, value: Any) -> tuple:
+def _setting(
+    key: str, value: Any, where: tuple = (), lifted: set | frozenset = frozenset()
+) -> tuple:
+    """A setting in the settings key; ``lifted``: (optimizer, group, key, index) of the
+    settings the plan takes as inputs (of those only the sign counts); ``where``: (optimizer,
+    group) of this one."""
+    if lifted and (*where, key) in lifted:
+        if is_setting(value) and (*where, key, None) in lifted:
+            return (key, ("lifted", sign_of(value)))
+        if isinstance(value, tuple):
+            return (
+                key,
+                tuple(
+                    ("lifted", sign_of(v)) if is_setting(v) and (*where, key, j) in lifted else v
+                    for j, v in enumerate(value)
+                ),
+            )
     if isinstance(value, torch.Tensor):  # a tensor learning rate: its value, where it is local
         if value.numel() == 1 and not isinstance(value, Tensor):
             return (key, "tensor", value.item())
@@ -449,9 +544,20 @@ def _settings_change(old: tuple, new: tuple) -> str:
             for sa, sb in zip(ga, gb):
                 if sa != sb:
                     return (
-                        f"{name}.param_groups[{i}][{sa[0]!r}] changed from {sa[-1]!r} to {sb[-1]!r}"
+                        f"{name}.param_groups[{i}][{sa[0]!r}] changed from "
+                        f"{_shown(sa[-1])} to {_shown(sb[-1])}"
                     )
     return "the optimizers' settings changed"
+
+
+def _shown(value: Any) -> str:
+    """A setting's value in a settings key, as the recompile warning says it (of a lifted
+    setting the key holds its sign)."""
+    if isinstance(value, tuple) and value[:1] == ("lifted",):
+        return {1: "a positive value", -1: "a negative value"}.get(value[1], "zero")
+    if isinstance(value, tuple):
+        return f"({', '.join(_shown(v) for v in value)})"
+    return repr(value)
 
 
 def _gather(handle, t: TensorType, pm, fetch, home: tuple = ()) -> torch.Tensor:
@@ -495,7 +601,13 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         )
     named = None  # the modules' own tensors: needed only before the state is on the mesh
     state = mf.state
+    settings = current(compiled.hypers, mf._objects[1]) if compiled.hypers else []
     for k, (name, kind, whole_type, local_shape, stage) in enumerate(compiled.inputs):
+        if kind == "hyper":  # the optimizers' settings now, sent with the call
+            lifted = compiled.lifted[name]
+            sent.append((k, torch.tensor(lifted.value(settings), dtype=lifted.dtype)))
+            inputs.append(-1)
+            continue
         if kind == "arg":
             value = flat_args[k]
         elif name in state:

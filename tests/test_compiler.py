@@ -3,6 +3,7 @@ inserted communication, errors. The same programs run on real workers in test_me
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import sys
@@ -1079,3 +1080,109 @@ def test_a_step_finds_the_modules_and_optimizers_its_helper_functions_use():
     assert modules == {"model": model, "other_model_model": head}
     assert optimizers == {"opt": opt}
     assert used_objects(F.mse_loss) == ({}, {})  # (torch's own functions are not looked into)
+
+
+# ---- optimizer settings as plan inputs (compiler/hyper.py) ----------------------------------
+
+
+def _settings_case(opt_cls, **opt_kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (
+        opt_cls(model.parameters(), **opt_kwargs),
+        opt_cls(ref.parameters(), **opt_kwargs),
+    )
+    return model, ref, opt, ref_opt
+
+
+@pytest.mark.parametrize(
+    "opt_cls, opt_kwargs, lifted",
+    [
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3), ["lr", "momentum"]),
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), ["lr", ("betas", 0)]),
+        (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5), ["lr"]),
+    ],
+)
+def test_a_scheduled_setting_is_an_input_of_one_plan_that_follows_it(opt_cls, opt_kwargs, lifted):
+    """One plan, compiled with the learning rate (and momentum / beta1) as inputs of kind
+    hyper, runs three steps of a per-step schedule on a dp=2 mesh (both executors): the same
+    parameters as one-process torch with the scheduler changing the settings at every step."""
+    from monarch_dsl.compiler.compile import compile_step
+    from monarch_dsl.compiler.hyper import Hyper, current
+
+    model, ref, opt, ref_opt = _settings_case(opt_cls, **opt_kwargs)
+    fn, ref_fn = mse_step(model, opt), mse_step(ref, ref_opt)
+    batches = mse_batches(4)
+    fn(*batches[0]), ref_fn(*batches[0])  # the state exists (Adam's moments, momentum)
+    hypers = tuple(
+        Hyper("opt", 0, k) if isinstance(k, str) else Hyper("opt", 0, *k) for k in lifted
+    )
+
+    def schedule(o, step):
+        g = o.param_groups[0]
+        g["lr"] = opt_kwargs["lr"] * (0.5 + 0.25 * step)
+        if "momentum" in lifted:
+            g["momentum"] = 0.9 - 0.1 * step
+        if ("betas", 0) in lifted:
+            g["betas"] = (0.9 - 0.05 * step, g["betas"][1])
+
+    plan, c = compile_step(fn, batches[1], {}, (("dp", 2),), data_parallel="dp", lift=hypers)
+    assert c.not_lifted == "" and c.lifted
+    assert Plan.parse(str(plan)) == plan and "# hyper" in str(plan)
+    kinds = [i.kind for i in plan.inputs]
+    values = list(c.input_values)
+    for step, (x, y) in enumerate(batches[1:], start=1):
+        schedule(opt, step), schedule(ref_opt, step)
+        now = current(c.hypers, {"opt": opt})
+        values[:2] = [x, y]
+        lifted_values = iter(c.lifted)
+        for k, kind in enumerate(kinds):
+            if kind == "hyper":
+                lift = next(lifted_values)
+                values[k] = torch.tensor(lift.value(now), dtype=lift.dtype)
+        _, values = simulate_both(plan, values)
+        ref_fn(x, y)
+    want = dict(ref.named_parameters())
+    got = {
+        i.name.removeprefix("model."): v for i, v in zip(plan.inputs, values) if i.kind == "param"
+    }
+    assert got.keys() == want.keys()
+    for name, a in got.items():
+        torch.testing.assert_close(a, want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_settings_that_cannot_be_inputs_stay_constants_and_say_why():
+    """Lifting is refused, with the step traced as before: where the step's own code reads
+    the setting (it could clamp it: no trace can tell), for an optimizer not known to use
+    its settings linearly (a subclass may override step()), and where a constant is not a
+    linear function of it (Adam's first step folds lr / (1 - beta1))."""
+    from monarch_dsl.compiler.hyper import Hyper, capture_lifted
+
+    x, y = mse_batches(1)[0]
+    lr = Hyper("opt", 0, "lr")
+    model, _, opt, _ = _settings_case(torch.optim.SGD, lr=0.1)
+
+    def reads_it(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * min(opt.param_groups[0]["lr"], 1.0)
+        loss.backward()
+        opt.step()
+        return loss
+
+    c, why = capture_lifted(reads_it, (x, y), {}, [lr])
+    assert f"{__file__}:" in why and not c.lifted and "hyper" not in c.input_kinds
+    assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]) is dict  # put back
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model, _, opt, _ = _settings_case(MySGD, lr=0.1)
+    c, why = capture_lifted(mse_step(model, opt), (x, y), {}, [lr])
+    assert "MySGD, not one of torch.optim's" in why and not c.lifted
+
+    model, _, opt, _ = _settings_case(torch.optim.Adam, lr=0.01)
+    beta1 = Hyper("opt", 0, "betas", 0)
+    c, why = capture_lifted(mse_step(model, opt), (x, y), {}, [lr, beta1])
+    assert "not a linear function" in why and not c.lifted
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)

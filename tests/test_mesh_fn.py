@@ -298,18 +298,21 @@ def test_a_plans_comms_do_not_share_groups_with_a_users_comms_stream(pm):
     assert all("plan/main/comms" in s and "comms" in s for s in streams), streams
 
 
-def test_a_changed_learning_rate_or_train_mode_compiles_the_step_again(pm):
-    """A plan holds the optimizer's hyperparameters and the modules' train/eval mode as
-    constants: a scheduler's new lr, or model.train(), compiles the step again (with a warning
-    naming the change) instead of running the old plan -- which trained on with the first lr."""
+def test_a_scheduled_learning_rate_is_an_input_and_a_changed_train_mode_compiles_again(pm):
+    """A plan holds the optimizer's settings and the modules' train/eval mode as constants;
+    its cache key has them. A learning rate a scheduler changes at every step becomes an input
+    of the plan (compiler/hyper.py) at the step's second compile: the steps after run that
+    plan, each with its own rate, with no warning. Its sign stays in the key: a rate that
+    reaches zero compiles once more, with a warning; so does model.train() (dropout)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 16)).eval()
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    factors = [0.0, 0.5, 1.0, 0.5, 0.25, 0.0, 0.0]  # a warmup from zero, a decay to zero
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factors.__getitem__)
     step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
-    batches = _batches(3)
+    batches = _batches(6)
     with pm.activate(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches:
@@ -317,8 +320,12 @@ def test_a_changed_learning_rate_or_train_mode_compiles_the_step_again(pm):
             sched.step()
         step.pull()
     said = [str(w.message) for w in caught if "compiled again" in str(w.message)]
-    assert len(said) == 2 and "opt.param_groups[0]['lr'] changed from 0.1 to" in said[0], said
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.1)
+    want = "opt.param_groups[0]['lr'] changed from a positive value to zero"
+    assert len(said) == 1 and want in said[0], said
+    # the first call (lr 0: a constant), the second (the state on the mesh; lr an input),
+    # the last (lr back at 0)
+    assert step.compiles == 3
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, factors.__getitem__)
     for x, y in batches:
         mse_step(ref, ref_opt)(x, y)
         ref_sched.step()
@@ -327,7 +334,6 @@ def test_a_changed_learning_rate_or_train_mode_compiles_the_step_again(pm):
     model.train()
     with pm.activate(), pytest.warns(UserWarning, match="train/eval mode of model changed"):
         md.inspect(step(*batches[0]))
-    # the first call (lr 0.1), then with the state on the mesh at lr 0.01 and 0.001; train mode
     assert step.compiles == 4
 
 

@@ -254,6 +254,12 @@ class Captured:
     output_names: list[str]
     output_kinds: list[str]
     out_spec: Any  # pytree spec of the function's own result
+    # Optimizer settings taken in as inputs of kind "hyper" (``compiler/hyper.py``): the
+    # settings (``hyper.Hyper``), and per such input how its value follows from them
+    # (``hyper.Lifted``, in the order of those inputs).
+    hypers: tuple[Any, ...] = ()
+    lifted: tuple[Any, ...] = ()
+    not_lifted: str = ""  # why settings asked to be inputs stayed constants
 
 
 # ---- what the function uses ------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from monarch_dsl.compiler.capture import Captured, capture, to_plan, used_objects
+from monarch_dsl.compiler.hyper import capture_lifted
 from monarch_dsl.compiler.plan import Placement, Plan, PlanError, Replicate, Shard, record_pass
 from monarch_dsl.compiler.propagate import propagate
 
@@ -184,12 +185,15 @@ def compile_step(
     name: str | None = None,
     micro_batches: int = 1,
     pipeline_dim: str = "pp",
+    lift: tuple[Any, ...] = (),
 ) -> tuple[Plan, Captured]:
     """Compile ``fn`` for ``mesh`` (((dim, size), ...)) on these example arguments.
 
     ``micro_batches`` > 1: the batch arguments (dim 0) are split into that many micro-batches
     run one after the other (GPipe over the ``pipeline_dim`` stages, if the mesh has it), their
-    gradients accumulated before the update."""
+    gradients accumulated before the update. ``lift``: optimizer settings (``hyper.Hyper``) to
+    take in as inputs of kind ``hyper`` rather than as constants, where they can be
+    (``captured.not_lifted`` says why not)."""
     from monarch_dsl.compiler.pipeline import MB, microbatch, split_stages
     from monarch_dsl.compiler.schedule import schedule
 
@@ -201,7 +205,11 @@ def compile_step(
         mesh = tuple(mesh) + ((MB, micro_batches),)
     dims = tuple(d for d, _ in mesh)
     t0 = time.perf_counter()
-    captured = capture(fn, args, kwargs, state=state, values=values)
+    if lift:
+        captured, why = capture_lifted(fn, args, kwargs, lift, state=state, values=values)
+        captured.not_lifted = why
+    else:
+        captured = capture(fn, args, kwargs, state=state, values=values)
     plan = record_pass(to_plan(captured, mesh, name or fn.__name__), "capture", t0)
     arg_names = [n for n, k in zip(captured.input_names, captured.input_kinds) if k == "arg"]
     real_dims = tuple(d for d in dims if d != MB)
@@ -221,6 +229,9 @@ def compile_step(
     given.update(state_placement or {})
     gather, kept = fully_sharded(fn, captured, given, mesh, placements)
     given = state_placements(captured, given, len(dims))
+    for n, k in zip(captured.input_names, captured.input_kinds):
+        if k == "hyper":  # the same value on every rank
+            given[n] = (R,) * len(dims)
     outs = None
     if out_placements:
         out_names = [o for o, k in zip(captured.output_names, captured.output_kinds) if k == "out"]

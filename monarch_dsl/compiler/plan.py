@@ -265,13 +265,15 @@ class FreshNames:
         return name
 
 
-INPUT_KINDS = ("arg", "param", "buffer", "state")
+INPUT_KINDS = ("arg", "param", "buffer", "state", "hyper")
 OUTPUT_KINDS = ("out", "state", "grad")
 
 
 class Input(NamedTuple):
     """A plan input: ``kind`` arg (the function's own argument), param / buffer (of a module
-    the function uses, by qualified name), state (optimizer state, ``<param>.<key>``)."""
+    the function uses, by qualified name), state (optimizer state, ``<param>.<key>``), hyper
+    (a 0-dim value worked out from the optimizers' settings at every call: a scheduled
+    learning rate, ``compiler/hyper.py``)."""
 
     name: str
     kind: str

@@ -951,7 +951,7 @@ def simulate_plan(plan: Plan, mesh: Any = None, profile: ProfileLike = None) -> 
     # call takes back as inputs (a parameter's gradient, optimizer state): counted there.
     names = {i.name for i in plan.inputs}
     held = [s for s, o in zip(program.outputs, plan.outputs) if o.name not in names]
-    args = [s for s, i in zip(program.inputs, plan.inputs) if i.kind == "arg"]
+    args = [s for s, i in zip(program.inputs, plan.inputs) if i.kind in ("arg", "hyper")]
     return simulate_program(program, slot_types(plan), profile, held=held, args=args)
 
 
