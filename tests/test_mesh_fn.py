@@ -461,11 +461,14 @@ def test_a_step_that_returns_nothing_and_two_steps_on_one_model(pm):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
-def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monkeypatch):
+def test_the_state_a_step_replaces_keeps_its_refs_and_the_old_value_is_freed_as_the_run_ends(
+    pm, monkeypatch
+):
     """A step's gradients (state it leaves on the workers) are the next call's inputs and
-    are replaced by its results; the workers drop them before the call after that runs, not
-    at the next flush (in a tight loop many steps go in one batch): their memory, one of the
-    two all-reduce buffers a step alternates between, is free to be used again."""
+    are replaced by its results under the same refs: the workers bind each ref to its new
+    value when the run ends, which frees the value it replaced then, before the next call
+    runs (its memory, one of the two all-reduce buffers a step alternates between, is free to
+    be used again), with no new handle on the controller and no Delete message per value."""
     from monarch_dsl import isa
     from monarch_dsl.tensor import Engine
 
@@ -495,11 +498,11 @@ def test_the_state_a_step_replaced_is_deleted_before_the_next_step_runs(pm, monk
         md.inspect(loss)
     runs = [k for k, i in enumerate(sent) if isinstance(i, isa.RunPlan)]
     assert len(runs) == 5
-    for a, b, c in zip(runs[1:], runs[2:], runs[3:]):
+    deleted = {r for i in sent[runs[1] :] if isinstance(i, isa.Delete) for r in i.refs}
+    for a, b in zip(runs[1:], runs[2:]):
         state = set(sent[a].outputs) - set(results) - {-1}
-        assert state and state <= set(sent[b].inputs), (sent[a], sent[b])
-        deleted = {r for i in sent[a:c] if isinstance(i, isa.Delete) for r in i.refs}
-        assert state <= deleted, (state - deleted, sent[a:c])
+        assert state and state == set(sent[b].outputs) - set(results) - {-1}, (sent[a], sent[b])
+        assert state <= set(sent[b].inputs) and not state & deleted, (sent[a], sent[b])
 
 
 def test_a_one_rank_group_agrees_without_a_collective():
