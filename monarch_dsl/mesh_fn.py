@@ -617,7 +617,9 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     for k, (name, kind, whole_type, local_shape, stage) in enumerate(compiled.inputs):
         if kind == "hyper":  # the optimizers' settings now, sent with the call
             lifted = compiled.lifted[name]
-            sent.append((k, torch.tensor(lifted.value(settings), dtype=lifted.dtype)))
+            # (on the CPU, as a local argument is, whatever default device is in force)
+            value = torch.tensor(lifted.value(settings), dtype=lifted.dtype, device="cpu")
+            sent.append((k, value))
             inputs.append(-1)
             continue
         if kind == "arg":

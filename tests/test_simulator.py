@@ -214,12 +214,7 @@ def test_grad_generator_and_an_optimizer_step():
     assert any("mm" in e.name for e in _busy(sim, "compute"))
 
 
-def test_a_compiled_step_continues_the_timeline():
-    sim = md.Simulator(gpus=2)
-    mesh = sim.mesh.flatten("dp")
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
+def _compiled_mse_step(model, opt):
     @md.mesh_fn(data_parallel="dp")
     def step(x, y):
         loss = F.mse_loss(model(x), y)
@@ -227,6 +222,16 @@ def test_a_compiled_step_continues_the_timeline():
         opt.step()
         opt.zero_grad()
         return loss
+
+    return step
+
+
+def test_a_compiled_step_continues_the_timeline():
+    sim = md.Simulator(gpus=2)
+    mesh = sim.mesh.flatten("dp")
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled_mse_step(model, opt)
 
     with mesh.activate():
         w = torch.rand(256, 256)
@@ -239,6 +244,33 @@ def test_a_compiled_step_continues_the_timeline():
     assert any("addmm" in e.name or "mm" in e.name for e in plan)
     assert {e.rank for e in plan if e.name == "all_reduce"} == {0, 1}
     assert min(e.start for e in plan) >= eager_end
+
+
+def test_a_compiled_adamw_step_under_a_per_step_schedule_runs_on_the_simulator():
+    """AdamW's traced update takes .item() of its step size (``_local_scalar_dense``), which a
+    meta tensor cannot give: the simulator gives the Scalar argument a stand-in. Its learning
+    rate, changed at every step by a scheduler, is an input of the plan (kind hyper), made on
+    the CPU whatever default device the simulator has in force: two compiles in five steps."""
+    import warnings
+
+    sim = md.Simulator(gpus=2)
+    mesh = sim.mesh.flatten("dp")
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    step = _compiled_mse_step(model, opt)
+
+    with mesh.activate(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiled again"
+        for _ in range(5):
+            loss = step(torch.rand(8, 32), torch.rand(8, 8))
+            sched.step()
+        assert md.inspect(loss).shape == ()
+    assert step.compiles == 2
+    plan = list(step.cache.values())[-1].plan
+    assert [i.kind for i in plan.inputs].count("hyper") >= 1
+    steps = [e for e in sim.events if e.start > 0 and e.name == "aten.addcdiv_.default"]
+    assert len(steps) >= 4 * 2 * 4  # each of 4 parameters' update, on 2 ranks, in 4 runs
 
 
 def test_a_compiled_call_costs_the_controller_what_steady_step_time_counts():

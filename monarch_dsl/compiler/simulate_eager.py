@@ -624,6 +624,13 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
             continue
         args = [env[s.index] for s in isa.leaves(step.args, Slot)]
         if isinstance(step, isa.Compute):
+            if step.name == "aten._local_scalar_dense.default":
+                # .item() of a tensor (Adam's step size, traced as a tensor): a meta tensor has
+                # no value, and the number it feeds (a Scalar argument) changes no type.
+                dtype = args[0].dtype
+                one = True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+                env[step.outs[0]] = one
+                continue
             with torch.device("meta"):
                 run_step(step, env, device=torch.device("meta"))
             continue
