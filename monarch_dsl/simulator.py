@@ -79,6 +79,7 @@ class SimJob:
         self.before_stop: list[Callable[[float], None]] = []
         self.stopping = False
         self.stopped = False
+        self.broken = ""  # why the simulator itself failed (its own error, not the program's)
         self.failures: list[tuple] = []
         self.observed: set[tuple] = set()
         self.pending: dict[int, tuple[Future, Callable[[list], Any] | None, list, list]] = {}
@@ -104,6 +105,8 @@ class SimJob:
         return f"simulated rank {rank} ({coords})"
 
     def check_alive(self, ranks: Sequence[int]) -> None:
+        if self.broken:
+            raise SupervisionError(self.broken)
         if self.stopped or self.stopping:
             raise SupervisionError("this simulated mesh has been stopped")
 
@@ -122,7 +125,15 @@ class SimJob:
             # (from the user's thread under pm.activate(): the values made here are local)
             with self.lock, _disable_current_modes():
                 issued = [self.issued.pop(id(ins), None) for _, ins in msg.items]
-                self.sim.run(ranks, msg.items, issued)
+                try:
+                    self.sim.run(ranks, msg.items, issued)
+                except Exception as e:
+                    # The simulator's own failure (a program the workers would run that it
+                    # cannot): the mesh is done, its waiting calls fail saying so, and the
+                    # thread that flushed the batch (maybe the flusher) gets a
+                    # SupervisionError, which it survives, instead of dying of e.
+                    self._break(e)
+                    raise SupervisionError(self.broken) from e
         elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
             raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
 
@@ -146,6 +157,16 @@ class SimJob:
         p = self.pending.pop(call_id, None)
         if p is not None:
             p[0].set_exception(self.remote_error(failure, observed=True))
+
+    def _break(self, e: BaseException) -> None:
+        self.broken = (
+            f"the simulator failed and this simulated mesh is stopped: {type(e).__name__}: {e} "
+            "(a bug of md.Simulator: please report it with the program)"
+        )
+        self.stopped = True  # (what the engine sends from now on is dropped, as when stopped)
+        for call_id, p in list(self.pending.items()):
+            del self.pending[call_id]
+            p[0].set_exception(SupervisionError(self.broken))
 
     def stop(self, timeout: float = 0.0) -> None:
         self.stopped = True

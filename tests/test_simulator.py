@@ -512,3 +512,33 @@ def test_ranks_and_controller_sharing_cores_bound_the_step_time():
     assert shared.step_time == pytest.approx(max(span, processor_sharing([controller, *ranks], 2)))
     assert shared.step_time >= (controller + busy) / 2
     assert shared.step_time > 1.2 * own.step_time
+
+
+def test_a_failure_of_the_simulator_itself_is_an_error_for_the_caller_not_a_dead_thread(
+    monkeypatch,
+):
+    """An exception inside the simulator (a program it cannot simulate) used to escape from
+    whichever thread flushed the batch -- often the process's flusher thread, which then died
+    with a traceback, and every later delayed batch of the process with it. Now the mesh stops,
+    the waiting fetch and every later one raise a SupervisionError saying why, and no thread
+    dies."""
+    import threading
+
+    from monarch_dsl.compiler import simulate_eager
+    from monarch_dsl.errors import SupervisionError
+
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+
+    def boom(self, *args, **kwargs):
+        raise ValueError("boom")
+
+    sim = md.Simulator(gpus=2)
+    monkeypatch.setattr(simulate_eager.EagerSimulator, "run", boom)
+    with sim.mesh.activate():
+        x = torch.ones(4) + 1
+        with pytest.raises(SupervisionError, match="the simulator failed .*ValueError: boom"):
+            md.inspect(x)
+        with pytest.raises(SupervisionError, match="ValueError: boom"):
+            md.inspect(x * 2)
+    assert died == []
