@@ -1085,9 +1085,9 @@ def test_a_step_finds_the_modules_and_optimizers_its_helper_functions_use():
 # ---- optimizer settings as plan inputs (compiler/hyper.py) ----------------------------------
 
 
-def _settings_case(opt_cls, **opt_kwargs):
+def _settings_case(opt_cls, module=None, **opt_kwargs):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = module() if module else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     ref = copy.deepcopy(model)
     opt, ref_opt = (
         opt_cls(model.parameters(), **opt_kwargs),
@@ -1097,21 +1097,26 @@ def _settings_case(opt_cls, **opt_kwargs):
 
 
 @pytest.mark.parametrize(
-    "opt_cls, opt_kwargs, lifted",
+    "opt_cls, opt_kwargs, lifted, layout",
     [
-        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3), ["lr", "momentum"]),
-        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), ["lr", ("betas", 0)]),
-        (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5), ["lr"]),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3), ["lr", "momentum"], "dp"),
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), ["lr", ("betas", 0)], "dp"),
+        (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5), ["lr"], "dp"),
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), ["lr"], "pp"),
     ],
 )
-def test_a_scheduled_setting_is_an_input_of_one_plan_that_follows_it(opt_cls, opt_kwargs, lifted):
+def test_a_scheduled_setting_is_an_input_of_one_plan_that_follows_it(
+    opt_cls, opt_kwargs, lifted, layout
+):
     """One plan, compiled with the learning rate (and momentum / beta1) as inputs of kind
-    hyper, runs three steps of a per-step schedule on a dp=2 mesh (both executors): the same
+    hyper, runs three steps of a per-step schedule on a dp=2 mesh, or a 2-stage pipeline with
+    2 micro-batches (one input read on both stages), through both executors: the same
     parameters as one-process torch with the scheduler changing the settings at every step."""
     from monarch_dsl.compiler.compile import compile_step
     from monarch_dsl.compiler.hyper import Hyper, current
 
-    model, ref, opt, ref_opt = _settings_case(opt_cls, **opt_kwargs)
+    module = TwoStages if layout == "pp" else None
+    model, ref, opt, ref_opt = _settings_case(opt_cls, module, **opt_kwargs)
     fn, ref_fn = mse_step(model, opt), mse_step(ref, ref_opt)
     batches = mse_batches(4)
     fn(*batches[0]), ref_fn(*batches[0])  # the state exists (Adam's moments, momentum)
@@ -1127,7 +1132,11 @@ def test_a_scheduled_setting_is_an_input_of_one_plan_that_follows_it(opt_cls, op
         if ("betas", 0) in lifted:
             g["betas"] = (0.9 - 0.05 * step, g["betas"][1])
 
-    plan, c = compile_step(fn, batches[1], {}, (("dp", 2),), data_parallel="dp", lift=hypers)
+    if layout == "pp":
+        options = dict(micro_batches=2)
+    else:
+        options = dict(data_parallel="dp")
+    plan, c = compile_step(fn, batches[1], {}, ((layout, 2),), lift=hypers, **options)
     assert c.not_lifted == "" and c.lifted
     assert Plan.parse(str(plan)) == plan and "# hyper" in str(plan)
     kinds = [i.kind for i in plan.inputs]
