@@ -459,7 +459,9 @@ def _settings_key(submodules: dict[str, list], optimizers, lifted: tuple = ()) -
         (
             name,
             tuple(
+                # (which parameters a group has: its lifted settings are only signs here)
                 tuple([_setting(k, v, (name, i), taken) for k, v in g.items() if k != "params"])
+                + (("params", tuple(map(id, g["params"]))),)
                 for i, g in enumerate(opt.param_groups)
             ),
         )

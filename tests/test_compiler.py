@@ -1195,3 +1195,67 @@ def test_settings_that_cannot_be_inputs_stay_constants_and_say_why():
     c, why = capture_lifted(mse_step(model, opt), (x, y), {}, [lr, beta1])
     assert "not a linear function" in why and not c.lifted
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+    # AdamW's decay 1 - lr * wd with both lifted, at usual values: it misses the linear fit
+    # by 0.05 * lr * wd (7.5e-7), far below 1e-6 of the constant, but not of how it moved.
+    model, _, opt, _ = _settings_case(torch.optim.AdamW, lr=3e-4, weight_decay=0.05)
+    fn = mse_step(model, opt)
+    fn(x, y)
+    c, why = capture_lifted(fn, (x, y), {}, [lr, Hyper("opt", 0, "weight_decay")])
+    assert "not a linear function" in why and not c.lifted
+    c, why = capture_lifted(fn, (x, y), {}, [lr])  # lr alone: 1 - lr * 0.05 is
+    assert why == "" and c.lifted
+
+    # Copies a trace cannot vary: a parameter group kept from before, a scheduler's
+    # get_last_lr(). They were read at their first value in every trace, so no constant
+    # differed, and the plan kept it.
+    model, _, opt, _ = _settings_case(torch.optim.SGD, lr=0.1)
+    group = opt.param_groups[0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e))
+
+    def kept_group(x, y):
+        opt.zero_grad()
+        (F.mse_loss(model(x), y) * (1 + group["lr"])).backward()
+        opt.step()
+
+    def scheduler(x, y):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            model[0].weight.mul_(1 - sched.get_last_lr()[0] * 0.5)
+
+    for fn, held in ((kept_group, "group: a parameter group"), (scheduler, "sched: an LR")):
+        c, why = capture_lifted(fn, (x, y), {}, [lr])
+        assert held in why and not c.lifted, why
+
+
+def test_a_lifted_setting_of_half_precision_parameters_keeps_float32():
+    """A number an arithmetic op takes is read at float32 for bfloat16 tensors: the input
+    that stands for it is float32 too (a bfloat16 input would round the rate itself)."""
+    from monarch_dsl.compiler.hyper import Hyper, capture_lifted
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0111)
+    x, y = (t.to(torch.bfloat16) for t in mse_batches(1)[0])
+    c, why = capture_lifted(mse_step(model, opt), (x, y), {}, [Hyper("opt", 0, "lr")])
+    assert why == "" and [lift.dtype for lift in c.lifted] == [torch.float32]
+
+
+def test_the_settings_key_knows_which_parameters_each_group_has():
+    """Of a lifted setting the key holds only its sign: groups swapped (each with its own
+    rate) must still miss the cache, or each rate would update the other group's parameters."""
+    from monarch_dsl.compiler.hyper import Hyper
+    from monarch_dsl.mesh_fn import _settings_key
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD(
+        [{"params": a.parameters(), "lr": 0.1}, {"params": b.parameters()}], lr=0.2
+    )
+    lifted = (Hyper("opt", 0, "lr"), Hyper("opt", 1, "lr"))
+    before = _settings_key({}, {"opt": opt}, lifted)
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.05, 0.07
+    assert _settings_key({}, {"opt": opt}, lifted) == before  # rates: inputs of the plan
+    opt.param_groups.reverse()
+    assert _settings_key({}, {"opt": opt}, lifted) != before

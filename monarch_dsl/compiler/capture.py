@@ -288,6 +288,23 @@ def _collect_objects(
     seen: set[int],
     depth: int,
 ) -> None:
+    for holder, name, value in _walk(fn, seen, depth):
+        if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+            named: dict[str, Any] = modules if isinstance(value, nn.Module) else optimizers
+            key = name if name not in named else f"{holder.__name__}_{name}"
+            named.setdefault(key, value)
+
+
+def walk_used(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
+    """(name, value) of every object ``fn`` reaches as ``used_objects`` looks (its closure and
+    globals, and those of the user's helper functions it calls, a few levels deep), once."""
+    for _, name, value in _walk(fn, set(), 0):
+        yield name, value
+
+
+def _walk(fn: Callable[..., Any], seen: set[int], depth: int) -> Iterator[tuple[Any, str, Any]]:
+    """(function, name, value) of the closure and global values ``fn`` uses not in ``seen``
+    (ids; added), then those of the user's helper functions among them, depth first."""
     code = fn.__code__
     found: list[tuple[str, Any]] = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -303,15 +320,12 @@ def _collect_objects(
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, (nn.Module, torch.optim.Optimizer)):
-            named: dict[str, Any] = modules if isinstance(value, nn.Module) else optimizers
-            key = name if name not in named else f"{fn.__name__}_{name}"
-            named.setdefault(key, value)
-        elif isinstance(value, types.FunctionType) and _users_function(value):
+        yield fn, name, value
+        if isinstance(value, types.FunctionType) and _users_function(value):
             helpers.append(value)
     if depth < _USED_DEPTH:
         for helper in helpers:
-            _collect_objects(helper, modules, optimizers, seen, depth + 1)
+            yield from _walk(helper, seen, depth + 1)
 
 
 def _users_function(fn: types.FunctionType) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from monarch_dsl.compiler.capture import Captured, capture, used_objects
+from monarch_dsl.compiler.capture import Captured, capture, used_objects, walk_used
 
 aten = torch.ops.aten
 
@@ -55,10 +55,13 @@ _SCALES = {
     "addcmul": ("value", 1),
     "addcmul_": ("value", 1),
 }
-# Relative tolerance of the affine check: constants the trace computed in float32 (Adam's
-# first step folds ``lr / (1 - beta1)`` through 0-dim tensors) are affine to ~1e-7; a setting
-# that is not affine misses by far more with settings moved by a quarter.
-_TOL = 1e-6
+# The affine check's tolerance, relative to how far the constant moved between the traces
+# (not to its size: ``1 - lr * wd`` with lr and wd both lifted moves by ~lr * wd and misses the
+# check by 0.05 * lr * wd, far below 1e-6 of the constant), plus a few units in the last place
+# of the constant's size: a Python number is computed in float64 (a linear function fits to
+# rounding); a traced 0-dim tensor constant in its own dtype.
+_TOL = 1e-9
+_ULPS = 16
 
 
 # The optimizers whose update uses each float setting as a factor or a term (an affine
@@ -75,7 +78,6 @@ AFFINE = (
     torch.optim.Adadelta,
     torch.optim.Adamax,
     torch.optim.NAdam,
-    torch.optim.RAdam,
 )
 _OPTIM_DIR = os.path.dirname(torch.optim.__file__) + os.sep
 
@@ -191,6 +193,12 @@ def capture_lifted(
                 f"{', '.join(sorted(c.__name__ for c in AFFINE))}, whose updates are known to "
                 "use their settings linearly"
             )
+    held = _holders(fn, [optimizers[h.opt].param_groups[h.group] for h in hypers])
+    if held:
+        why = (
+            f"the step reads the settings other than through the optimizer ({held}): a "
+            "copy a trace cannot vary"
+        )
     if why:
         return capture(fn, args, kwargs, **capture_kwargs), why
     points = [list(base)]
@@ -226,6 +234,23 @@ def capture_lifted(
     if why:
         return traces[0], why
     return _rewrite(traces[0], hypers, slots, lifted)
+
+
+def _holders(fn: Callable[..., Any], groups: list[dict[str, Any]]) -> str:
+    """What, besides the optimizers, the step (or a helper function it calls) holds that has
+    the settings: a parameter group itself (``group = opt.param_groups[0]`` kept from before),
+    the list of them, or an LR scheduler (``get_last_lr()`` is a copy). Its name, or ""."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    ids = {id(g) for g in groups}
+    for name, value in walk_used(fn):
+        if id(value) in ids:
+            return f"{name}: a parameter group"
+        if isinstance(value, (list, tuple)) and any(id(v) in ids for v in value):
+            return f"{name}: the parameter groups"
+        if isinstance(value, LRScheduler) or hasattr(value, "get_last_lr"):
+            return f"{name}: an LR scheduler"
+    return ""
 
 
 # A slot: (node index, "args" / "kwargs" / "attr", position or name).
@@ -301,7 +326,7 @@ def _fit(
     base trace and those that moved one setting, checked on the last (all moved)."""
     base = points[0]
     out: dict[tuple[float, ...], _Fit] = {}
-    for values in {tuple(v) for v in slots.values()}:
+    for (_, where, _), values in sorted(slots.items(), key=lambda s: (s[0][0], str(s[0][1:]))):
         c0 = values[0]
         coef = []
         for k in range(len(base)):
@@ -313,9 +338,13 @@ def _fit(
             const = 0.0
         check = points[-1]
         predicted = const + sum(c * check[k] for k, c in coef)
-        if abs(predicted - values[-1]) > _TOL * max(abs(values[-1]), abs(c0)):
+        moved = max(abs(v - c0) for v in values)
+        size = max(abs(v) for v in values)
+        # (a traced tensor constant: float32's unit in the last place, the widest it has)
+        ulp = math.ulp(size) * (2**29 if where == "attr" else 1)
+        if abs(predicted - values[-1]) > _TOL * moved + _ULPS * ulp:
             return {}, "a constant of the update is not a linear function of the settings"
-        out[values] = (const, tuple(coef))
+        out[tuple(values)] = (const, tuple(coef))
     return out, ""
 
 
@@ -324,6 +353,14 @@ def _float_dtype(node: Any) -> torch.dtype | None:
     if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
         return val.dtype
     return None
+
+
+def _scalar_dtype(packet: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an input standing for a number an op took: arithmetic reads a number at
+    float32 (its opmath) for half types, so the input keeps that precision (a 0-dim operand
+    does not change the result's dtype); others (lerp's weight) must have the operand's."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    return torch.float32 if half and packet.rstrip("_") in ("add", "sub", "mul", "div") else dtype
 
 
 def _tensor_twin(target: Any, name: str) -> Any:
@@ -378,12 +415,12 @@ def _rewrite(
         if str(formal.type) == "Tensor":
             dtypes = [d for d in map(_float_dtype, node.args) if d is not None]
             if dtypes:
-                plans.append((slot, "tensor", dtypes[0]))
+                plans.append((slot, "tensor", _scalar_dtype(packet, dtypes[0])))
                 continue
         elif packet in _SCALES and where == "kwargs" and k == _SCALES[packet][0]:
             dtype = _float_dtype(node.args[_SCALES[packet][1]])
             if dtype is not None:
-                plans.append((slot, "scale", dtype))
+                plans.append((slot, "scale", _scalar_dtype("mul", dtype)))
                 continue
         elif (
             str(formal.type) in ("Scalar", "number")
