@@ -16,7 +16,8 @@ constants, and the caller compiles again on a change, as before). Each such cons
 an input (one per distinct function), used where it was:
 
 - an argument typed ``Tensor`` (a Python number the trace wrapped: ``mul.Tensor(x, 0.1)``):
-  the input itself, a 0-dim tensor of the other operand's dtype, as the number was cast;
+  the input itself, a 0-dim tensor of the other operand's dtype, as the number was cast
+  (float32 for half types in arithmetic, which reads a number at float32);
 - ``alpha=`` of add/sub and ``value=`` of addcdiv/addcmul: the operand they scale times the
   input (``add_(p, mul(g, lr))``; the same value, rounded once more than the fused op);
 - another Scalar argument: the op's overload that takes a Tensor there (``lerp_.Scalar`` ->
@@ -25,7 +26,10 @@ an input (one per distinct function), used where it was:
 - a traced 0-dim constant tensor: the input.
 
 A setting is lifted only while it keeps its sign (``momentum != 0`` decides the update's ops):
-``sign_of`` is part of the plan cache key instead of the value.
+``sign_of`` is part of the plan cache key instead of the value. Sampling is sound only where
+the setting cannot be clamped or copied behind the traces' back: ``AFFINE`` optimizers only,
+no read of it from outside torch.optim while tracing (``_Watched``), and no other holder of it
+in the step (``_holders``: a kept parameter group, a scheduler's ``get_last_lr()``).
 """
 
 from __future__ import annotations
