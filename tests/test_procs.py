@@ -84,6 +84,41 @@ def test_worker_that_dies_while_starting_is_an_error():
     assert info.value.coords is not None
 
 
+def test_a_worker_that_dies_as_it_is_configured_is_an_error_naming_it(monkeypatch):
+    """A worker that joined, then died before the controller sent it its configuration: the
+    send failed on the closed socket with a bare OSError (Bad file descriptor), seen once
+    when attaching under load. Now it is the SupervisionError naming the rank and how it died,
+    and no worker is left."""
+    import gc
+
+    from monarch_dsl.runtime import controller, transport
+
+    real = transport.Connection.send_encoded
+    killed = []
+
+    here = os.getpid()  # (forked workers send with the patched method too)
+
+    def dies_first(self, parts):
+        jobs = [] if killed or os.getpid() != here else gc.get_objects()
+        mine = (j for j in jobs if isinstance(j, controller.Job) and self in j.conns.values())
+        job = next(mine, None)
+        if job is not None:  # the first worker configured: killed, then its socket fails
+            rank = next(r for r, c in job.conns.items() if c is self)
+            os.kill(job.pids[rank], signal.SIGKILL)
+            wait_until(lambda: not pid_alive(job.pids[rank]), 30, "the worker to die")
+            killed.append(job)
+            raise OSError(9, "Bad file descriptor")
+        return real(self, parts)
+
+    monkeypatch.setattr(transport.Connection, "send_encoded", dies_first)
+    with pytest.raises(md.SupervisionError, match="killed by signal SIGKILL") as info:
+        md.this_host().spawn_procs({"gpu": 2}, timeout=60)
+    assert info.value.rank is not None and killed
+    pids = list(killed[0].pids.values())
+    wait_until(lambda: not any(map(pid_alive, pids)), 30, "no worker to be left")
+    monkeypatch.setattr(transport.Connection, "send_encoded", real)
+
+
 @pytest.mark.parametrize(
     "device, why",
     [("cuda", "MD_DEVICE=cuda, but this worker sees no CUDA device"), ("tpu", "MD_DEVICE must be")],

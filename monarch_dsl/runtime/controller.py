@@ -401,8 +401,25 @@ class Job:
             raise failure
         progress(self.world, self.world)
         configure = transport.encode(Configure(self.dims, self.sizes, self.memory_limit))
-        for conn in self.conns.values():
-            conn.send_encoded(configure)
+        for rank, conn in list(self.conns.items()):
+            try:
+                conn.send_encoded(configure)
+            except OSError:
+                # It died as it joined (its socket closed under us): the receiver thread
+                # reports why; wait for that verdict briefly, as _send_all does. A mesh we
+                # attached to keeps it as dead from the start (named at its first use).
+                with self._cond:
+                    self._cond.wait_for(lambda r=rank: r in self.dead, EXIT_STATUS_WAIT + 1)
+                if self._adopted and rank in self.dead:
+                    continue
+                self.stop(detach=self._adopted)
+                if rank in self.dead:
+                    raise self.death(rank) from None
+                raise SupervisionError(
+                    f"worker {self.describe(rank)} lost its connection as it joined",
+                    rank=rank,
+                    coords=self.coords(rank),
+                ) from None
 
     def _stderr_of(self, rank: int) -> str:
         """A worker failed: print what the job's workers printed (what aggregation holds
