@@ -505,6 +505,32 @@ def test_the_state_a_step_replaces_keeps_its_refs_and_the_old_value_is_freed_as_
         assert state <= set(sent[b].inputs) and not state & deleted, (sent[a], sent[b])
 
 
+def test_each_step_s_gradient_is_read_back_under_the_ref_it_replaced(pm):
+    """The gradient a step leaves is bound to the ref of the one it replaced: read right
+    after each call (step.state_dict()), it is that step's gradient, as one-process torch
+    computes it; and a layout change (another batch size: a new plan, the same gradient
+    shapes) keeps working."""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(n, 16, generator=g), torch.randn(n, 16, generator=g)) for n in (8, 8, 8, 4, 4)
+    ]
+    with dp.activate():
+        for x, y in batches:
+            step(x, y)
+            mse_step(ref, ref_opt)(x, y)
+            got = step.state_dict()
+            torch.testing.assert_close(got["model.weight.grad"], ref.weight.grad)
+            torch.testing.assert_close(got["model.bias.grad"], ref.bias.grad)
+            torch.testing.assert_close(got["model.weight"], ref.weight.detach())
+
+
 def test_a_one_rank_group_agrees_without_a_collective():
     """``exchange.any_failed`` on a group of one rank: no collective (on a GPU its flag's
     ``item()`` would wait for all queued kernels at every call); two ranks still exchange."""
