@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from monarch_dsl import isa
 from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
-from monarch_dsl.compiler.hyper import Hyper, current, is_setting, sign_of
+from monarch_dsl.compiler.hyper import Hyper, current, is_setting, liftable_now, sign_of
 from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.ops import ALIASING, base_name
 from monarch_dsl.compiler.plan import (
@@ -236,7 +236,9 @@ class MeshFunction:
             new = [
                 h
                 for h in changed
-                if h not in lift and (h, skey) not in self._lift_failed and _nonzero(h, optimizers)
+                if h not in lift
+                and (h, skey) not in self._lift_failed
+                and liftable_now(h, optimizers)
             ]
             if new:  # a scheduler's: take them in as inputs of the plan from now on
                 lift, change = lift + tuple(new), ""
@@ -258,7 +260,7 @@ class MeshFunction:
         ex_args, ex_kwargs = self._examples(args, kwargs, spec)
         # A lifted setting now at zero (a warmup's first step) is a constant of this plan
         # (its cache key says zero: the sign of a lifted setting is part of it).
-        now = tuple(h for h in lift if _nonzero(h, optimizers))
+        now = tuple(h for h in lift if liftable_now(h, optimizers))
         plan, captured = compile_step(
             self.fn,
             ex_args,
@@ -468,14 +470,6 @@ def _settings_key(submodules: dict[str, list], optimizers, lifted: tuple = ()) -
         for name, opt in optimizers.items()
     )
     return modes, groups
-
-
-def _nonzero(h: Hyper, optimizers: dict) -> bool:
-    try:
-        v = h.get(optimizers)
-    except (KeyError, IndexError, TypeError):
-        return False
-    return is_setting(v) and v != 0
 
 
 def _changed_settings(old: tuple, new: tuple) -> list[Hyper] | None:

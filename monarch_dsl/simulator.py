@@ -163,16 +163,13 @@ class SimJob:
             f"the simulator failed and this simulated mesh is stopped: {type(e).__name__}: {e} "
             "(a bug of md.Simulator: please report it with the program)"
         )
-        self.stopped = True  # (what the engine sends from now on is dropped, as when stopped)
-        for call_id, p in list(self.pending.items()):
-            del self.pending[call_id]
-            p[0].set_exception(SupervisionError(self.broken))
+        self.stop()  # (what the engine sends from now on is dropped; waiting calls fail)
 
     def stop(self, timeout: float = 0.0) -> None:
         self.stopped = True
         for call_id, p in list(self.pending.items()):
             del self.pending[call_id]
-            p[0].set_exception(SupervisionError("the simulated mesh was stopped"))
+            p[0].set_exception(SupervisionError(self.broken or "the simulated mesh was stopped"))
 
 
 class _SimEngine(Engine):

@@ -120,11 +120,6 @@ class Hyper:
     key: str
     index: int | None = None
 
-    @property
-    def label(self) -> str:
-        tail = "" if self.index is None else f"[{self.index}]"
-        return f"{self.opt}.param_groups[{self.group}][{self.key!r}]{tail}"
-
     def get(self, optimizers: dict[str, torch.optim.Optimizer]) -> Any:
         # (dict's own lookup: not a read of the step, where the group is ``_Watched``)
         value = dict.__getitem__(optimizers[self.opt].param_groups[self.group], self.key)
@@ -151,16 +146,20 @@ class Lifted:
     def value(self, settings: Sequence[float]) -> float:
         return self.const + sum(c * settings[k] for k, c in self.coef)
 
-    def formula(self, hypers: Sequence[Hyper]) -> str:
-        terms = [f"{c:g}*{hypers[k].label}" for k, c in self.coef]
-        if self.const:
-            terms.insert(0, f"{self.const:g}")
-        return " + ".join(terms)
-
 
 def is_setting(value: Any) -> bool:
     """A value a scheduler may change that can be lifted: a Python float, not a bool."""
     return isinstance(value, float) and math.isfinite(value)
+
+
+def liftable_now(h: Hyper, optimizers: dict[str, torch.optim.Optimizer]) -> bool:
+    """Whether setting ``h`` is there and now a nonzero float (at zero, or gone, it is a
+    constant of the plan compiled now)."""
+    try:
+        v = h.get(optimizers)
+    except (KeyError, IndexError, TypeError):
+        return False
+    return is_setting(v) and v != 0
 
 
 def sign_of(value: float) -> int:
@@ -183,13 +182,12 @@ def capture_lifted(
     not be lifted."""
     _, optimizers = used_objects(fn)
     hypers = list(hypers)
-    try:
-        base = [h.get(optimizers) for h in hypers]
-    except (KeyError, IndexError, TypeError) as e:
-        return capture(fn, args, kwargs, **capture_kwargs), f"a setting is gone ({e})"
     why = ""
-    if not all(is_setting(v) and v != 0 for v in base):
-        why = "a setting is not a nonzero float"
+    if not all(liftable_now(h, optimizers) for h in hypers):
+        return capture(
+            fn, args, kwargs, **capture_kwargs
+        ), "a setting is gone or not a nonzero float"
+    base = [h.get(optimizers) for h in hypers]
     for h in hypers:
         if type(optimizers[h.opt]) not in AFFINE:
             why = (
@@ -399,7 +397,8 @@ def _rewrite(
     graph = gm.graph
     nodes = list(graph.nodes)
     # First what to do with each slot, so that a slot that cannot be lifted changes nothing.
-    plans: list[tuple[_Slot, str, torch.dtype]] = []  # (slot, how, the input's dtype)
+    # (slot, how, the input's dtype, the op's Tensor overload where how is "twin")
+    plans: list[tuple[_Slot, str, torch.dtype, Any]] = []
     for slot in sorted(slots, key=lambda s: (s[0], str(s[1:]))):
         i, where, k = slot
         node = nodes[i]
@@ -407,7 +406,7 @@ def _rewrite(
             dtype = getattr(gm, node.target).dtype
             if not dtype.is_floating_point:
                 return captured, "a setting reaches an integer constant"
-            plans.append((slot, "attr", dtype))
+            plans.append((slot, "attr", dtype, None))
             continue
         target = node.target
         packet = target.overloadpacket.__name__
@@ -419,20 +418,18 @@ def _rewrite(
         if str(formal.type) == "Tensor":
             dtypes = [d for d in map(_float_dtype, node.args) if d is not None]
             if dtypes:
-                plans.append((slot, "tensor", _scalar_dtype(packet, dtypes[0])))
+                plans.append((slot, "tensor", _scalar_dtype(packet, dtypes[0]), None))
                 continue
         elif packet in _SCALES and where == "kwargs" and k == _SCALES[packet][0]:
             dtype = _float_dtype(node.args[_SCALES[packet][1]])
             if dtype is not None:
-                plans.append((slot, "scale", _scalar_dtype("mul", dtype)))
+                plans.append((slot, "scale", _scalar_dtype("mul", dtype), None))
                 continue
-        elif (
-            str(formal.type) in ("Scalar", "number")
-            and _tensor_twin(target, formal.name) is not None
-        ):
+        elif str(formal.type) in ("Scalar", "number"):
+            twin = _tensor_twin(target, formal.name)
             dtypes = [d for d in map(_float_dtype, node.args) if d is not None]
-            if dtypes:
-                plans.append((slot, "twin", dtypes[0]))
+            if twin is not None and dtypes:
+                plans.append((slot, "twin", dtypes[0], twin))
                 continue
         return captured, f"{target} takes a setting as {formal.name}= (it cannot be an input)"
 
@@ -456,7 +453,7 @@ def _rewrite(
             inputs[(values, dtype)] = (node, Lifted(name, dtype, const, coef))
         return inputs[(values, dtype)][0]
 
-    for slot, how, dtype in plans:
+    for slot, how, dtype, twin in plans:
         i, where, k = slot
         node = nodes[i]
         h = input_for(tuple(slots[slot]), dtype)
@@ -465,12 +462,7 @@ def _rewrite(
             graph.erase_node(node)
         elif how in ("tensor", "twin"):
             if how == "twin":
-                formal = (
-                    node.target._schema.arguments[k]
-                    if where == "args"
-                    else next(a for a in node.target._schema.arguments if a.name == k)
-                )
-                node.target = _tensor_twin(node.target, formal.name)
+                node.target = twin
             if where == "args":
                 node.args = tuple(h if j == k else a for j, a in enumerate(node.args))
             else:

@@ -405,12 +405,9 @@ class Job:
             try:
                 conn.send_encoded(configure)
             except OSError:
-                # It died as it joined (its socket closed under us): the receiver thread
-                # reports why; wait for that verdict briefly, as _send_all does. A mesh we
-                # attached to keeps it as dead from the start (named at its first use).
-                with self._cond:
-                    self._cond.wait_for(lambda r=rank: r in self.dead, EXIT_STATUS_WAIT + 1)
-                if self._adopted and rank in self.dead:
+                # It died as it joined (its socket closed under us). A mesh we attached to
+                # keeps it as dead from the start (named at its first use).
+                if self._await_verdict(rank) and self._adopted:
                     continue
                 self.stop(detach=self._adopted)
                 if rank in self.dead:
@@ -801,6 +798,12 @@ class Job:
         self.check_alive(ranks)
         self._send_all(ranks, _encode_call(msg))
 
+    def _await_verdict(self, rank: int) -> bool:
+        """A send to ``rank`` failed: the receiver thread reports the death (its exit status,
+        its stderr); wait for that verdict briefly. Whether it came."""
+        with self._cond:
+            return self._cond.wait_for(lambda: rank in self.dead, EXIT_STATUS_WAIT + 1)
+
     def _send_all(self, ranks: Sequence[int], parts: list) -> None:
         for r in ranks:
             conn = self.conns.get(r)
@@ -810,9 +813,7 @@ class Job:
             try:
                 conn.send_batched(parts, _flusher.hold)
             except OSError as e:
-                # The receiver thread reports the death; wait for its verdict briefly.
-                with self._cond:
-                    self._cond.wait_for(lambda r=r: r in self.dead, EXIT_STATUS_WAIT + 1)
+                self._await_verdict(r)
                 self.check_alive([r])
                 raise SupervisionError(
                     f"worker {self.describe(r)} stopped accepting messages: {e}"
