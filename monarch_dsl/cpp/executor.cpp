@@ -400,27 +400,25 @@ class Executor {
   // more with kStepRoom more, the runtime's own room (as runtime/memory.py's grace()).
   static void run_python_step(const py::object& fn, const char* what) {
     constexpr size_t kStepRoom = size_t{16} << 20;  // runtime/memory.py's GRACE
+    auto say = [what](py::error_already_set& err) {
+      if (*what) PySys_WriteStderr("%s", what);
+      err.restore();
+      PyErr_Print();
+    };
     try {
       fn();
-      return;
     } catch (py::error_already_set& e) {
       std::optional<rlim_t> before;
-      if (e.matches(PyExc_MemoryError) && (before = md::exec::grow_data_limit(kStepRoom))) {
-        try {
-          fn();
-          md::exec::set_data_limit(*before);
-          return;
-        } catch (py::error_already_set& again) {
-          md::exec::set_data_limit(*before);
-          if (*what) PySys_WriteStderr("%s", what);
-          again.restore();
-          PyErr_Print();
-          return;
-        }
+      if (!e.matches(PyExc_MemoryError) || !(before = md::exec::grow_data_limit(kStepRoom))) {
+        say(e);
+        return;
       }
-      if (*what) PySys_WriteStderr("%s", what);
-      e.restore();
-      PyErr_Print();
+      try {
+        fn();
+      } catch (py::error_already_set& again) {
+        say(again);
+      }
+      md::exec::set_data_limit(*before);
     }
   }
 
