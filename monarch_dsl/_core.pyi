@@ -27,6 +27,11 @@ class Env:
         """The tensor / number in ``slot`` (None if empty)."""
     def get(self, slot: int) -> Any: ...
     def set_none(self, slot: int) -> None: ...
+    def set_many(self, slots: Sequence[int], values: Sequence[Any]) -> None:
+        """``set(slots[k], values[k])`` for every ``k``."""
+    def set_part(self, slot: int, whole: Any, cuts: Sequence[tuple[int, int, int]]) -> None:
+        """``slot`` = a contiguous copy of this rank's part of tensor ``whole``: each cut
+        ``(dim, index, n)`` in turn takes part ``index`` of ``n`` along ``dim`` (``chunk``'s)."""
     def has(self, slot: int) -> bool: ...
     def __len__(self) -> int: ...
 
@@ -78,12 +83,20 @@ class CompiledPlan:
         waited for at a result's first use."""
     def set_uses(self, uses: Sequence[Sequence[int]]) -> None:
         """Per step, the slots it reads (where a collective in flight is waited for)."""
+    def set_agree(self, group: Any) -> None:
+        """The group over the whole mesh whose members agree at the end of every
+        ``run_plan`` whether any failed (a one-int MAX all-reduce: the failure flag)."""
+    def last_agree_cpu(self) -> float:
+        """The CPU seconds of the last ``run_plan``'s failure flag (``set_agree``)."""
     def has_comms(self) -> bool: ...
+    OTHER_FAILED: int
     def run_plan(self, env: Env, device: Any, inputs_failed: bool = False) -> int:
         """The whole plan for this rank without the GIL, compute and communication in order;
         after a failure (from the start with ``inputs_failed``) only communication goes on
         (with zeros). Returns -1, or the index of the step that failed (``last_error()`` says
-        why; the number of steps: after them, or the inputs)."""
+        why; the number of steps: after them, or the inputs); with ``set_agree``,
+        ``OTHER_FAILED`` where this rank ran fine and another failed (raises where the flag's
+        all-reduce fails)."""
     def __len__(self) -> int: ...
 
 class Executor:
@@ -108,6 +121,8 @@ class Executor:
     ) -> None: ...
     # The ref table, as a mapping.
     def get(self, ref: int, default: Any = None) -> Any: ...
+    def get_many(self, refs: Sequence[int]) -> list[Any]:
+        """``[get(r) for r in refs]``, read at one point in time."""
     def __getitem__(self, ref: int) -> Any: ...
     def __setitem__(self, ref: int, value: Any) -> None:
         """A tensor, a Python number, None, or a ``failure_type`` instance."""

@@ -211,6 +211,41 @@ def test_ops_without_an_out_kernel_run_in_place_only_on_values_nothing_else_hold
     assert in_place == [0, 1, 1]  # run 0 learns; then exactly one relu runs in place
 
 
+@pytest.mark.parametrize(
+    "shape, placements",
+    [
+        ((8, 6), (md.Shard(0),)),
+        ((8, 6), (md.Shard(1),)),  # a column: not contiguous until copied
+        ((8, 6), (md.Shard(0), md.Shard(1))),
+        ((8, 6), (md.Shard(0), md.Shard(0))),
+        ((8, 6), (md.Replicate(), md.Shard(1))),
+        ((5, 6), (md.Shard(0),)),  # uneven: chunk's parts
+    ],
+)
+def test_env_takes_a_ranks_part_of_a_whole_as_local_part_cuts_it(shape, placements):
+    """``Env.set_part`` (a local argument sent whole with a call of a compiled step) gives
+    what ``local_part`` gives: the same values, contiguous, a copy of its own."""
+    from monarch_dsl.compiler.interpret import local_part
+    from monarch_dsl.mesh import all_coords
+
+    whole = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+    sizes = (2,) * len(placements)
+    for coords in all_coords(sizes):
+        want = local_part(whole, placements, coords, sizes)
+        cuts = [(p.dim, coords[m], sizes[m]) for m, p in enumerate(placements) if p.is_shard()]
+        env = core.Env(2)
+        env.set_part(1, whole, cuts)
+        got = env[1]
+        assert torch.equal(got, want) and got.is_contiguous(), coords
+        assert got.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    env = core.Env(3)
+    env.set_many([2, 0], [whole, 1.5])
+    assert env[2] is whole or env[2].data_ptr() == whole.data_ptr()
+    assert env[0] == 1.5 and env[1] is None
+    with pytest.raises(ValueError, match="as many values as slots"):
+        env.set_many([0, 1], [whole])
+
+
 def test_program_error_names_the_step_and_later_steps_do_not_run():
     steps = [
         _step("aten.relu.default", (Slot(0),), (2,)),

@@ -133,6 +133,17 @@ def test_the_table_is_a_mapping_python_handlers_can_use():
     with pytest.raises(TypeError):
         refs[4] = "not a value"
     assert torch.equal(refs.pop(1), t) and len(refs) == 1
+    refs[1] = t
+    # many at once (a compiled step's inputs), as the reference executor's dict gives them
+    got = cpp.values_of((1, 2, 3, -1))
+    assert got[0].data_ptr() == t.data_ptr() and got[2] is None and got[3] is None
+    assert isinstance(got[1], Failure) and got[1].line == "a.py:3"
+    py = ReferenceExecutor(
+        0, torch.device("cpu"), reply=None, reply_failure=None, report=lambda f: None
+    )
+    py.refs.update({1: t, 2: got[1]})
+    want = py.values_of((1, 2, 3, -1))
+    assert want[0] is t and want[1] is got[1] and want[2:] == [None, None]
     cpp.close()
 
 

@@ -159,6 +159,27 @@ def test_failed_step_fails_its_results_and_leaves_workers_usable(pm, ranks):
         assert md.inspect(out).shape == (4 * ranks,)
 
 
+def test_a_step_failed_on_one_rank_fails_the_results_everywhere(pm):
+    """The failure flag the ranks agree on after a run (in the C++ run): a step that failed
+    on one rank only fails the results on the others too, with their own cause, and the
+    workers go on. (The index is a mesh tensor said to be replicated, but out of range on
+    dp=1 only.)"""
+
+    @md.mesh_fn(data_parallel="dp", placements={"idx": md.Replicate()})
+    def step(x, idx):
+        return torch.index_select(x, 1, idx).sum(1)
+
+    x = torch.arange(128.0).reshape(8, 16)
+    with pm.activate():
+        idx = (pm.rank("dp") * 99).long().reshape(1)
+        out = step(x, idx)
+        with pytest.raises(md.RemoteError, match="index"):
+            md.inspect(out, dp=1, tp=0)
+        with pytest.raises(md.RemoteError, match="failed on another rank"):
+            md.inspect(out, dp=0, tp=0)
+        torch.testing.assert_close(md.inspect(step(x, torch.tensor([3]))), x[:, 3])
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fully_shard"])
 def test_an_input_failed_on_one_rank_fails_the_results_everywhere(pm, sharded):
     """No rank hangs: the one whose input failed computes nothing but communicates zeros of

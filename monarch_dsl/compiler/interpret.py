@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from monarch_dsl import isa
-from monarch_dsl.compiler.lower import core_steps, resolve, run_step, shard_local
-from monarch_dsl.compiler.plan import Partial, Plan, Replicate, Shard, TensorType
+from monarch_dsl.compiler.lower import core_steps, resolve, run_step, shard_local, shard_view
+from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
 from monarch_dsl.isa import Program, Slot, collectives
 from monarch_dsl.mesh import all_coords
 
@@ -23,13 +23,22 @@ def local_value(
     value: torch.Tensor, t: TensorType, coords: tuple[int, ...], sizes: tuple[int, ...]
 ) -> Any:
     """Rank ``coords``'s part of the whole ``value`` laid out as ``t.placements``."""
+    return local_part(value, t.placements, coords, sizes)
+
+
+def local_part(
+    value: Any, placements: tuple[Placement, ...], coords: tuple[int, ...], sizes: tuple[int, ...]
+) -> Any:
+    """``local_value`` by the placements alone: a tensor of its own (one copy, contiguous)."""
     out = value
-    for m, p in enumerate(t.placements):
+    for m, p in enumerate(placements):
         if isinstance(p, Shard):
-            out = shard_local(out, p.dim, coords[m], sizes[m])
+            out = shard_view(out, p.dim, coords[m], sizes[m])
         elif isinstance(p, Partial) and p.op == "sum" and coords[m] != 0:
             out = torch.zeros_like(out)
-    return out.clone() if isinstance(out, torch.Tensor) else out
+    if not isinstance(out, torch.Tensor):
+        return out
+    return out.clone(memory_format=torch.contiguous_format)
 
 
 def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes: tuple[int, ...]) -> Any:
@@ -164,4 +173,12 @@ def simulate_values(
     return result, after
 
 
-__all__ = ["run_program", "groups", "simulate_values", "local_value", "whole_value", "Replicate"]
+__all__ = [
+    "run_program",
+    "groups",
+    "simulate_values",
+    "local_value",
+    "local_part",
+    "whole_value",
+    "Replicate",
+]

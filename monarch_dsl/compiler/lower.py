@@ -307,8 +307,18 @@ def run_step(step: Compute, env: Env, device: Any = None) -> None:
             env[slot] = value
 
 
+def shard_view(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tensor:
+    """Part ``index`` of ``value`` cut in ``n`` along ``dim`` (``chunk``'s parts), a view.
+    Shards are exact (``TensorType.local_shape``), and then one ``narrow``: ``chunk`` makes a
+    view of every part (each ~1.5 us of a worker's CPU per call of a compiled step)."""
+    size = value.shape[dim]
+    if size % n:
+        return value.chunk(n, dim)[index]
+    return value.narrow(dim, index * (size // n), size // n)
+
+
 def shard_local(value: torch.Tensor, dim: int, index: int, n: int) -> torch.Tensor:
-    return value.chunk(n, dim)[index].contiguous()
+    return shard_view(value, dim, index, n).contiguous()
 
 
 def core_steps(program: Program, coords: tuple[int, ...] | None, device: Any) -> list[Any]:

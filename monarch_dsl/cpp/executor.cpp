@@ -99,6 +99,19 @@ class Executor {
     return e ? to_python(*e) : missing;
   }
 
+  // [get(r) for r in refs], in one call, read at one point in time (a compiled step's inputs).
+  py::list get_many(const std::vector<int64_t>& refs) {
+    std::vector<std::optional<Entry>> got(refs.size());
+    refs_.locked([&](auto find) {
+      for (size_t k = 0; k < refs.size(); ++k)
+        if (const Entry* e = find(refs[k])) got[k] = *e;
+    });
+    py::list out(refs.size());
+    for (size_t k = 0; k < refs.size(); ++k)
+      out[k] = got[k] ? to_python(*got[k]) : py::none();
+    return out;
+  }
+
   py::object getitem(int64_t ref) {
     auto e = refs_.lookup(ref);
     if (!e) throw py::key_error(std::to_string(ref));
@@ -743,6 +756,7 @@ void bind_executor(py::module& m) {
            py::arg("rank"), py::arg("ref_type"), py::arg("device_sentinel"), py::arg("device"),
            py::arg("failure_type"), py::arg("report"))
       .def("get", &Executor::get, py::arg("ref"), py::arg("default") = py::none())
+      .def("get_many", &Executor::get_many)
       .def("__getitem__", &Executor::getitem)
       .def("__setitem__", &Executor::set)
       .def("pop", &Executor::pop, py::arg("ref"), py::arg("default") = py::none())

@@ -16,8 +16,11 @@
 
 #include <algorithm>
 #include <array>
+#include <ctime>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -184,6 +187,26 @@ class Env {
     }
   }
   void set_none(int64_t i) { values.at(i) = c10::IValue(); }
+  // set(slots[k], objs[k]) for every k: a compiled step's inputs in one call.
+  void set_many(const std::vector<int64_t>& slots, const py::sequence& objs) {
+    if (static_cast<size_t>(py::len(objs)) != slots.size())
+      throw std::invalid_argument("Env.set_many: as many values as slots");
+    for (size_t k = 0; k < slots.size(); ++k) set(slots[k], objs[k]);
+  }
+  // Slot i = this rank's part of `whole`, cut as `cuts` says, in order: (dim, index, n) takes
+  // part `index` of `n` along `dim` (runtime/plan_runner.py's local_part, by chunk's parts);
+  // a tensor of its own, contiguous. Without Python: each torch call from Python costs a
+  // worker several microseconds per call of a compiled step.
+  void set_part(int64_t i, const at::Tensor& whole,
+                const std::vector<std::tuple<int64_t, int64_t, int64_t>>& cuts) {
+    at::Tensor part = whole;
+    for (const auto& [dim, index, n] : cuts) {
+      const int64_t size = part.size(dim);
+      part = size % n == 0 ? part.narrow(dim, index * (size / n), size / n)
+                           : part.chunk(n, dim).at(index);
+    }
+    values.at(i) = part.clone(at::MemoryFormat::Contiguous);
+  }
   py::object get(int64_t i) { return torch::jit::toPyObject(values.at(i)); }
   bool has(int64_t i) const { return !values.at(i).isNone(); }
   int64_t size() const { return static_cast<int64_t>(values.size()); }
@@ -313,13 +336,20 @@ class CompiledPlan {
 
   void set_uses(std::vector<std::vector<int64_t>> uses) { uses_ = std::move(uses); }
 
+  // The group over the whole mesh whose members agree, at the end of every run_plan, on
+  // whether any of them failed (runtime/plan_runner.py: the failure flag, a one-int MAX
+  // all-reduce). Done here, not in Python: the flag's tensor, options and wrapper cost a
+  // worker more than the all-reduce itself (~100 us of its CPU per call on a 2-core host).
+  void set_agree(py::handle group) { agree_ = md::comm_of(group); }
+
   // The whole plan for this rank, without the GIL: compute steps and the communication steps
   // given by set_comm, in order. Collectives off the main stream are started and waited for
   // at their result's first use (a bucket's all-reduce overlaps the rest of the backward).
   // After a failure the rank computes nothing more but still takes part in every
   // communication, with zeros, so no peer waits forever; `inputs_failed`: from the start (an
   // input failed on this rank). Returns -1 or the failed step (the number of steps: after
-  // them, or the inputs).
+  // them, or the inputs); with set_agree, kOtherFailed where this rank ran fine and another
+  // failed (an exception where the flag's all-reduce fails: a peer died).
   int64_t run_plan(Env& env, const c10::Device& device, bool inputs_failed) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> one_run_at_a_time(lock_);
@@ -373,10 +403,26 @@ class CompiledPlan {
         fail_at(n, e);
       }
     }
+    agree_cpu_ = 0;
+    if (agree_) {
+      const double start = thread_cpu_seconds();
+      if (!flag_.defined() || flag_.device() != device)
+        flag_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+      flag_.fill_(failed >= 0 ? 1 : 0);
+      agree_->all_reduce(flag_, "max");
+      const bool any = flag_.item<int32_t>() != 0;
+      agree_cpu_ = thread_cpu_seconds() - start;
+      if (failed < 0 && any) return kOtherFailed;
+    }
     return failed;
   }
 
+  static constexpr int64_t kOtherFailed = -2;
+
   std::string last_error() const { return last_error_; }
+  // The CPU seconds of the last run_plan's failure flag (what calibration keeps out of the
+  // steps' time: runtime/plan_runner.py steps_cpu).
+  double last_agree_cpu() const { return agree_cpu_; }
   bool has_comms() const { return !comms_.empty(); }
   int64_t reused() const { return reused_; }
   int64_t in_place() const { return in_place_; }
@@ -593,6 +639,15 @@ class CompiledPlan {
   std::vector<std::optional<Step>> steps_;
   std::string last_error_;
   std::mutex lock_;
+  std::shared_ptr<md::Comm> agree_;  // set_agree's group (none: no flag)
+  at::Tensor flag_;                  // its flag, kept between runs
+  double agree_cpu_ = 0;
+
+  static double thread_cpu_seconds() {
+    timespec t{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
   int64_t reused_ = 0;    // steps of the last run that wrote a buffer of the run before
   int64_t in_place_ = 0;  // of those, steps that wrote their argument (relu as relu_)
 };
@@ -606,6 +661,8 @@ void bind_program(py::module& m) {
       .def("__setitem__", &Env::set)
       .def("__getitem__", &Env::get)
       .def("set_none", &Env::set_none)
+      .def("set_many", &Env::set_many)
+      .def("set_part", &Env::set_part)
       .def("get", &Env::get)
       .def("has", &Env::has)
       .def("__len__", &Env::size);
@@ -619,6 +676,9 @@ void bind_program(py::module& m) {
            py::arg("group"), py::arg("index"), py::arg("size"), py::arg("peer"),
            py::arg("async_"), py::arg("slot_type"))
       .def("set_uses", &CompiledPlan::set_uses)
+      .def("set_agree", &CompiledPlan::set_agree)
+      .def("last_agree_cpu", &CompiledPlan::last_agree_cpu)
+      .def_readonly_static("OTHER_FAILED", &CompiledPlan::kOtherFailed)
       .def("has_comms", &CompiledPlan::has_comms)
       .def(
           "run_plan",

@@ -28,6 +28,9 @@ class CoreExecutor(ReferenceExecutor):
         self.refs = self.core  # type: ignore[assignment]  # a mapping of ref -> value
         self._group_names: set[str] = set()  # groups whose getter C++ has
 
+    def values_of(self, refs: tuple[int, ...]) -> list[Any]:
+        return self.core.get_many(refs)
+
     def run(self, items: tuple) -> None:
         """Eager ops go to C++ in runs (prepared and queued there, one wake-up per stream per
         run); everything else comes back to :meth:`_other`, in its place."""

@@ -246,6 +246,11 @@ class ReferenceExecutor:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         return Failure(self.rank, loc, op, f"{type(e).__name__}: {e}", tb)
 
+    def values_of(self, refs: tuple[int, ...]) -> list[Any]:
+        """``[self.refs.get(r) for r in refs]`` (the C++ table's: one call)."""
+        get = self.refs.get
+        return [get(r) for r in refs]
+
     def coords_in(self, mesh: isa.DefineMesh) -> tuple[int, ...]:
         """This rank's coordinates in ``mesh`` (one per dim, row-major)."""
         return coords_of_index(mesh.ranks.index(self.rank), mesh.sizes)

@@ -14,14 +14,15 @@ failed input is rare, and the flag costs every step a round of the group.)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from monarch_dsl import _core, isa
-from monarch_dsl.compiler.interpret import local_value
+from monarch_dsl.compiler.interpret import local_part
 from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
-from monarch_dsl.compiler.plan import TensorType
+from monarch_dsl.compiler.plan import Partial, Shard
 from monarch_dsl.isa import Program, Slot, collectives
 from monarch_dsl.mesh import index_of_coords
 from monarch_dsl.runtime import exchange
@@ -29,6 +30,9 @@ from monarch_dsl.runtime.failure import PLAN_COMMUNICATION, Failure
 
 if TYPE_CHECKING:
     from monarch_dsl.runtime.executor import ReferenceExecutor
+
+
+_OTHER_FAILED = "an input or a step failed on another rank"
 
 
 class PlanRunner:
@@ -39,6 +43,7 @@ class PlanRunner:
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.CompiledPlan
+        self.calls: dict[tuple, _Call] = {}  # (plan, mesh id, stream) -> _Call
         # Runs so far, and the CPU seconds of their steps (the C++ run, or the Python one):
         # what a run costs beyond them is the runtime's per call (``monarch-dsl calibrate``).
         self.runs = 0
@@ -100,51 +105,78 @@ class PlanRunner:
         return self.ex.group_along(mesh, coords, dims, stream)
 
     # ---- the run -------------------------------------------------------------------------
-    def run(self, ins: isa.RunPlan) -> None:
-
+    def _call(self, ins: isa.RunPlan, mesh) -> _Call:
+        """What every run of ``ins.plan`` on ``mesh`` and ``ins.stream`` reuses (worked out at
+        its first run: a compiled step's call costs this rank a few microseconds per Python
+        line it runs, on cores it may share with the controller)."""
         ex = self.ex
-        program, uses = self.programs[ins.plan]
-        mesh = ex.meshes[ins.mesh]
+        program, _ = self.programs[ins.plan]
         coords = ex.coords_in(mesh)
-        sizes = program.sizes
-        failure: Failure | None = None
+        compiled = (
+            self._compiled(ins.plan, program, mesh, coords, ins.stream) if self.core else None
+        )
+        world, _, size = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
+        if compiled is not None and size > 1:  # the failure flag, in the C++ run
+            compiled.set_agree(world)
+        call = _Call(mesh, program, coords, program.sizes, compiled, world)
+        self.calls[(ins.plan, ins.mesh, ins.stream)] = call
+        return call
+
+    def run(self, ins: isa.RunPlan) -> None:
+        ex = self.ex
+        mesh = ex.meshes[ins.mesh]
+        call = self.calls.get((ins.plan, ins.mesh, ins.stream))
+        if call is None or call.mesh is not mesh:
+            call = self._call(ins, mesh)
+        program, coords, sizes = call.program, call.coords, call.sizes
+        refs = ex.refs
         for whole, local, i in ins.split:
-            v = ex.refs.get(whole)
+            v = refs.get(whole)
             if isinstance(v, Failure) or v is None:
-                ex.refs[local] = v
+                refs[local] = v
             else:
-                t = TensorType(tuple(v.shape), "", ins.placements[i])
-                ex.refs[local] = local_value(v, t, coords, sizes)
-        core = self.core
-        env: Any = core.Env(program.n_slots) if core else [None] * program.n_slots
-        sent = dict(ins.sent)
-        for k, (slot, ref) in enumerate(zip(program.inputs, ins.inputs)):
-            if k in sent:  # a local argument sent with the call: this rank's part of it
-                whole = sent[k].to(ex.device)
-                t = TensorType(tuple(whole.shape), "", ins.placements[k])
-                env[slot] = local_value(whole, t, coords, sizes)
-                continue
-            v = ex.refs.get(ref)
+                refs[local] = local_part(v, ins.placements[i], coords, sizes)
+        values = ex.values_of(ins.inputs)  # (-1: sent with the call, or None)
+        failure: Failure | None = None
+        for k, v in enumerate(values):
             if isinstance(v, Failure):
-                failure, v = failure or v, None  # (nothing is computed: see run_plan)
-            env[slot] = v  # None: a pipeline stage's value held by other ranks
+                failure, values[k] = failure or v, None  # (nothing is computed: see run_plan)
+        compiled = call.compiled
+        if compiled is not None:
+            env: Any = self.core.Env(program.n_slots)
+            env.set_many(program.inputs, values)  # None: a pipeline stage's, on other ranks
+        else:
+            env = [None] * program.n_slots
+            for slot, v in zip(program.inputs, values):
+                env[slot] = v
+        for k, whole in ins.sent:  # a local argument sent with the call: this rank's part
+            cuts = call.cuts(k, ins.placements[k]) if compiled is not None else None
+            if cuts is None:
+                env[program.inputs[k]] = local_part(
+                    whole.to(ex.device), ins.placements[k], coords, sizes
+                )
+            else:
+                env.set_part(program.inputs[k], whole.to(ex.device), cuts)
         own = False
         try:
-            compiled = self._compiled(ins.plan, program, mesh, coords, ins.stream) if core else None
-            world, _, _ = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
             self.runs += 1
             cpu0 = time.thread_time()
             if compiled is not None:  # the whole run in C++, without the GIL
                 failed = compiled.run_plan(env, ex.device, failure is not None)
-                if failed >= 0 and failure is None:
+                self.steps_cpu += time.thread_time() - cpu0 - compiled.last_agree_cpu()
+                if failed == compiled.OTHER_FAILED:
+                    failure = Failure(ex.rank, ins.loc, "plan", _OTHER_FAILED, "")
+                elif failed >= 0 and failure is None:
                     bad = program.steps[failed] if failed < len(program.steps) else None
                     loc = (bad.loc if bad is not None else "") or ins.loc
                     op = bad.op if bad is not None else PLAN_COMMUNICATION
                     failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
             else:
-                failure, own = self._run_python(program, uses, env, mesh, coords, ins, failure)
-            self.steps_cpu += time.thread_time() - cpu0
-            failure = self._agree(world, failure, ins, "an input or a step failed on another rank")
+                failure, own = self._run_python(
+                    program, self.programs[ins.plan][1], env, mesh, coords, ins, failure
+                )
+                self.steps_cpu += time.thread_time() - cpu0
+                failure = self._agree(call.world, failure, ins, _OTHER_FAILED)
         except Exception as e:  # noqa: BLE001 - a communication raised (a peer died): the
             # outputs fail with it, so a fetch says why instead of finding no value
             if failure is None:
@@ -154,7 +186,7 @@ class PlanRunner:
             return
         for slot, ref in zip(program.outputs, ins.outputs):
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
-                ex.refs[ref] = env[slot]
+                refs[ref] = env[slot]
 
     def _run_python(self, program, uses, env, mesh, coords, ins, failure=None):
         """The reference executor's run of the steps: (the first failure or None, whether
@@ -249,6 +281,37 @@ def _groups_of(run_stream: str, step) -> str:
     collectives on another thread at the same time, and two threads on one group mix up their
     messages."""
     return run_stream if step.stream == "main" else f"plan/{run_stream}/{step.stream}"
+
+
+@dataclass
+class _Call:
+    """A plan's runs on one mesh and stream: this rank's coordinates, its C++ program (None:
+    the Python path) and the group over the whole mesh (the failure flag's)."""
+
+    mesh: Any  # the isa.DefineMesh (a new definition under the same id is a new _Call)
+    program: Program
+    coords: tuple[int, ...]
+    sizes: tuple[int, ...]
+    compiled: Any
+    world: Any
+    _cuts: dict[tuple, Any] = field(default_factory=dict)
+
+    def cuts(self, k: int, placements: tuple) -> list[tuple[int, int, int]] | None:
+        """How ``Env.set_part`` cuts this rank's part of input ``k`` (laid out as
+        ``placements``) out of the whole: ``local_part``'s shards as (dim, index, n); None
+        where a ``Partial`` takes zeros (``local_part`` does it)."""
+        key = (k, placements)
+        got = self._cuts.get(key, False)
+        if got is False:
+            got = []
+            for m, p in enumerate(placements):
+                if isinstance(p, Shard):
+                    got.append((p.dim, self.coords[m], self.sizes[m]))
+                elif isinstance(p, Partial) and p.op == "sum" and self.coords[m] != 0:
+                    got = None
+                    break
+            self._cuts[key] = got
+        return got
 
 
 class _Once:
