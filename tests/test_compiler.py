@@ -78,6 +78,32 @@ def test_data_parallel_matches_one_process(opt):
         assert all(c.dims == ("dp",) for c in plan.collectives)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_linear_and_relu_are_traced_without_ops_that_change_nothing(dtype):
+    """``nn.Linear`` is an mm and a bias add (torch's decomposition multiplies both by 1
+    first: two ops a layer on every rank at every step), ReLU's backward one
+    ``threshold_backward`` (not le + scalar_tensor + where); training matches one process.
+    bfloat16 keeps torch's decomposition (it computes in float32 and casts back)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).to(dtype)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step
+
+    batches = [(x.to(dtype), y.to(dtype)) for x, y in mse_batches()]
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    ops = [i.op for i in plans[0].body]
+    assert ops.count("aten.threshold_backward.default") == 1
+    assert "aten.where.self" not in ops and "aten.scalar_tensor.default" not in ops
+    ones = [str(i) for i in plans[0].body if i.op == "aten.mul.Tensor" and 1 in i.args[1:]]
+    assert (ones == []) == (dtype != torch.bfloat16), ones
+    if dtype == torch.bfloat16:
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    else:
+        _assert_parity(model, ref, losses, ref_losses)
+
+
 class _Attention(nn.Module):
     """Token embedding, nn.MultiheadAttention (batch first) and a classifier on the mean."""
 

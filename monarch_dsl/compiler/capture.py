@@ -66,7 +66,6 @@ _DECOMPOSE = [
     aten.sigmoid_backward,
     aten.silu,
     aten.silu_backward,
-    aten.threshold_backward,
     aten.native_dropout_backward,
     aten.addcmul,
     aten.addcdiv,
@@ -83,12 +82,42 @@ _DECOMPOSE = [
 ]
 
 
+# Not decomposed (a pointwise rule of its own): ReLU's backward stays one op, where torch's
+# decomposition makes three (le, scalar_tensor, where).
+#   aten.threshold_backward
+
+
 def decompositions() -> Decompositions:
     from torch._decomp import get_decompositions
 
     # (torch types its keys as OperatorBase; they are the overloads of _DECOMPOSE's packets)
     table = cast(Decompositions, get_decompositions(_DECOMPOSE))
+    torch_addmm = table[aten.addmm.default]
+    table[aten.addmm.default] = functools.partial(_addmm, torch_addmm)
     return {**table, **_foreach_decompositions()}
+
+
+def _addmm(
+    torch_addmm: Callable[..., Any],
+    self: torch.Tensor,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    *,
+    beta: Any = 1,
+    alpha: Any = 1,
+) -> Any:
+    """``aten.addmm`` (``nn.Linear``) as torch's decomposition computes it, ``out + beta *
+    self`` with ``out = alpha * mm``, without its multiplies by 1: two ops a layer, each a
+    dispatch and a pass over the activations on every rank at every step, that change no
+    bit. Float32 / float64 only; the rest (computed in float32 and cast back) is torch's."""
+    if self.dtype not in (torch.float32, torch.float64) or mat1.dtype != self.dtype:
+        return torch_addmm(self, mat1, mat2, beta=beta, alpha=alpha)
+    out = aten.mm(mat1, mat2)
+    if alpha != 1:
+        out = alpha * out
+    if beta == 0:
+        return out
+    return out + (self if beta == 1 else beta * self)  # (out first: a contiguous result)
 
 
 # ---- multi-tensor (foreach) ops --------------------------------------------------------------
