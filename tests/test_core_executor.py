@@ -212,3 +212,85 @@ def test_an_op_the_dispatcher_cannot_take_is_refused_when_queued():
 
 def test_the_build_is_current():
     assert _build.load(build=False) is core
+
+
+# ---- compiled plans on one executor (runtime/plan_runner.py) ----------------------------------
+
+
+def _plan_runner(rank: int, ranks: tuple[int, ...], store) -> tuple[ReferenceExecutor, object]:
+    ex = ReferenceExecutor(
+        rank, torch.device("cpu"), reply=None, reply_failure=None, report=lambda f: None
+    )
+    ex.store = store
+    runner = ex.plans()
+    ex.define_mesh(isa.DefineMesh(0, ("x",), (len(ranks),), ranks))
+    return ex, runner
+
+
+def _index_plan(op: str = "aten.index_select.default") -> isa.Program:
+    """out = op(x, 0, idx): x and idx the inputs."""
+    steps = (isa.Compute(name=op, args=(isa.Slot(0), 0, isa.Slot(1)), outs=(2,), loc="t.py:9"),)
+    return isa.Program("p", ("x",), (len(steps),), steps, 3, (0, 1), (2,), ((1,),), ("float32",))
+
+
+@pytest.mark.parametrize("executor", ["cpp", "python"])
+def test_a_plan_whose_first_run_cannot_be_set_up_fails_its_outputs(monkeypatch, executor):
+    """The C++ program of a plan is made at its first run; where that fails (an op it cannot
+    find), the run's outputs fail with the cause, as a step's failure does (it used to escape
+    the run: the outputs were never bound, and a fetch said they were deleted)."""
+    monkeypatch.setenv("MD_EXECUTOR", executor)
+    ex, runner = _plan_runner(0, (0,), dist.HashStore())
+    runner.define(isa.DefinePlan(7, _index_plan("aten.no_such_op.default")))
+    ex.refs.update({1: torch.arange(4.0), 2: torch.tensor([1])})
+    for out in (10, 11):  # (and again: nothing half made was kept)
+        runner.run(isa.RunPlan(7, 0, (1, 2), (out,), (), ((), ()), "main", "call.py:1"))
+        failure = ex.refs.get(out)
+        assert isinstance(failure, Failure) and "no_such_op" in failure.error, failure
+
+
+def _rank_of_two(rank: int, port: int, peer_gone, results) -> None:
+    """Rank ``rank`` of a two-rank mesh runs a plan once with its peer; rank 0 then runs it
+    again, with an index out of its range, after rank 1 has exited."""
+    import datetime
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    ex, runner = _plan_runner(rank, (0, 1), store)
+    runner.define(isa.DefinePlan(7, _index_plan()))
+    ex.refs.update({1: torch.arange(4.0), 2: torch.tensor([1])})
+    runner.run(isa.RunPlan(7, 0, (1, 2), (10,), (), ((), ()), "main", "call.py:1"))
+    if rank == 1:
+        return
+    assert peer_gone.wait(60)
+    ex.refs[2] = torch.tensor([99])
+    runner.run(isa.RunPlan(7, 0, (1, 2), (11,), (), ((), ()), "main", "call.py:2"))
+    f = ex.refs.get(11)
+    results.put((getattr(f, "op", None), getattr(f, "line", None), getattr(f, "error", repr(f))))
+
+
+@pytest.mark.procs
+def test_a_rank_whose_step_failed_reports_its_step_when_the_flag_cannot_be_agreed():
+    """The failure flag's all-reduce fails where the peer is gone; a rank whose own step
+    failed in that run reports its step (op, line, error), not the flag's error."""
+    import multiprocessing
+
+    from monarch_dsl.parallel.spmd import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    peer_gone, results = ctx.Event(), ctx.Queue()
+    port = free_port()
+    ps = [ctx.Process(target=_rank_of_two, args=(r, port, peer_gone, results)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    try:
+        ps[1].join(60)
+        assert ps[1].exitcode == 0
+        peer_gone.set()
+        op, line, error = results.get(timeout=60)
+        ps[0].join(60)
+    finally:
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert (op, line) == ("aten.index_select.default", "t.py:9"), error
+    assert "index" in error

@@ -109,8 +109,12 @@ def _addmm(
     """``aten.addmm`` (``nn.Linear``) as torch's decomposition computes it, ``out + beta *
     self`` with ``out = alpha * mm``, without its multiplies by 1: two ops a layer, each a
     dispatch and a pass over the activations on every rank at every step, that change no
-    bit. Float32 / float64 only; the rest (computed in float32 and cast back) is torch's."""
-    if self.dtype not in (torch.float32, torch.float64) or mat1.dtype != self.dtype:
+    bit. Float32 / float64 only; the rest (computed in float32 and cast back, or mixed dtypes,
+    which torch's promotes) is torch's."""
+    if (
+        self.dtype not in (torch.float32, torch.float64)
+        or not mat1.dtype == mat2.dtype == self.dtype
+    ):
         return torch_addmm(self, mat1, mat2, beta=beta, alpha=alpha)
     out = aten.mm(mat1, mat2)
     if alpha != 1:

@@ -406,11 +406,20 @@ class CompiledPlan {
     agree_cpu_ = 0;
     if (agree_) {
       const double start = thread_cpu_seconds();
-      if (!flag_.defined() || flag_.device() != device)
-        flag_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
-      flag_.fill_(failed >= 0 ? 1 : 0);
-      agree_->all_reduce(flag_, "max");
-      const bool any = flag_.item<int32_t>() != 0;
+      bool any = false;
+      try {
+        if (!flag_.defined() || flag_.device() != device)
+          flag_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+        flag_.fill_(failed >= 0 ? 1 : 0);
+        agree_->all_reduce(flag_, "max");
+        any = flag_.item<int32_t>() != 0;
+      } catch (const std::exception&) {
+        // (a peer died, or a GPU error of the failed step is still pending): this rank's own
+        // failure is the cause to report; a rank that ran fine reports the flag's error
+        agree_cpu_ = thread_cpu_seconds() - start;
+        if (failed >= 0) return failed;
+        throw;
+      }
       agree_cpu_ = thread_cpu_seconds() - start;
       if (failed < 0 && any) return kOtherFailed;
     }

@@ -42,7 +42,7 @@ class PlanRunner:
         self.ex = executor  # through its public interface: refs, failures, groups
         self.programs: dict[int, tuple[Program, list]] = {}
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
-        self.compiled: dict[tuple, Any] = {}  # (plan, coords) -> _core.CompiledPlan
+        self.compiled: dict[tuple, Any] = {}  # (plan, mesh, coords, stream) -> CompiledPlan
         self.calls: dict[tuple, _Call] = {}  # (plan, mesh id, stream) -> _Call
         # Runs so far, and the CPU seconds of their steps (the C++ run, or the Python one):
         # what a run costs beyond them is the runtime's per call (``monarch-dsl calibrate``).
@@ -56,10 +56,11 @@ class PlanRunner:
     def _compiled(
         self, plan: int, program: Program, mesh, coords: tuple[int, ...], run_stream: str
     ) -> Any:
-        """The C++ program of ``plan`` for the rank at ``coords``: its compute steps, and its
-        communication with the groups it uses (made here, in step order, as the Python path
-        makes them at first use; every member makes them in the same order)."""
-        key = (plan, coords, run_stream)
+        """The C++ program of ``plan`` for the rank at ``coords`` of ``mesh``: its compute
+        steps, and its communication with the groups it uses (made here, in step order, as the
+        Python path makes them at first use; every member makes them in the same order). One
+        per mesh of ranks: its groups, and its failure flag's (``set_agree``), are the mesh's."""
+        key = (plan, tuple(mesh.ranks), tuple(mesh.sizes), coords, run_stream)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.core.CompiledPlan(core_steps(program, coords, self.ex.device), Slot)
@@ -128,15 +129,17 @@ class PlanRunner:
         mesh = ex.meshes[ins.mesh]
         call = self.calls.get((ins.plan, ins.mesh, ins.stream))
         if call is None or call.mesh is not mesh:
-            call = self._call(ins, mesh)
+            try:
+                call = self._call(ins, mesh)
+            except Exception as e:  # noqa: BLE001 - the C++ program or a group could not be
+                # made: the outputs fail with it (a fetch says why)
+                program = self.programs[ins.plan][0]
+                self._split(ins, ex.coords_in(mesh), program.sizes)
+                failure = ex.root_failure(ins.loc, PLAN_COMMUNICATION, e)
+                ex.fail([r for r in ins.outputs if r >= 0], failure, root=True)
+                return
         program, coords, sizes = call.program, call.coords, call.sizes
-        refs = ex.refs
-        for whole, local, i in ins.split:
-            v = refs.get(whole)
-            if isinstance(v, Failure) or v is None:
-                refs[local] = v
-            else:
-                refs[local] = local_part(v, ins.placements[i], coords, sizes)
+        self._split(ins, coords, sizes)
         values = ex.values_of(ins.inputs)  # (-1: sent with the call, or None)
         failure: Failure | None = None
         for k, v in enumerate(values):
@@ -187,7 +190,17 @@ class PlanRunner:
             return
         for slot, ref in zip(program.outputs, ins.outputs):
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
-                refs[ref] = env[slot]
+                ex.refs[ref] = env[slot]
+
+    def _split(self, ins: isa.RunPlan, coords: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        """This rank's parts of the whole values ``ins`` splits, as the refs it names."""
+        refs = self.ex.refs
+        for whole, local, i in ins.split:
+            v = refs.get(whole)
+            if isinstance(v, Failure) or v is None:
+                refs[local] = v
+            else:
+                refs[local] = local_part(v, ins.placements[i], coords, sizes)
 
     def _run_python(self, program, uses, env, mesh, coords, ins, failure=None):
         """The reference executor's run of the steps: (the first failure or None, whether
