@@ -30,15 +30,30 @@ def local_part(
     value: Any, placements: tuple[Placement, ...], coords: tuple[int, ...], sizes: tuple[int, ...]
 ) -> Any:
     """``local_value`` by the placements alone: a tensor of its own (one copy, contiguous)."""
+    cuts, zeros = shard_cuts(placements, coords, sizes)
     out = value
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            out = shard_view(out, p.dim, coords[m], sizes[m])
-        elif isinstance(p, Partial) and p.op == "sum" and coords[m] != 0:
-            out = torch.zeros_like(out)
+    for dim, index, n in cuts:
+        out = shard_view(out, dim, index, n)
+    if zeros:
+        out = torch.zeros_like(out)
     if not isinstance(out, torch.Tensor):
         return out
     return out.clone(memory_format=torch.contiguous_format)
+
+
+def shard_cuts(
+    placements: tuple[Placement, ...], coords: tuple[int, ...], sizes: tuple[int, ...]
+) -> tuple[list[tuple[int, int, int]], bool]:
+    """How rank ``coords``'s part of a whole laid out as ``placements`` is cut out of it:
+    (dim, index, n) per ``Shard``, in mesh dim order (``shard_view``'s arguments), and whether
+    it is zeros (a ``Partial`` sum holds the whole on the first rank of its dim only)."""
+    cuts, zeros = [], False
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            cuts.append((p.dim, coords[m], sizes[m]))
+        elif isinstance(p, Partial) and p.op == "sum" and coords[m] != 0:
+            zeros = True
+    return cuts, zeros
 
 
 def whole_value(parts: dict[tuple[int, ...], Any], t: TensorType, sizes: tuple[int, ...]) -> Any:
@@ -179,6 +194,7 @@ __all__ = [
     "simulate_values",
     "local_value",
     "local_part",
+    "shard_cuts",
     "whole_value",
     "Replicate",
 ]

@@ -168,6 +168,13 @@ bool holds_tensors(const c10::IValue& v) {
          (!v.toListRef().empty() && v.toListRef()[0].isTensor());
 }
 
+// Part `index` of `n` of `t` along `dim`, a view: chunk's parts (lower.py shard_view; shards
+// are exact, and then one narrow, not a view of every part).
+at::Tensor part_of(const at::Tensor& t, int64_t dim, int64_t index, int64_t n) {
+  const int64_t size = t.size(dim);
+  return size % n == 0 ? t.narrow(dim, index * (size / n), size / n) : t.chunk(n, dim).at(index);
+}
+
 class Env {
  public:
   explicit Env(int64_t n) : values(n) {}
@@ -200,11 +207,7 @@ class Env {
   void set_part(int64_t i, const at::Tensor& whole,
                 const std::vector<std::tuple<int64_t, int64_t, int64_t>>& cuts) {
     at::Tensor part = whole;
-    for (const auto& [dim, index, n] : cuts) {
-      const int64_t size = part.size(dim);
-      part = size % n == 0 ? part.narrow(dim, index * (size / n), size / n)
-                           : part.chunk(n, dim).at(index);
-    }
+    for (const auto& [dim, index, n] : cuts) part = part_of(part, dim, index, n);
     values.at(i) = part.clone(at::MemoryFormat::Contiguous);
   }
   py::object get(int64_t i) { return torch::jit::toPyObject(values.at(i)); }
@@ -563,7 +566,7 @@ class CompiledPlan {
     };
     const std::string& op = c.op;
     if (op == "shard_local") {
-      values.at(c.outs.at(0)) = value(0).chunk(c.size, c.dim).at(c.index).contiguous();
+      values.at(c.outs.at(0)) = part_of(value(0), c.dim, c.index, c.size).contiguous();
       return;
     }
     if (op == "partial_local") {

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from monarch_dsl import _core, isa
-from monarch_dsl.compiler.interpret import local_part
+from monarch_dsl.compiler.interpret import local_part, shard_cuts
 from monarch_dsl.compiler.lower import core_steps, run_step, shard_local
-from monarch_dsl.compiler.plan import Partial, Shard
 from monarch_dsl.isa import Program, Slot, collectives
 from monarch_dsl.mesh import index_of_coords
 from monarch_dsl.runtime import exchange
@@ -44,6 +43,8 @@ class PlanRunner:
         self.core = _core.worker_native()  # the C++ runtime, or None: compute runs in Python
         self.compiled: dict[tuple, Any] = {}  # (plan, mesh, coords, stream) -> CompiledPlan
         self.calls: dict[tuple, _Call] = {}  # (plan, mesh id, stream) -> _Call
+        # the device is the host's (where a local argument sent with a call arrives)
+        self.on_cpu = torch.device(executor.device).type == "cpu"
         # Runs so far, and the CPU seconds of their steps (the C++ run, or the Python one):
         # what a run costs beyond them is the runtime's per call (``monarch-dsl calibrate``).
         self.runs = 0
@@ -119,8 +120,7 @@ class PlanRunner:
         world, _, size = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
         if compiled is not None and size > 1:  # the failure flag, in the C++ run
             compiled.set_agree(world)
-        on_cpu = torch.device(ex.device).type == "cpu"
-        call = _Call(mesh, program, coords, program.sizes, compiled, world, on_cpu)
+        call = _Call(mesh, program, coords, compiled, world)
         self.calls[(ins.plan, ins.mesh, ins.stream)] = call
         return call
 
@@ -138,7 +138,7 @@ class PlanRunner:
                 failure = ex.root_failure(ins.loc, PLAN_COMMUNICATION, e)
                 ex.fail([r for r in ins.outputs if r >= 0], failure, root=True)
                 return
-        program, coords, sizes = call.program, call.coords, call.sizes
+        program, coords, sizes = call.program, call.coords, call.program.sizes
         self._split(ins, coords, sizes)
         values = ex.values_of(ins.inputs)  # (-1: sent with the call, or None)
         failure: Failure | None = None
@@ -154,7 +154,7 @@ class PlanRunner:
             for slot, v in zip(program.inputs, values):
                 env[slot] = v
         for k, whole in ins.sent:  # a local argument sent with the call: this rank's part
-            if not (call.on_cpu and whole.is_cpu):  # (a cold .to() that does nothing: ~10 us)
+            if not (self.on_cpu and whole.is_cpu):  # (a cold .to() that does nothing: ~10 us)
                 whole = whole.to(ex.device)
             cuts = call.cuts(k, ins.placements[k]) if compiled is not None else None
             if cuts is None:
@@ -305,27 +305,19 @@ class _Call:
     mesh: Any  # the isa.DefineMesh (a new definition under the same id is a new _Call)
     program: Program
     coords: tuple[int, ...]
-    sizes: tuple[int, ...]
     compiled: Any
     world: Any
-    on_cpu: bool  # the worker's device is the host's (where a sent argument arrives)
     _cuts: dict[tuple, Any] = field(default_factory=dict)
 
     def cuts(self, k: int, placements: tuple) -> list[tuple[int, int, int]] | None:
         """How ``Env.set_part`` cuts this rank's part of input ``k`` (laid out as
-        ``placements``) out of the whole: ``local_part``'s shards as (dim, index, n); None
-        where a ``Partial`` takes zeros (``local_part`` does it)."""
+        ``placements``) out of the whole: ``shard_cuts``; None where the part is zeros
+        (``local_part`` makes them)."""
         key = (k, placements)
         got = self._cuts.get(key, False)
         if got is False:
-            got = []
-            for m, p in enumerate(placements):
-                if isinstance(p, Shard):
-                    got.append((p.dim, self.coords[m], self.sizes[m]))
-                elif isinstance(p, Partial) and p.op == "sum" and self.coords[m] != 0:
-                    got = None
-                    break
-            self._cuts[key] = got
+            cuts, zeros = shard_cuts(placements, self.coords, self.program.sizes)
+            got = self._cuts[key] = None if zeros else cuts
         return got
 
 
