@@ -128,6 +128,49 @@ def test_stack_scatter_and_all_to_all(pm):
         assert values(col) == [[1.0] * 4] * 4
 
 
+def test_reduce_and_to_mesh_outputs_are_laid_out_as_empty_like_without_meta_ops(pm, monkeypatch):
+    from monarch_dsl.tensor import dispatch
+
+    seen = []
+    original = dispatch.MeshMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    local = torch.arange(12.0).reshape(3, 4)
+    with pm.activate():
+        x = torch.arange(12.0).reshape(3, 4)
+        cases = {"transposed": (x.t(), local.t()), "a column": (x[:, 1], local[:, 1])}
+        monkeypatch.setattr(dispatch.MeshMode, "__torch_dispatch__", counting)
+        outs = {}
+        for name, (t, _) in cases.items():
+            outs[name] = (t.reduce("gpu", "sum"), t.to_mesh(pm))
+        stacked = x.reduce("gpu", "stack")
+        monkeypatch.setattr(dispatch.MeshMode, "__torch_dispatch__", original)
+        assert seen == []  # no meta op went through the dispatch mode
+        for name, (_, loc) in cases.items():
+            red, moved = outs[name]
+            assert red.stride() == moved.stride() == torch.empty_like(loc).stride(), name
+            assert red.shape == moved.shape == loc.shape
+            assert md.inspect(red).tolist() == (loc * 2).tolist(), name
+            assert md.inspect(moved).tolist() == loc.tolist(), name
+        assert stacked.shape == (2, 3, 4) and stacked.is_contiguous()
+        assert md.inspect(stacked).tolist() == [local.tolist()] * 2
+
+
+def test_contiguous_strides_and_fresh_layouts_are_torchs():
+    from monarch_dsl.tensor.handle import contiguous_strides, describe, fresh_desc
+
+    for shape in [(), (3,), (3, 4), (0, 5), (2, 0, 3), (1, 1, 4), (5, 1, 0, 2)]:
+        assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
+    base = torch.empty(4, 6)
+    for t in (base, base.t(), base[:, 1], base[1:], base.unsqueeze(1).expand(4, 3, 6)):
+        desc = ("T", *describe(t))
+        assert fresh_desc(desc, tuple(t.shape)) == ("T", *describe(torch.empty_like(t)))
+    assert fresh_desc(("T", *describe(base.t())), (3, 4)) == ("T", *describe(torch.empty(3, 4)))
+
+
 def test_reduce_needs_a_mesh_tensor():
     with pytest.raises(TypeError, match="md.Tensor"):
         md.Tensor.reduce(torch.ones(2), "gpu")

@@ -229,7 +229,7 @@ def maker(desc: tuple, device: torch.device) -> tuple:
     if found is None:
         _, shape, stride, dtype, offset = desc
         kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
-        if offset or stride != torch.empty(shape, device="meta").stride():
+        if offset or tuple(stride) != contiguous_strides(shape):
             kwargs["strides"] = stride
             kwargs["storage_offset"] = offset
         found = (
@@ -241,11 +241,48 @@ def maker(desc: tuple, device: torch.device) -> tuple:
     return found
 
 
+def contiguous_strides(shape: Any) -> tuple:
+    """The strides of a contiguous tensor of ``shape``, as torch gives them (a size of 0 or 1
+    counts as 1), worked out here rather than by a meta op (the dispatch mode's, under
+    activation)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 def new_meta(desc: tuple) -> torch.Tensor:
     """A meta tensor of ``desc`` (shape, stride, dtype, storage offset)."""
     shape, stride, dtype, offset = desc
     t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     return t if not offset else t.as_strided(shape, stride, offset)
+
+
+# (input description, output shape) -> the description of a new output of that shape, as
+# ``torch.empty_like`` lays it out (a shape it cannot keep: contiguous): what reduce() and
+# to_mesh() give. Worked out once per description, with the dispatch modes off: under
+# activation, meta ops go through the dispatch mode, ~200 us of controller CPU a reduce().
+_fresh: dict[tuple, tuple] = {}
+
+
+def fresh_desc(desc: tuple, shape: tuple) -> tuple:
+    """The description ("T", shape, stride, dtype, offset) of a new tensor of ``shape`` for
+    an input of ``desc``: ``empty_like``'s layout of the input where ``shape`` is its shape,
+    else contiguous."""
+    found = _fresh.get((desc, shape))
+    if found is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            if tuple(desc[1]) == shape:
+                out = torch.empty_like(new_meta(desc[1:]))
+            else:
+                out = torch.empty(shape, dtype=desc[3], device="meta")
+        found = ("T", *describe(out))
+        if len(_fresh) < META_CACHE_MAX:
+            _fresh[(desc, shape)] = found
+    return found
 
 
 # ---- values the controller knows ----------------------------------------------------------
@@ -288,13 +325,12 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     src_ranks = [src.ranks[src.index_of(**p)] for p in dest.points()]  # in dest's order
     pairs = tuple(zip(src_ranks, dest.ranks))
     ref = engine.new_ref()
-    meta = t._md_meta
-    out = Tensor(torch.empty_like(meta), dest, engine, ref, t._md_stream)
-    dtype = isa.dtype_name(meta.dtype)
-    engine.append(
-        -1,
-        isa.Transfer(t._md_ref, ref, pairs, tuple(meta.shape), dtype, t._md_stream, line),
-    )
+    _, shape, _, dtype_, _ = t._md_desc
+    shape = tuple(shape)
+    desc = fresh_desc(t._md_desc, shape)
+    out = Tensor(None, dest, engine, ref, t._md_stream, desc)
+    dtype = isa.dtype_name(dtype_)
+    engine.append(-1, isa.Transfer(t._md_ref, ref, pairs, shape, dtype, t._md_stream, line))
     return out
 
 
@@ -317,9 +353,9 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
     if reduction not in isa.REDUCTIONS:
         raise ValueError(f"reduction must be one of {isa.REDUCTIONS}, got {reduction!r}")
     n = mesh.size(dims)
-    # Shapes from the handle's description; a meta tensor only for a new output (in place,
-    # none: under activation every meta op here goes through the dispatch mode, ~95% of the
-    # controller's time for a reduce_ when it made them).
+    # Shapes from the handle's description, a new output's from fresh_desc: no meta op here
+    # (under activation every one goes through the dispatch mode, ~95% of the controller's
+    # time for a reduce_ when it made them).
     _, shape, _, dtype_, _ = t._md_desc
     shape = tuple(shape)
     if reduction == "avg" and not (dtype_.is_floating_point or dtype_.is_complex):
@@ -345,13 +381,8 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
     if in_place:
         out, ref = t, t._md_ref
     else:
-        meta = t._md_meta
-        if out_shape == shape:
-            out_meta = torch.empty_like(meta)
-        else:
-            out_meta = torch.empty(out_shape, dtype=dtype_, device="meta")
         ref = engine.new_ref()
-        out = Tensor(out_meta, mesh, engine, ref, t._md_stream)
+        out = Tensor(None, mesh, engine, ref, t._md_stream, fresh_desc(t._md_desc, out_shape))
     dtype = isa.dtype_name(dtype_)
     engine.append(
         t._md_mesh_id,
