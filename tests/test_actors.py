@@ -92,6 +92,17 @@ def test_get_timeout_then_result(counters):
     assert fut.get(timeout=30) == "opened"
 
 
+def test_the_background_reader_reads_again_after_a_caller_read_its_own_reply(counters):
+    # get() reads the sockets in the calling thread while the background reader waits
+    # (untimed) for it to hand reading back; a wait that does not read (wait_until_done)
+    # completes only if the background reader took reading back
+    for _ in range(3):
+        assert counters.get.call().get(timeout=30).values() == [10] * 4
+        fut = counters.get.call()
+        fut.wait_until_done(30)
+        assert fut.done() and fut.get(timeout=0).values() == [10] * 4
+
+
 def test_endpoint_error_raises_actor_error_and_actor_survives(counters):
     one = counters.slice(host=1, gpu=0)
     one.incr.call_one(3).get(timeout=30)

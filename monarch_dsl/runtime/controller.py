@@ -449,9 +449,15 @@ class Job:
         a loop of calls) -- so a caller rarely has to wake it to take over."""
         while not self.stopped:
             with self._handoff:
+                if self._callers_reading:
+                    # until the caller hands reading back (read_until notifies): no timed
+                    # wake-ups meanwhile (every 5 ms they cost ~2% of a core while the main
+                    # thread waited on a long result, taken from the workers' cores)
+                    self._handoff.wait()
+                    continue
                 idle = time.monotonic() - self._caller_read_at
-                if self._callers_reading or idle < CALLER_PARK:
-                    self._handoff.wait(CALLER_PARK)
+                if idle < CALLER_PARK:
+                    self._handoff.wait(CALLER_PARK - idle)
                     continue
             with self._read_lock:
                 self._bg_selecting = True
@@ -535,9 +541,10 @@ class Job:
             finally:
                 self._read_lock.release()
         finally:
-            with self._handoff_lock:
+            with self._handoff:
                 self._callers_reading = 0
                 self._caller_read_at = time.monotonic()
+                self._handoff.notify_all()  # the background reader's park starts now
 
     def _accept(self) -> None:
         try:
