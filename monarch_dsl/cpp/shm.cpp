@@ -25,8 +25,9 @@
 // All-reduce of a chunk (parallel: every rank reduces its own slice):
 //   1. rank r copies the slices j != r of its input chunk into its slot (half b);
 //   2. barrier;
-//   3. rank r reduces slice r: its own input slice and slice r of every other slot, in rank
-//      order (so every rank gets bit-identical results), into its output and into its slot;
+//   3. rank r reduces slice r: its own input slice (read where it is) and slice r of every
+//      other slot, in rank order (so every rank gets bit-identical results), into its output
+//      and into its slot;
 //   4. barrier;
 //   5. rank r copies slice j of slot j (j != r) into its output.
 // All-gather, reduce-scatter and broadcast follow the same pattern. The GIL is released for
@@ -251,6 +252,21 @@ class Concat {
     ends_.push_back(bytes_ += bytes);
   }
   size_t bytes() const { return bytes_; }
+  // Calls f(pointer, offset, n) for each run of bytes [begin, begin + n) of the concatenation
+  // that lies in one buffer (offset: from `begin`).
+  template <typename F>
+  void for_each_run(size_t begin, size_t n, F f) const {
+    size_t i = std::upper_bound(ends_.begin(), ends_.end(), begin) - ends_.begin();
+    size_t done = 0;
+    while (done < n && i < data_.size()) {
+      const size_t start = i == 0 ? 0 : ends_[i - 1];
+      const size_t m = std::min(n - done, ends_[i] - begin);
+      f(data_[i] + (begin - start), done, m);
+      begin += m;
+      done += m;
+      ++i;
+    }
+  }
   // Copies bytes [begin, begin + n) of the concatenation to `to` (nothing where a buffer's
   // bytes are already there).
   void copy_to(char* to, size_t begin, size_t n) const {
@@ -347,20 +363,24 @@ class ShmGroup {
       char* chunk = data + off * es;
       const int h = next_half();
       for (int j = 0; j < size_; ++j) {
+        if (j == rank_) continue;
+        // the others' slices into this rank's slot
         auto [b, e] = piece(n, size_, j);
-        // the others' slices into this rank's slot; its own into the output (no copy when
-        // the input is the output)
-        char* to = j == rank_ ? chunk + b * es : slot(rank_, h) + b * es;
-        input.copy_to(to, (off + b) * es, (e - b) * es);
+        input.copy_to(slot(rank_, h) + b * es, (off + b) * es, (e - b) * es);
       }
       barrier(what);
-      auto [b, e] = piece(n, size_, rank_);
-      if (e > b) {
-        for (int k = 0; k < size_; ++k)
-          srcs[k] = k == rank_ ? chunk + b * es : slot(k, h) + b * es;
-        fn(chunk + b * es, size_ > 1 ? slot(rank_, h) + b * es : nullptr, srcs.data(), size_,
-           e - b, op, size_);
-      }
+      const auto mine_at = piece(n, size_, rank_);
+      const size_t b = mine_at.first, e = mine_at.second;
+      // this rank's slice: its own input read where it is (no copy into the output first;
+      // run by run when it spans several buffers), the others' from their slots, in rank
+      // order; into the output and this rank's slot
+      input.for_each_run((off + b) * es, (e - b) * es, [&](const char* mine, size_t at,
+                                                           size_t bytes) {
+        const size_t first = b * es + at;
+        for (int k = 0; k < size_; ++k) srcs[k] = k == rank_ ? mine : slot(k, h) + first;
+        fn(chunk + first, size_ > 1 ? slot(rank_, h) + first : nullptr, srcs.data(), size_,
+           bytes / es, op, size_);
+      });
       barrier(what);
       for (int j = 0; j < size_; ++j) {
         if (j == rank_) continue;
