@@ -19,7 +19,11 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    steps; a block's time is the slower rank's.
 2. ``md eager``: ``md.DistributedDataParallel(md.to_mesh(model, pm))`` on a ``dp=2`` mesh
    driven from this process, the batch from ``md.distribute(batch, {"dp": md.Shard(0)})``;
-   every step ends with ``md.inspect(loss)``, so each step's work is done before the next.
+   the block ends with ``md.inspect`` of the last loss, as the compiled step's (the steps run
+   in order on the workers, so all of them are done) and as torch DDP's ranks, which read no
+   loss: the controller issues the next step while the workers run this one. ``md eager,
+   read``: the same loop with ``md.inspect(loss)`` after every step (a loop that logs each
+   loss), so each step's work is done before the next is issued.
 3. ``compiled``: ``@md.mesh_fn(data_parallel="dp")`` around the same loop body, called with
    the global batch (each rank gets its 32 rows); the block ends with ``md.inspect`` of the
    last loss (steps run in order on the workers, so all of them are done).
@@ -210,7 +214,9 @@ class TorchDDP:
 # ---- monarch_dsl ---------------------------------------------------------------------------
 
 
-def md_eager(pm, name: str):
+def md_eager(pm, name: str, read_each_step: bool = False):
+    """``read_each_step``: ``md.inspect(loss)`` after every step (a loop that logs each loss),
+    else at the end of the block only, as the compiled step and torch DDP's ranks are timed."""
     batch = global_batch(name)  # local data (made before activating), each rank sent its half
     with pm.activate():
         ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
@@ -221,8 +227,10 @@ def md_eager(pm, name: str):
         with pm.activate():
             for _ in range(steps):
                 loss = train_step(ddp, opt, xb, yb)
-                value = md.inspect(loss)  # the step is done on every rank
-            assert torch.isfinite(value).item(), value
+                if read_each_step:
+                    md.inspect(loss)  # the step is done on every rank
+            value = md.inspect(loss)  # the steps run in order: all of them are done
+        assert torch.isfinite(value).item(), value
 
     return run
 
@@ -333,6 +341,7 @@ class LocalSteps(md.Actor):
 
 def measure(pm, ddp_torch: TorchDDP, raw, both, name: str, blocks: int) -> dict:
     eager = md_eager(pm, name)
+    eager_read = md_eager(pm, name, read_each_step=True)
     compiled = md_compiled(pm, name)
     compute = local_step(name)
     buckets = bucket_bytes(name)
@@ -346,6 +355,7 @@ def measure(pm, ddp_torch: TorchDDP, raw, both, name: str, blocks: int) -> dict:
     systems = {
         "torch DDP": lambda n: ddp_torch.step_secs(name, n),
         "md eager": lambda n: timed(eager, n),
+        "md eager, read": lambda n: timed(eager_read, n),
         "compiled": lambda n: timed(compiled, n),
         "compute": lambda n: timed(compute, n),
         "compute, 2 at once": lambda n: max(both.secs.call(name, n).get().values()),
@@ -404,7 +414,10 @@ def main() -> None:
     print("-" * len(header))
     for name, r in results.items():
         med = r["med"]
-        rows = [(k, med[k], "torch DDP") for k in ("torch DDP", "md eager", "compiled")]
+        rows = [
+            (k, med[k], "torch DDP")
+            for k in ("torch DDP", "md eager", "md eager, read", "compiled")
+        ]
         rows += [(k, med[k], "torch DDP") for k in ("floor", "floor, 2 at once")]
         rows += [(k, med[k], "torch FSDP") for k in ("torch FSDP", "md fully_shard")]
         for system, secs, peer in rows:
