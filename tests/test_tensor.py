@@ -128,7 +128,18 @@ def test_stack_scatter_and_all_to_all(pm):
         assert values(col) == [[1.0] * 4] * 4
 
 
-def test_reduce_and_to_mesh_outputs_are_laid_out_as_empty_like_without_meta_ops(pm, monkeypatch):
+@md.remote(propagate=lambda t: torch.empty(t.dim(), dtype=torch.int64, device="meta"))
+def _worker_strides(t):
+    return torch.tensor(t.stride(), dtype=torch.int64)
+
+
+def test_reduce_and_to_mesh_results_are_laid_out_as_on_the_workers_without_meta_ops(
+    pm, monkeypatch
+):
+    """The handles of reduce() / to_mesh() results describe the layout the workers make
+    (contiguous, whatever the input's: a transposed or permuted input included), so views of
+    them are checked on the controller as the workers run them; no meta op goes through the
+    dispatch mode to work it out."""
     from monarch_dsl.tensor import dispatch
 
     seen = []
@@ -138,28 +149,46 @@ def test_reduce_and_to_mesh_outputs_are_laid_out_as_empty_like_without_meta_ops(
         seen.append(func)
         return original(self, func, types, args, kwargs)
 
-    local = torch.arange(12.0).reshape(3, 4)
+    local = torch.arange(24.0).reshape(2, 3, 4)
+    hosts = pm.slice(host=0), pm.slice(host=1)
     with pm.activate():
-        x = torch.arange(12.0).reshape(3, 4)
-        cases = {"transposed": (x.t(), local.t()), "a column": (x[:, 1], local[:, 1])}
+        x = torch.arange(24.0).reshape(2, 3, 4)
+        cases = {
+            "transposed": (x[0].t(), local[0].t()),
+            "permuted": (x.permute(2, 0, 1), local.permute(2, 0, 1)),
+            "a column": (x[1, :, 1], local[1, :, 1]),
+        }
         monkeypatch.setattr(dispatch.MeshMode, "__torch_dispatch__", counting)
         outs = {}
         for name, (t, _) in cases.items():
-            outs[name] = (t.reduce("gpu", "sum"), t.to_mesh(pm))
-        stacked = x.reduce("gpu", "stack")
+            outs[name] = [
+                t.reduce("gpu", "sum"),
+                t.reduce("gpu", "stack", scatter=True) if t.shape[0] % 2 == 0 else None,
+                t.to_mesh(pm),  # each rank to itself
+            ]
         monkeypatch.setattr(dispatch.MeshMode, "__torch_dispatch__", original)
-        assert seen == []  # no meta op went through the dispatch mode
+        assert seen == []
         for name, (_, loc) in cases.items():
-            red, moved = outs[name]
-            assert red.stride() == moved.stride() == torch.empty_like(loc).stride(), name
-            assert red.shape == moved.shape == loc.shape
+            red, a2a, moved = outs[name]
+            for got in (red, a2a, moved):
+                if got is not None:
+                    assert got.is_contiguous(), name
+                    worker = md.inspect(_worker_strides(got), host=1, gpu=1).tolist()
+                    assert list(got.stride()) == worker, (name, got.stride(), worker)
             assert md.inspect(red).tolist() == (loc * 2).tolist(), name
             assert md.inspect(moved).tolist() == loc.tolist(), name
-        assert stacked.shape == (2, 3, 4) and stacked.is_contiguous()
-        assert md.inspect(stacked).tolist() == [local.tolist()] * 2
+            flipped = (loc * 2).transpose(0, -1).reshape(-1)
+            assert md.inspect(red.transpose(0, -1).reshape(-1)).tolist() == flipped.tolist()
+    with hosts[0].activate():  # between ranks: host 0 sends, host 1 receives
+        sent = torch.arange(12.0).reshape(3, 4).t()
+        got = sent.to_mesh(hosts[1])
+    with hosts[1].activate():
+        assert got.is_contiguous()
+        assert list(got.stride()) == md.inspect(_worker_strides(got), gpu=0).tolist()
+        assert md.inspect(got.view(12)).tolist() == local[0].t().reshape(-1).tolist()
 
 
-def test_contiguous_strides_and_fresh_layouts_are_torchs():
+def test_contiguous_strides_are_torchs_and_fresh_results_contiguous():
     from monarch_dsl.tensor.handle import contiguous_strides, describe, fresh_desc
 
     for shape in [(), (3,), (3, 4), (0, 5), (2, 0, 3), (1, 1, 4), (5, 1, 0, 2)]:
@@ -167,7 +196,8 @@ def test_contiguous_strides_and_fresh_layouts_are_torchs():
     base = torch.empty(4, 6)
     for t in (base, base.t(), base[:, 1], base[1:], base.unsqueeze(1).expand(4, 3, 6)):
         desc = ("T", *describe(t))
-        assert fresh_desc(desc, tuple(t.shape)) == ("T", *describe(torch.empty_like(t)))
+        want = torch.empty(t.shape)
+        assert fresh_desc(desc, tuple(t.shape)) == ("T", *describe(want))
     assert fresh_desc(("T", *describe(base.t())), (3, 4)) == ("T", *describe(torch.empty(3, 4)))
 
 

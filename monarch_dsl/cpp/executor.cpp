@@ -589,7 +589,10 @@ class Executor {
       for (size_t i = 0; i < t.pairs.size(); ++i) {
         auto [a, b] = t.pairs[i];
         if (a == rank_ && b == rank_) {
-          local = in.failure ? in : Entry{in.value.toTensor().detach().clone(), nullptr};
+          // contiguous, as a received copy is (the controller describes it so)
+          local = in.failure ? in
+                             : Entry{in.value.toTensor().detach().clone(at::MemoryFormat::Contiguous),
+                                     nullptr};
           continue;
         }
         if (a != rank_ && b != rank_) continue;

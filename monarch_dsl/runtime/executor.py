@@ -465,7 +465,11 @@ class ReferenceExecutor:
             self.refs[ins.out] = received
 
     def _local_copy(self, src: Any) -> Any:
-        return src if isinstance(src, Failure) else src.detach().clone()
+        """A rank's ``to_mesh`` to itself: a contiguous copy, as one received from another
+        rank is (the controller's handle describes it so: ``handle.fresh_desc``)."""
+        if isinstance(src, Failure):
+            return src
+        return src.detach().clone(memory_format=torch.contiguous_format)
 
     def reduce_group(self, ins: isa.Reduce) -> tuple[Any, int, int]:
         """The process group of this rank's slice of ``ins.dims``; (group, my index, size)."""

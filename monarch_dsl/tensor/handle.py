@@ -259,30 +259,14 @@ def new_meta(desc: tuple) -> torch.Tensor:
     return t if not offset else t.as_strided(shape, stride, offset)
 
 
-# (input description, output shape) -> the description of a new output of that shape, as
-# ``torch.empty_like`` lays it out (a shape it cannot keep: contiguous): what reduce() and
-# to_mesh() give. Worked out once per description, with the dispatch modes off: under
-# activation, meta ops go through the dispatch mode, ~200 us of controller CPU a reduce().
-_fresh: dict[tuple, tuple] = {}
-
-
 def fresh_desc(desc: tuple, shape: tuple) -> tuple:
-    """The description ("T", shape, stride, dtype, offset) of a new tensor of ``shape`` for
-    an input of ``desc``: ``empty_like``'s layout of the input where ``shape`` is its shape,
-    else contiguous."""
-    found = _fresh.get((desc, shape))
-    if found is None:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            if tuple(desc[1]) == shape:
-                out = torch.empty_like(new_meta(desc[1:]))
-            else:
-                out = torch.empty(shape, dtype=desc[3], device="meta")
-        found = ("T", *describe(out))
-        if len(_fresh) < META_CACHE_MAX:
-            _fresh[(desc, shape)] = found
-    return found
+    """The description ("T", shape, stride, dtype, offset) of a new tensor of ``shape`` made
+    from an input of ``desc``, as the workers make the results of ``reduce()`` and
+    ``to_mesh()``: contiguous, whatever the input's layout (the collectives' outputs and the
+    received copies are; a copy between a rank and itself is made so). Worked out here, not
+    by a meta op: under activation every meta op goes through the dispatch mode, ~200 us of
+    controller CPU a ``reduce()``."""
+    return ("T", shape, contiguous_strides(shape), desc[3], 0)
 
 
 # ---- values the controller knows ----------------------------------------------------------
