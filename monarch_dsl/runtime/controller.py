@@ -449,7 +449,7 @@ class Job:
         a loop of calls) -- so a caller rarely has to wake it to take over."""
         while not self.stopped:
             with self._handoff:
-                if self._callers_reading:
+                if self._callers_reading and not self.stopped:
                     # until the caller hands reading back (read_until notifies): no timed
                     # wake-ups meanwhile (every 5 ms they cost ~2% of a core while the main
                     # thread waited on a long result, taken from the workers' cores)
@@ -517,34 +517,38 @@ class Job:
         if threading.get_ident() == self._thread.ident or self.stopped:
             fut.wait_until_done(timeout)
             return
-        with self._handoff_lock:
-            if self._callers_reading:
-                solo = False
-            else:
-                solo = True
-                self._callers_reading = 1
-        if not solo:
-            fut.wait_until_done(timeout)
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
+        solo = False
         try:
+            with self._handoff_lock:
+                if not self._callers_reading:
+                    # (in this order: an interrupt between the two still hands reading back)
+                    solo = True
+                    self._callers_reading = 1
+            if not solo:
+                fut.wait_until_done(timeout)
+                return
+            deadline = None if timeout is None else time.monotonic() + timeout
             if self._bg_selecting:
                 os.write(self._wake_w, b"x")  # the background reader is in select(): step aside
-            if not self._read_lock.acquire(timeout=-1 if timeout is None else timeout):
-                return
-            try:
+            locked = False
+            try:  # (acquired inside: an interrupt right after it still releases it)
+                locked = self._read_lock.acquire(timeout=-1 if timeout is None else timeout)
+                if not locked:
+                    return
                 while not fut.done() and not self.stopped:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return
                     self._process(self._sel.select(self._held_timeout(left)))
             finally:
-                self._read_lock.release()
+                if locked:
+                    self._read_lock.release()
         finally:
-            with self._handoff:
-                self._callers_reading = 0
-                self._caller_read_at = time.monotonic()
-                self._handoff.notify_all()  # the background reader's park starts now
+            if solo:
+                with self._handoff:
+                    self._callers_reading = 0
+                    self._caller_read_at = time.monotonic()
+                    self._handoff.notify_all()  # the background reader's park starts now
 
     def _accept(self) -> None:
         try:
