@@ -104,6 +104,57 @@ def test_linear_and_relu_are_traced_without_ops_that_change_nothing(dtype):
         _assert_parity(model, ref, losses, ref_losses)
 
 
+def test_an_op_computed_twice_from_the_same_inputs_is_computed_once_but_not_across_a_write():
+    """MSE's backward repeats its forward's ``sub(out, y)``: one sub in the plan, training as
+    one process. The same op on a parameter before and after an in-place write to it stays
+    twice, and two dropouts of the same input stay two (random ops are never merged)."""
+    make = _mlp()
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=mse_batches(), **DP)
+    assert [i.op for i in plans[0].body].count("aten.sub.Tensor") == 1
+    _assert_parity(model, ref, losses, ref_losses)
+
+    from monarch_dsl.compiler.compile import compile_step
+
+    holder = nn.Linear(4, 4, bias=False)
+    nn.init.constant_(holder.weight, 2.0)
+
+    def step(x):
+        w = holder.weight
+        before = (w * 3).sum()
+        with torch.no_grad():
+            w.add_(1.0)
+        after = (w * 3).sum()
+        return before, after, x.sum()
+
+    x = torch.ones(8, 4)
+    plan, c = compile_step(step, (x,), {}, (("dp", 2),), data_parallel="dp")
+    ops = [i.op for i in plan.body]
+    assert ops.count("aten.mul.Tensor") == 2, ops  # w * 3 before and after the write
+    outs, _ = simulate_both(plan, c.input_values)
+    assert outs[0].item() == 2.0 * 3 * 16 and outs[1].item() == 3.0 * 3 * 16
+
+    def clones(x):  # copies written differently, one through a view: three buffers
+        a = x.clone()
+        b = x.clone()  # (torch's fx_graph_cse makes a and b one: its graphs are functional)
+        a.view(-1).add_(1.0)
+        b.mul_(3.0)
+        c = x.clone()
+        return a.sum(), b.sum(), c.sum(), x * 2, x * 2  # (the last two: results apart)
+
+    plan, c = compile_step(clones, (x,), {}, (("dp", 2),), data_parallel="dp")
+    ops = [i.op for i in plan.body]
+    assert ops.count("aten.clone.default") == 3 and ops.count("aten.mul.Tensor") == 2, ops
+    outs, _ = simulate_both(plan, c.input_values)
+    assert [o.item() for o in outs[:3]] == [2.0 * 32, 3.0 * 32, 32.0]
+
+    def dropouts(x):
+        return F.dropout(x, 0.5), F.dropout(x, 0.5)
+
+    plan, _ = compile_step(dropouts, (x,), {}, (("dp", 2),), data_parallel="dp")
+    random = [i.op for i in plan.body if "bernoulli" in i.op or "rand" in i.op]
+    assert len(random) == 2, [i.op for i in plan.body]
+
+
 class _Attention(nn.Module):
     """Token embedding, nn.MultiheadAttention (batch first) and a classifier on the mean."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import re
 import sys
 import traceback
@@ -203,6 +204,90 @@ def _foreach_per_tensor(
             _user_location_here(),
         ) from e
     return None if inplace else results
+
+
+def _cse(gm: torch.fx.GraphModule) -> None:
+    """An op computed again from the same inputs is computed once (an MSE loss's backward
+    repeats its forward's ``sub(out, y)``). Not merged: random ops; ops after a write into
+    anything since the first (a key per stretch between writes); a value that is written into
+    in place, or has a view written into (two buffers would become one); results of the step
+    (two outputs would be one tensor); and calls that are not aten ops (or ``getitem``).
+
+    torch has such a pass (``torch._functorch.compile_utils.fx_graph_cse``), made for
+    AOTAutograd's functionalized graphs: it would merge two ``clone(x)`` later written in
+    place differently, which this graph (not functionalized: optimizers' in-place updates)
+    can have, and it imports ``torch._inductor`` (0.7 s on a first compile here)."""
+    graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    results = set(output.all_input_nodes)
+    written = _written_values(graph)
+    seen: dict[Any, torch.fx.Node] = {}
+    stretch = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            if target._schema.is_mutable:
+                stretch += 1
+                continue
+            if torch.Tag.nondeterministic_seeded in target.tags:
+                continue
+        elif target is not operator.getitem:
+            stretch += 1  # unknown: it may write anything
+            continue
+        if node in written or node in results:
+            continue
+        try:
+            key = (target, stretch, _frozen(node.args), _frozen(node.kwargs))
+            kept = seen.get(key)
+        except TypeError:  # an argument that cannot be hashed
+            continue
+        if kept is None:
+            seen[key] = node
+        else:
+            node.replace_all_uses_with(kept)
+            graph.erase_node(node)
+    gm.recompile()
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` (an op's args or kwargs) as a key: lists as tuples, each constant with its
+    type (1, 1.0 and True are different arguments)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, torch.fx.Node):
+        return value
+    return (type(value), value)
+
+
+def _written_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose value some op of ``graph`` writes into in place (``_written_nodes``),
+    with the values they are views of (a write into a view writes its base)."""
+    written: set[torch.fx.Node] = set()
+    todo = [v for node in graph.nodes for v in _written_nodes(node)]
+    while todo:
+        node = todo.pop()
+        if node in written:
+            continue
+        written.add(node)
+        target = node.target
+        if node.op != "call_function":
+            continue
+        if target is operator.getitem:  # an output of a multi-output op
+            todo.extend(a for a in node.args[:1] if isinstance(a, torch.fx.Node))
+        elif isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            if schema.returns and schema.returns[0].alias_info is not None:  # a view
+                for k, formal in enumerate(schema.arguments):
+                    if formal.alias_info is not None and k < len(node.args):
+                        arg = node.args[k]
+                        todo.extend(
+                            a for a in pytree.tree_leaves(arg) if isinstance(a, torch.fx.Node)
+                        )
+    return written
 
 
 def _unstack(gm: torch.fx.GraphModule) -> None:
@@ -572,6 +657,7 @@ def capture(
             ) from e
 
     _unstack(gm)
+    _cse(gm)
     n_out = out_info["n_out"]
     state_out = out_info["state"]
     input_names = arg_names + param_names + state_names
