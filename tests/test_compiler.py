@@ -95,6 +95,11 @@ def test_linear_and_relu_are_traced_without_ops_that_change_nothing(dtype):
     ops = [i.op for i in plans[0].body]
     assert ops.count("aten.threshold_backward.default") == 1
     assert "aten.where.self" not in ops and "aten.scalar_tensor.default" not in ops
+    # each bias gradient: one sum over the batch, not a keepdim sum and a view of it
+    assert "aten.view.default" not in ops
+    assert [i.args[1:] for i in plans[0].body if i.op == "aten.sum.dim_IntList"] == [
+        ([0], False)
+    ] * 2
     ones = [str(i) for i in plans[0].body if i.op == "aten.mul.Tensor" and 1 in i.args[1:]]
     assert (ones == []) == (dtype != torch.bfloat16), ones
     if dtype == torch.bfloat16:
@@ -153,6 +158,25 @@ def test_an_op_computed_twice_from_the_same_inputs_is_computed_once_but_not_acro
     plan, _ = compile_step(dropouts, (x,), {}, (("dp", 2),), data_parallel="dp")
     random = [i.op for i in plan.body if "bernoulli" in i.op or "rand" in i.op]
     assert len(random) == 2, [i.op for i in plan.body]
+
+
+def test_a_keepdim_sum_viewed_to_another_shape_or_used_twice_stays():
+    from monarch_dsl.compiler.compile import compile_step
+
+    def step(x):
+        s = x.sum(0, keepdim=True)
+        a = s.view(2, 2)  # not the dropped-dims shape
+        b = x.sum(1, keepdim=True)
+        return a * 2, b.view(-1) + b.sum()  # b is used twice
+
+    x = torch.arange(32.0).reshape(8, 4)
+    plan, c = compile_step(step, (x,), {}, (("dp", 2),), data_parallel="dp")
+    ops = [i.op for i in plan.body]
+    assert ops.count("aten.view.default") == 2, ops
+    outs, _ = simulate_both(plan, c.input_values)
+    torch.testing.assert_close(outs[0], x.sum(0, keepdim=True).view(2, 2) * 2)
+    b = x.sum(1, keepdim=True)
+    torch.testing.assert_close(outs[1], b.view(-1) + b.sum())
 
 
 class _Attention(nn.Module):

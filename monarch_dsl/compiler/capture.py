@@ -251,6 +251,38 @@ def _cse(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _fold_keepdim_views(gm: torch.fx.GraphModule) -> None:
+    """``view(sum(x, dims, keepdim=True), shape)`` where ``shape`` only drops the summed dims
+    (autograd's ``sum_to_size``: every bias gradient) becomes ``sum(x, dims)``: one step less
+    on every rank at every call, the same values."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.view.default:
+            continue
+        src = node.args[0]
+        if not (
+            isinstance(src, torch.fx.Node)
+            and src.op == "call_function"
+            and src.target is aten.sum.dim_IntList
+            and len(src.users) == 1
+            and len(src.args) == 3
+            and src.args[2] is True
+            and isinstance(src.args[1], (list, tuple))
+            and "val" in src.meta
+            and "val" in node.meta
+        ):
+            continue
+        kept = tuple(src.meta["val"].shape)
+        summed = {d % len(kept) for d in src.args[1]} if kept else set()
+        if tuple(node.meta["val"].shape) != tuple(n for d, n in enumerate(kept) if d not in summed):
+            continue
+        src.args = (src.args[0], src.args[1], False)  # (keeps its name)
+        src.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+    gm.recompile()
+
+
 def _frozen(value: Any) -> Any:
     """``value`` (an op's args or kwargs) as a key: lists as tuples, each constant with its
     type (1, 1.0 and True are different arguments)."""
@@ -658,6 +690,7 @@ def capture(
 
     _unstack(gm)
     _cse(gm)
+    _fold_keepdim_views(gm)
     n_out = out_info["n_out"]
     state_out = out_info["state"]
     input_names = arg_names + param_names + state_names
