@@ -193,12 +193,8 @@ def test_contiguous_strides_are_torchs_and_fresh_results_contiguous():
 
     for shape in [(), (3,), (3, 4), (0, 5), (2, 0, 3), (1, 1, 4), (5, 1, 0, 2)]:
         assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
-    base = torch.empty(4, 6)
-    for t in (base, base.t(), base[:, 1], base[1:], base.unsqueeze(1).expand(4, 3, 6)):
-        desc = ("T", *describe(t))
-        want = torch.empty(t.shape)
-        assert fresh_desc(desc, tuple(t.shape)) == ("T", *describe(want))
-    assert fresh_desc(("T", *describe(base.t())), (3, 4)) == ("T", *describe(torch.empty(3, 4)))
+        want = torch.empty(shape, dtype=torch.float16)
+        assert fresh_desc(shape, torch.float16) == ("T", *describe(want))
 
 
 def test_reduce_needs_a_mesh_tensor():

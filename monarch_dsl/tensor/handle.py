@@ -259,14 +259,13 @@ def new_meta(desc: tuple) -> torch.Tensor:
     return t if not offset else t.as_strided(shape, stride, offset)
 
 
-def fresh_desc(desc: tuple, shape: tuple) -> tuple:
-    """The description ("T", shape, stride, dtype, offset) of a new tensor of ``shape`` made
-    from an input of ``desc``, as the workers make the results of ``reduce()`` and
-    ``to_mesh()``: contiguous, whatever the input's layout (the collectives' outputs and the
-    received copies are; a copy between a rank and itself is made so). Worked out here, not
-    by a meta op: under activation every meta op goes through the dispatch mode, ~200 us of
-    controller CPU a ``reduce()``."""
-    return ("T", shape, contiguous_strides(shape), desc[3], 0)
+def fresh_desc(shape: tuple, dtype: torch.dtype) -> tuple:
+    """The description ("T", shape, stride, dtype, offset) of the results of ``reduce()`` and
+    ``to_mesh()`` as the workers make them: contiguous, whatever the input's layout (the
+    collectives' outputs and the received copies are; a copy between a rank and itself is
+    made so). Worked out here, not by a meta op: under activation every meta op goes through
+    the dispatch mode, ~200 us of controller CPU a ``reduce()``."""
+    return ("T", shape, contiguous_strides(shape), dtype, 0)
 
 
 # ---- values the controller knows ----------------------------------------------------------
@@ -311,7 +310,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     ref = engine.new_ref()
     _, shape, _, dtype_, _ = t._md_desc
     shape = tuple(shape)
-    desc = fresh_desc(t._md_desc, shape)
+    desc = fresh_desc(shape, dtype_)
     out = Tensor(None, dest, engine, ref, t._md_stream, desc)
     dtype = isa.dtype_name(dtype_)
     engine.append(-1, isa.Transfer(t._md_ref, ref, pairs, shape, dtype, t._md_stream, line))
@@ -366,7 +365,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
         out, ref = t, t._md_ref
     else:
         ref = engine.new_ref()
-        out = Tensor(None, mesh, engine, ref, t._md_stream, fresh_desc(t._md_desc, out_shape))
+        out = Tensor(None, mesh, engine, ref, t._md_stream, fresh_desc(out_shape, dtype_))
     dtype = isa.dtype_name(dtype_)
     engine.append(
         t._md_mesh_id,
