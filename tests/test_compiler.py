@@ -160,6 +160,63 @@ def test_an_op_computed_twice_from_the_same_inputs_is_computed_once_but_not_acro
     assert len(random) == 2, [i.op for i in plan.body]
 
 
+@torch.library.custom_op("md_test::noise", mutates_args=())
+def _noise(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand_like(x)
+
+
+@_noise.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_cse_keeps_apart_what_only_looks_alike():
+    """Found by review: a write into one of two ``_unsafe_view`` results (a 3-d matmul's; its
+    schema does not say it is a view); ``x * 0.0`` and ``x * -0.0``; a custom op (maybe
+    random); two bias gradients that are both step results (they would share memory)."""
+    from monarch_dsl.compiler.compile import compile_step
+
+    holder = nn.Linear(4, 4, bias=False)
+
+    def linear3d(x):
+        a = F.linear(x, holder.weight)
+        b = F.linear(x, holder.weight)
+        a.relu_()
+        return a.sum(), b.sum(), 1 / (x * 0.0), 1 / (x * -0.0)
+
+    x = torch.randn(2, 4, 4)
+    plan, c = compile_step(linear3d, (x,), {}, (("tp", 2),))
+    outs, _ = simulate_both(plan, c.input_values)
+    with torch.no_grad():
+        want = linear3d(x.clone())
+    for got, ref in zip(outs, want, strict=True):
+        torch.testing.assert_close(got, ref)
+
+    plan, _ = compile_step(lambda x: (_noise(x) * 1, _noise(x) * 1), (x,), {}, (("tp", 2),))
+    assert [i.op for i in plan.body].count("md_test.noise.default") == 2
+
+    class TwoBiases(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+            self.b1 = nn.Parameter(torch.zeros(4))
+            self.b2 = nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return x @ self.w + self.b1 + self.b2
+
+    def make():
+        torch.manual_seed(0)
+        model = TwoBiases()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step
+
+    batches = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(3)]
+    model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    sums = [i for i in plans[0].body if i.op == "aten.sum.dim_IntList"]
+    assert len(sums) == 2, [str(i) for i in plans[0].body]  # one per bias gradient
+    _assert_parity(model, ref, losses, ref_losses)
+
+
 def test_a_keepdim_sum_viewed_to_another_shape_or_used_twice_stays():
     from monarch_dsl.compiler.compile import compile_step
 
@@ -173,10 +230,18 @@ def test_a_keepdim_sum_viewed_to_another_shape_or_used_twice_stays():
     plan, c = compile_step(step, (x,), {}, (("dp", 2),), data_parallel="dp")
     ops = [i.op for i in plan.body]
     assert ops.count("aten.view.default") == 2, ops
+
     outs, _ = simulate_both(plan, c.input_values)
     torch.testing.assert_close(outs[0], x.sum(0, keepdim=True).view(2, 2) * 2)
     b = x.sum(1, keepdim=True)
     torch.testing.assert_close(outs[1], b.view(-1) + b.sum())
+
+    def every_dim(x):  # sum over no dims listed: every dim; the view keeps its shape
+        return x.sum(dim=[], keepdim=True).view(1, 1) * 2
+
+    plan, c = compile_step(every_dim, (x,), {}, (("tp", 2),))
+    out, _ = simulate_both(plan, c.input_values)
+    assert list(out[0].shape) == [1, 1] and out[0].item() == x.sum().item() * 2
 
 
 class _Attention(nn.Module):

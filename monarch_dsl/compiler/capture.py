@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import operator
 import re
 import sys
@@ -24,7 +25,7 @@ import traceback
 import types
 import unittest.mock
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any, TypedDict, cast
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from monarch_dsl.compiler.ops import FOREACH
+from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
 from monarch_dsl.compiler.plan import (
     FreshNames,
     Input,
@@ -210,8 +211,10 @@ def _cse(gm: torch.fx.GraphModule) -> None:
     """An op computed again from the same inputs is computed once (an MSE loss's backward
     repeats its forward's ``sub(out, y)``). Not merged: random ops; ops after a write into
     anything since the first (a key per stretch between writes); a value that is written into
-    in place, or has a view written into (two buffers would become one); results of the step
-    (two outputs would be one tensor); and calls that are not aten ops (or ``getitem``).
+    in place, or has a view written into (two buffers would become one); the step's results
+    and the values they are views of (two results would share memory); ops of different
+    pipeline stages (a stage's own recomputation beats a transfer); and calls that are not
+    aten ops (or ``getitem``): a custom op may be random.
 
     torch has such a pass (``torch._functorch.compile_utils.fx_graph_cse``), made for
     AOTAutograd's functionalized graphs: it would merge two ``clone(x)`` later written in
@@ -219,15 +222,15 @@ def _cse(gm: torch.fx.GraphModule) -> None:
     can have, and it imports ``torch._inductor`` (0.7 s on a first compile here)."""
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    results = set(output.all_input_nodes)
-    written = _written_values(graph)
+    results = _with_bases(output.all_input_nodes)
+    written = _with_bases(v for node in graph.nodes for v in _written_nodes(node))
     seen: dict[Any, torch.fx.Node] = {}
     stretch = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         target = node.target
-        if isinstance(target, torch._ops.OpOverload):
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
             if target._schema.is_mutable:
                 stretch += 1
                 continue
@@ -238,8 +241,9 @@ def _cse(gm: torch.fx.GraphModule) -> None:
             continue
         if node in written or node in results:
             continue
+        stage = node.meta.get("custom", {}).get("md_stage")
         try:
-            key = (target, stretch, _frozen(node.args), _frozen(node.kwargs))
+            key = (target, stretch, repr(stage), _frozen(node.args), _frozen(node.kwargs))
             kept = seen.get(key)
         except TypeError:  # an argument that cannot be hashed
             continue
@@ -268,6 +272,7 @@ def _fold_keepdim_views(gm: torch.fx.GraphModule) -> None:
             and len(src.args) == 3
             and src.args[2] is True
             and isinstance(src.args[1], (list, tuple))
+            and len(src.args[1]) > 0  # (no dims: every dim)
             and "val" in src.meta
             and "val" in node.meta
         ):
@@ -292,19 +297,22 @@ def _frozen(value: Any) -> Any:
         return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
     if isinstance(value, torch.fx.Node):
         return value
+    if isinstance(value, float):  # (0.0 and -0.0 are equal, and differ: 1 / x)
+        return (float, value, math.copysign(1.0, value))
     return (type(value), value)
 
 
-def _written_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The nodes whose value some op of ``graph`` writes into in place (``_written_nodes``),
-    with the values they are views of (a write into a view writes its base)."""
-    written: set[torch.fx.Node] = set()
-    todo = [v for node in graph.nodes for v in _written_nodes(node)]
+def _with_bases(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``nodes`` and every value they are views of, through chains of views (an op whose
+    result aliases an argument, by its schema or by name: ``ops.ALIASING``, which has
+    ``_unsafe_view``, whose schema does not say so) and ``getitem`` of multi-output ops."""
+    out: set[torch.fx.Node] = set()
+    todo = list(nodes)
     while todo:
         node = todo.pop()
-        if node in written:
+        if node in out:
             continue
-        written.add(node)
+        out.add(node)
         target = node.target
         if node.op != "call_function":
             continue
@@ -312,14 +320,14 @@ def _written_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             todo.extend(a for a in node.args[:1] if isinstance(a, torch.fx.Node))
         elif isinstance(target, torch._ops.OpOverload):
             schema = target._schema
-            if schema.returns and schema.returns[0].alias_info is not None:  # a view
+            if schema.returns and schema.returns[0].alias_info is not None:
                 for k, formal in enumerate(schema.arguments):
                     if formal.alias_info is not None and k < len(node.args):
-                        arg = node.args[k]
-                        todo.extend(
-                            a for a in pytree.tree_leaves(arg) if isinstance(a, torch.fx.Node)
-                        )
-    return written
+                        leaves = pytree.tree_leaves(node.args[k])
+                        todo.extend(a for a in leaves if isinstance(a, torch.fx.Node))
+            elif base_name(str(target))[0] in ALIASING and node.args:
+                todo.extend(a for a in node.args[:1] if isinstance(a, torch.fx.Node))
+    return out
 
 
 def _unstack(gm: torch.fx.GraphModule) -> None:
