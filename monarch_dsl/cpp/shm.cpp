@@ -267,20 +267,12 @@ class Concat {
       ++i;
     }
   }
-  // Copies bytes [begin, begin + n) of the concatenation to `to` (nothing where a buffer's
-  // bytes are already there).
+  // Copies bytes [begin, begin + n) of the concatenation to `to` (a rank's slot: never one
+  // of the buffers).
   void copy_to(char* to, size_t begin, size_t n) const {
-    size_t i = std::upper_bound(ends_.begin(), ends_.end(), begin) - ends_.begin();
-    while (n > 0 && i < data_.size()) {
-      const size_t start = i == 0 ? 0 : ends_[i - 1];
-      const size_t m = std::min(n, ends_[i] - begin);
-      const char* from = data_[i] + (begin - start);
-      if (from != to) std::memcpy(to, from, m);
-      to += m;
-      begin += m;
-      n -= m;
-      ++i;
-    }
+    for_each_run(begin, n, [to](const char* from, size_t at, size_t m) {
+      std::memcpy(to + at, from, m);
+    });
   }
 
  private:
