@@ -49,6 +49,7 @@ from monarch_dsl.compiler.plan import (
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh, all_coords
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
+from monarch_dsl.tensor.handle import contiguous_desc
 
 _plan_ids = iter(range(1, 1 << 62))
 _plan_ids_lock = threading.Lock()
@@ -100,9 +101,7 @@ class _Compiled:
         inputs = {i.name: i.type for i in plan.inputs}
         self.outputs = []
         for o, shape, dtype in zip(plan.outputs, program.output_shapes, program.output_dtypes):
-            shape = tuple(shape or ())
-            stride = tuple(_contiguous_strides(shape))
-            desc = ("T", shape, stride, getattr(torch, dtype), 0)
+            desc = contiguous_desc(tuple(shape or ()), getattr(torch, dtype))
             t = self.types[o.var]
             inplace = o.kind == "state" and roots.get(o.var) == o.name and inputs.get(o.name) == t
             self.outputs.append((o.name, o.kind, t, desc, self.home.get(o.var, ()), inplace))
@@ -120,14 +119,6 @@ def _roots(plan: Plan) -> dict[str, str]:
             for o in ins.outs:
                 root[o] = root[uses[0]]
     return root
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return strides[::-1]
 
 
 # Tensors (parameters, buffers) whose up-to-date values a step keeps on the workers, by id ->
@@ -653,7 +644,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             continue
         whole = lift(value, pm)
         ref = engine.new_ref()
-        desc = ("T", local_shape, tuple(_contiguous_strides(local_shape)), value.dtype, 0)
+        desc = contiguous_desc(local_shape, value.dtype)
         local = Tensor(None, pm, engine, ref, "main", desc=desc)
         split.append((whole._md_ref, ref, k))
         inputs.append(ref)

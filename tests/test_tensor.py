@@ -189,12 +189,12 @@ def test_reduce_and_to_mesh_results_are_laid_out_as_on_the_workers_without_meta_
 
 
 def test_contiguous_strides_are_torchs_and_fresh_results_contiguous():
-    from monarch_dsl.tensor.handle import contiguous_strides, describe, fresh_desc
+    from monarch_dsl.tensor.handle import contiguous_desc, contiguous_strides, describe
 
     for shape in [(), (3,), (3, 4), (0, 5), (2, 0, 3), (1, 1, 4), (5, 1, 0, 2)]:
         assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
         want = torch.empty(shape, dtype=torch.float16)
-        assert fresh_desc(shape, torch.float16) == ("T", *describe(want))
+        assert contiguous_desc(shape, torch.float16) == ("T", *describe(want))
 
 
 def test_reduce_needs_a_mesh_tensor():

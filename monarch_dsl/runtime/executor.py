@@ -466,7 +466,7 @@ class ReferenceExecutor:
 
     def _local_copy(self, src: Any) -> Any:
         """A rank's ``to_mesh`` to itself: a contiguous copy, as one received from another
-        rank is (the controller's handle describes it so: ``handle.fresh_desc``)."""
+        rank is (the controller's handle describes it so: ``handle.contiguous_desc``)."""
         if isinstance(src, Failure):
             return src
         return src.detach().clone(memory_format=torch.contiguous_format)

@@ -259,12 +259,13 @@ def new_meta(desc: tuple) -> torch.Tensor:
     return t if not offset else t.as_strided(shape, stride, offset)
 
 
-def fresh_desc(shape: tuple, dtype: torch.dtype) -> tuple:
-    """The description ("T", shape, stride, dtype, offset) of the results of ``reduce()`` and
-    ``to_mesh()`` as the workers make them: contiguous, whatever the input's layout (the
-    collectives' outputs and the received copies are; a copy between a rank and itself is
-    made so). Worked out here, not by a meta op: under activation every meta op goes through
-    the dispatch mode, ~200 us of controller CPU a ``reduce()``."""
+def contiguous_desc(shape: tuple, dtype: torch.dtype) -> tuple:
+    """The description ("T", shape, stride, dtype, offset) of a contiguous tensor: what the
+    workers make for a compiled step's results and arguments' parts, and for ``reduce()`` and
+    ``to_mesh()`` whatever the input's layout (the collectives' outputs and the received
+    copies are contiguous; a copy between a rank and itself is made so). Worked out here, not
+    by a meta op: under activation every meta op goes through the dispatch mode, ~200 us of
+    controller CPU a ``reduce()``."""
     return ("T", shape, contiguous_strides(shape), dtype, 0)
 
 
@@ -310,7 +311,7 @@ def _transfer(t: Tensor, dest: Any, line: str) -> Tensor:
     ref = engine.new_ref()
     _, shape, _, dtype_, _ = t._md_desc
     shape = tuple(shape)
-    desc = fresh_desc(shape, dtype_)
+    desc = contiguous_desc(shape, dtype_)
     out = Tensor(None, dest, engine, ref, t._md_stream, desc)
     dtype = isa.dtype_name(dtype_)
     engine.append(-1, isa.Transfer(t._md_ref, ref, pairs, shape, dtype, t._md_stream, line))
@@ -336,7 +337,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
     if reduction not in isa.REDUCTIONS:
         raise ValueError(f"reduction must be one of {isa.REDUCTIONS}, got {reduction!r}")
     n = mesh.size(dims)
-    # Shapes from the handle's description, a new output's from fresh_desc: no meta op here
+    # Shapes from the handle's description, a new output's from contiguous_desc: no meta op here
     # (under activation every one goes through the dispatch mode, ~95% of the controller's
     # time for a reduce_ when it made them).
     _, shape, _, dtype_, _ = t._md_desc
@@ -365,7 +366,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str, scatter: bool, in_place:
         out, ref = t, t._md_ref
     else:
         ref = engine.new_ref()
-        out = Tensor(None, mesh, engine, ref, t._md_stream, fresh_desc(out_shape, dtype_))
+        out = Tensor(None, mesh, engine, ref, t._md_stream, contiguous_desc(out_shape, dtype_))
     dtype = isa.dtype_name(dtype_)
     engine.append(
         t._md_mesh_id,
