@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TORCH_GLOO_EXIT_ABORT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,9 +74,6 @@ def check_tutorial(text: str) -> None:
     assert "ddp step matches single-process training: True" in text
 
 
-_TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
 def test_ddp_train_gives_the_same_weights_four_ways():
     """examples/ddp_train.py: torch DDP under torchrun, the unchanged script on a mesh
     (monarch-dsl run --spmd), md.DistributedDataParallel and the compiled loop body end with
@@ -89,15 +87,13 @@ def test_ddp_train_gives_the_same_weights_four_ways():
                 [sys.executable, *cmd], capture_output=True, text=True, timeout=180, env=env,
                 cwd=ROOT,
             )  # fmt: skip
-            # torch 2.13's gloo sometimes aborts a rank at exit, after the script finished
-            # and destroyed its process group ("terminate called without an active
-            # exception": ~1 torchrun run in 16 of this script, seen with plain torchrun too).
-            # That is the peer's bug, not a result. Plain torchrun (the peer itself): its
-            # output is complete, and it is what is compared below (a missing line fails
-            # there). Our launcher (--spmd) must report a rank that exits non-zero: run once
-            # more, and only for that abort. (CI saw two aborts in a row of plain torchrun.)
+            # torch's gloo exit abort (conftest.TORCH_GLOO_EXIT_ABORT) is the peer's bug, not
+            # a result. Plain torchrun (the peer itself): its output is complete, and it is
+            # what is compared below (a missing line fails there). Our launcher (--spmd) must
+            # report a rank that exits non-zero: run once more, and only for that abort. (CI
+            # saw two aborts in a row of plain torchrun.)
             done = "weight checksum:" in out.stdout
-            peer_exit_abort = done and _TORCH_EXIT_ABORT in out.stderr
+            peer_exit_abort = done and TORCH_GLOO_EXIT_ABORT in out.stderr
             if peer_exit_abort and cmd[:2] == ("-m", "torch.distributed.run"):
                 return out.stdout
             if out.returncode == 0 or attempt or not peer_exit_abort:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import pid_alive, wait_until
+from conftest import TORCH_GLOO_EXIT_ABORT, pid_alive, wait_until
 
 import monarch_dsl as md
 from monarch_dsl.errors import SpmdError
@@ -58,7 +58,12 @@ def assert_mesh_runs(pm, tmp_path):
 
 def test_ddp_script_gives_the_weights_torchrun_gives(pm, tmp_path):
     ours, theirs = tmp_path / "ours.pt", tmp_path / "torchrun.pt"
-    codes = pm.run_spmd(DDP_TRAIN, str(ours), "4")
+    try:
+        codes = pm.run_spmd(DDP_TRAIN, str(ours), "4")
+    except SpmdError as e:  # torch's gloo exit abort (conftest): once more, for it alone
+        if e.returncode != -signal.SIGABRT or TORCH_GLOO_EXIT_ABORT not in e.stderr:
+            raise
+        codes = pm.run_spmd(DDP_TRAIN, str(ours), "4")
     assert isinstance(codes, md.ValueMesh) and codes.values() == [0, 0]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -67,7 +72,9 @@ def test_ddp_script_gives_the_weights_torchrun_gives(pm, tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
+    # Plain torchrun is the peer: its gloo exit abort comes after rank 0 saved the weights
+    # (the script's barrier follows the save), and the weights are what is compared.
+    assert proc.returncode == 0 or TORCH_GLOO_EXIT_ABORT in proc.stderr, proc.stderr
     a, b = torch.load(ours), torch.load(theirs)
     assert a.keys() == b.keys()
     for k in a:
