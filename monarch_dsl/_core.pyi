@@ -88,6 +88,13 @@ class CompiledPlan:
         ``run_plan`` whether any failed (a one-int MAX all-reduce: the failure flag)."""
     def last_agree_cpu(self) -> float:
         """The CPU seconds of the last ``run_plan``'s failure flag (``set_agree``)."""
+    def set_trace(self, on: bool) -> None:
+        """Record the next ``run_plan``s' steps (``last_trace``); ``False``: stop."""
+    def last_trace(self) -> list[tuple[int, int, float, float]]:
+        """The last ``run_plan``'s record while tracing: (step, kind, start, end), seconds of
+        CLOCK_MONOTONIC; kind 0 compute, 1 communication (a collective on main, or the start
+        of one on another stream), 2 waiting for started collectives, 3 the failure flag
+        (step: the number of steps)."""
     def has_comms(self) -> bool: ...
     OTHER_FAILED: int
     def run_plan(self, env: Env, device: Any, inputs_failed: bool = False) -> int:

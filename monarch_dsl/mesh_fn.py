@@ -46,6 +46,7 @@ from monarch_dsl.compiler.plan import (
     TensorType,
     format_placements,
 )
+from monarch_dsl.compiler.simulate import SimReport
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh, all_coords
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
@@ -325,6 +326,20 @@ class MeshFunction:
 
         with _disable_current_modes():
             return _run(self, pm, args, kwargs)
+
+    def timeline(self, *args: Any, **kwargs: Any) -> SimReport:
+        """Run one call of the step (a real one: its state is updated as by any call) with
+        every worker recording what its C++ runtime did, step by step, and return that as an
+        ``md.SimReport`` of measured events (``measured.py``), comparable with
+        ``self.compile(...).simulate()``: ``display()``, ``save_trace()``, the totals. Call
+        it after a first call, or the first call's one-time work is in it. Needs the C++
+        runtime in the workers."""
+        pm = active_mesh()
+        if pm is None:
+            raise RuntimeError(f"{self.__name__}.timeline: call it under `with pm.activate():`")
+        from monarch_dsl import measured
+
+        return measured.measure(self, pm, args, kwargs)
 
     def pull(self) -> None:
         """Copy the parameters, buffers, optimizer state and gradients the step keeps on the

@@ -46,7 +46,7 @@ import math
 import os
 import sys
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,10 +156,11 @@ class SimReport:
         out = sys.stdout if file is None else file
         ms = 1e3
         print(self.timeline(width), file=out)
+        peak = max(self.peak_memory.values(), default=None)  # (none measured)
         print(
             f"step {self.step_time * ms:.3f} ms, compute {self.compute_time * ms:.3f} ms, "
-            f"comm {self.comm_time * ms:.3f} ms (exposed {self.exposed_comm_time * ms:.3f} ms), "
-            f"peak memory {max(self.peak_memory.values(), default=0) / 2**20:.2f} MiB"
+            f"comm {self.comm_time * ms:.3f} ms (exposed {self.exposed_comm_time * ms:.3f} ms)"
+            + (f", peak memory {peak / 2**20:.2f} MiB" if peak is not None else "")
             + (f", profile {self.profile}" if self.profile else ""),
             file=out,
         )
@@ -628,7 +629,8 @@ def simulate_program(
         m.mark()
     events: list[SimEvent] = []
     play_program(program, types, prof, index, hosts, {c: 0.0 for c in ranks}, events, mem)
-    report = _report(events, {index[c]: mem[c].peak for c in ranks}, prof.name)
+    peak = {index[c]: mem[c].peak for c in ranks}
+    report = summarize(events, peak, peak, prof.name)
     return dataclasses.replace(report, resident_memory=resident)
 
 
@@ -888,13 +890,20 @@ def _uncovered(xs: list[tuple[float, float]], cover: list[tuple[float, float]]) 
     return total
 
 
-def _report(events: list[SimEvent], peak: dict[int, int], profile: str) -> SimReport:
+def summarize(
+    events: list[SimEvent],
+    ranks: Iterable[int],
+    peak: dict[int, int] | None = None,
+    profile: str = "",
+) -> SimReport:
+    """The report of ``events`` on ``ranks``: totals of the busiest rank (see ``SimReport``);
+    ``peak``: the memory per rank, where known (a simulated run's; a measured one has none)."""
     busy = [e for e in events if e.kind != "wait"]
     per_stream: dict[tuple[int, str], float] = defaultdict(float)
     for e in busy:
         per_stream[(e.rank, e.stream)] += e.end - e.start
     compute, comm, exposed = 0.0, 0.0, 0.0
-    for r in peak:
+    for r in ranks:
         mine = [e for e in busy if e.rank == r]
         comp = _union([(e.start, e.end) for e in mine if e.kind == "compute"])
         com = _union([(e.start, e.end) for e in mine if e.kind == "comm"])
@@ -902,7 +911,7 @@ def _report(events: list[SimEvent], peak: dict[int, int], profile: str) -> SimRe
         comm = max(comm, _length(com))
         exposed = max(exposed, _uncovered(com, comp))
     step = max((e.end for e in events), default=0.0) - min((e.start for e in events), default=0.0)
-    return SimReport(events, step, peak, compute, comm, exposed, dict(per_stream), profile)
+    return SimReport(events, step, peak or {}, compute, comm, exposed, dict(per_stream), profile)
 
 
 def slot_types(plan: Plan) -> list[SlotType]:

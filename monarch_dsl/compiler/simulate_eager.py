@@ -71,12 +71,12 @@ from monarch_dsl.compiler.simulate import (
     SimReport,
     SlotType,
     _Memory,
-    _report,
     call_issue,
     comm_time,
     compute_time,
     cpu_bound,
     play_program,
+    summarize,
     warm_fractions,
 )
 from monarch_dsl.isa import Slot, collectives, dtype_name
@@ -280,7 +280,7 @@ class EagerSimulator:
 
     def report(self) -> SimReport:
         peak = {r: self.memory[r].peak for r in range(self.world)}
-        out = _report(list(self.events), peak, self.prof.name)
+        out = summarize(list(self.events), peak, peak, self.prof.name)
         # Shared cores: the CPU of each host's ranks (and of the controller, on the first
         # host) over its cores bounds the step time.
         busy = [0.0] * self.world

@@ -359,6 +359,20 @@ class CompiledPlan {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
     reused_ = in_place_ = 0;
+    trace_events_.clear();
+    // With set_trace: what this thread did, step by step (see last_trace). Off: one branch
+    // per step.
+    auto traced = [&](int64_t k, int kind, auto&& body) {
+      if (!trace_) return body();
+      const double start = monotonic_seconds();
+      try {
+        body();
+      } catch (...) {
+        trace_events_.emplace_back(k, kind, start, monotonic_seconds());
+        throw;
+      }
+      trace_events_.emplace_back(k, kind, start, monotonic_seconds());
+    };
     int64_t failed = inputs_failed ? static_cast<int64_t>(steps_.size()) : -1;
     std::unordered_map<int64_t, std::shared_ptr<Pending>> pending;
     auto settle = [&](int64_t slot) {
@@ -367,6 +381,9 @@ class CompiledPlan {
       auto p = it->second;
       pending.erase(it);
       p->run();
+    };
+    auto any_pending = [&](const std::vector<int64_t>& slots) {
+      return std::any_of(slots.begin(), slots.end(), [&](int64_t s) { return pending.count(s); });
     };
     auto fail_at = [&](int64_t k, const std::exception& e) {
       if (failed < 0) {
@@ -382,17 +399,25 @@ class CompiledPlan {
       CommStep* comm = k < static_cast<int64_t>(comms_.size()) && comms_[k] ? &*comms_[k] : nullptr;
       if (!compute && !comm) continue;  // another rank's step
       try {
-        if (k < static_cast<int64_t>(uses_.size()))
-          for (auto s : uses_[k]) settle(s);
+        if (k < static_cast<int64_t>(uses_.size()) && any_pending(uses_[k]))
+          traced(k, kTraceWait, [&] {
+            for (auto s : uses_[k]) settle(s);
+          });
         if (compute) {
-          if (failed < 0) run_compute(*compute, values, stack);
+          if (failed < 0) traced(k, kTraceCompute, [&] { run_compute(*compute, values, stack); });
           continue;  // (its frees are done)
         }
-        run_comm(*comm, values, pending, failed >= 0, device);
-        for (auto f : comm->frees) {
-          settle(f);
-          values.at(f) = c10::IValue();
-        }
+        traced(k, kTraceComm, [&] { run_comm(*comm, values, pending, failed >= 0, device); });
+        auto free_them = [&] {
+          for (auto f : comm->frees) {
+            settle(f);
+            values.at(f) = c10::IValue();
+          }
+        };
+        if (any_pending(comm->frees))
+          traced(k, kTraceWait, free_them);
+        else
+          free_them();
       } catch (const std::exception& e) {
         fail_at(k, e);
       }
@@ -401,7 +426,7 @@ class CompiledPlan {
       auto it = pending.begin();
       int64_t slot = it->first;
       try {
-        settle(slot);
+        traced(n, kTraceWait, [&] { settle(slot); });
       } catch (const std::exception& e) {
         fail_at(n, e);
       }
@@ -409,6 +434,17 @@ class CompiledPlan {
     agree_cpu_ = 0;
     if (agree_) {
       const double start = thread_cpu_seconds();
+      const double wall = trace_ ? monotonic_seconds() : 0.0;
+      // (recorded on every way out: the flag is the end of this rank's run)
+      struct Mark {
+        CompiledPlan& plan;
+        int64_t n;
+        double wall;
+        ~Mark() {
+          if (plan.trace_)
+            plan.trace_events_.emplace_back(n, kTraceAgree, wall, monotonic_seconds());
+        }
+      } mark{*this, n, wall};
       bool any = false;
       try {
         if (!flag_.defined() || flag_.device() != device)
@@ -430,6 +466,19 @@ class CompiledPlan {
   }
 
   static constexpr int64_t kOtherFailed = -2;
+  // last_trace's kinds: a compute step; a communication step (a collective on main, or the
+  // start of one on another stream); waiting for started collectives to finish (before the
+  // step that uses their results, at their last use, or at the end); the failure flag's
+  // all-reduce (its step number is the number of steps).
+  static constexpr int kTraceCompute = 0, kTraceComm = 1, kTraceWait = 2, kTraceAgree = 3;
+
+  // Record the next runs' steps (see last_trace); off again with false.
+  void set_trace(bool on) { trace_ = on; }
+  // The last run_plan's record, when set_trace was on: (step, kind, start, end) in the order
+  // they ended, in seconds of CLOCK_MONOTONIC (one clock for every process of a host).
+  std::vector<std::tuple<int64_t, int, double, double>> last_trace() const {
+    return trace_events_;
+  }
 
   std::string last_error() const { return last_error_; }
   // The CPU seconds of the last run_plan's failure flag (what calibration keeps out of the
@@ -655,6 +704,14 @@ class CompiledPlan {
   at::Tensor flag_;                  // its flag, kept between runs
   double agree_cpu_ = 0;
 
+  bool trace_ = false;
+  std::vector<std::tuple<int64_t, int, double, double>> trace_events_;
+
+  static double monotonic_seconds() {
+    timespec t{};
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
   static double thread_cpu_seconds() {
     timespec t{};
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -690,6 +747,8 @@ void bind_program(py::module& m) {
       .def("set_uses", &CompiledPlan::set_uses)
       .def("set_agree", &CompiledPlan::set_agree)
       .def("last_agree_cpu", &CompiledPlan::last_agree_cpu)
+      .def("set_trace", &CompiledPlan::set_trace)
+      .def("last_trace", &CompiledPlan::last_trace)
       .def_readonly_static("OTHER_FAILED", &CompiledPlan::kOtherFailed)
       .def("has_comms", &CompiledPlan::has_comms)
       .def(

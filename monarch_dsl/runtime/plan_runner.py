@@ -13,6 +13,7 @@ failed input is rare, and the flag costs every step a round of the group.)
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,30 @@ class PlanRunner:
         # what a run costs beyond them is the runtime's per call (``monarch-dsl calibrate``).
         self.runs = 0
         self.steps_cpu = 0.0
+        # While a controller measures a step's timeline (``measured.py``): each C++ run's
+        # record, (plan, stream, [(step, kind, start, end), ...]); None when not tracing.
+        self.traces: list[tuple[int, str, list]] | None = None
+        self._traces_lock = threading.Lock()
+
+    MAX_TRACES = 1000  # runs recorded at most (a controller that never took them)
+
+    def start_trace(self) -> None:
+        """Record the C++ runs from now on, for ``take_trace``."""
+        if self.core is None:
+            raise RuntimeError(
+                "a measured timeline needs the C++ runtime in the workers (MD_EXECUTOR is "
+                f"'python', or it is not built: {_core.unavailable_reason()})"
+            )
+        with self._traces_lock:
+            if self.traces is not None:
+                raise RuntimeError("a timeline is already being measured on this worker")
+            self.traces = []
+
+    def take_trace(self) -> list[tuple[int, str, list]]:
+        """The runs recorded since ``start_trace``, and stop recording."""
+        with self._traces_lock:
+            got, self.traces = self.traces, None
+        return got or []
 
     def define(self, ins: isa.DefinePlan) -> None:
         # (each step's slots whose pending collectives are finished before it runs)
@@ -166,7 +191,13 @@ class PlanRunner:
             self.runs += 1
             cpu0 = time.thread_time()
             if compiled is not None:  # the whole run in C++, without the GIL
+                traced = self.traces is not None
+                if call.traced != traced:
+                    compiled.set_trace(traced)
+                    call.traced = traced
                 failed = compiled.run_plan(env, ex.device, failure is not None)
+                if traced:
+                    self._keep_trace(ins, compiled.last_trace())
                 self.steps_cpu += time.thread_time() - cpu0 - compiled.last_agree_cpu()
                 if failed == compiled.OTHER_FAILED:
                     failure = Failure(ex.rank, ins.loc, "plan", _OTHER_FAILED, "")
@@ -191,6 +222,14 @@ class PlanRunner:
         for slot, ref in zip(program.outputs, ins.outputs):
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
                 ex.refs[ref] = env[slot]
+
+    def _keep_trace(self, ins: isa.RunPlan, trace: list) -> None:
+        with self._traces_lock:
+            if self.traces is None:
+                return
+            self.traces.append((ins.plan, ins.stream, trace))
+            if len(self.traces) > self.MAX_TRACES:
+                self.traces = None  # nobody takes them
 
     def _split(self, ins: isa.RunPlan, coords: tuple[int, ...], sizes: tuple[int, ...]) -> None:
         """This rank's parts of the whole values ``ins`` splits, as the refs it names."""
@@ -307,6 +346,7 @@ class _Call:
     coords: tuple[int, ...]
     compiled: Any
     world: Any
+    traced: bool = False  # the C++ program records its runs (CompiledPlan.set_trace)
     _cuts: dict[tuple, Any] = field(default_factory=dict)
 
     def cuts(self, k: int, placements: tuple) -> list[tuple[int, int, int]] | None:

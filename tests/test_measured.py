@@ -1,0 +1,160 @@
+"""Measured timelines of compiled steps (``step.timeline``, ``monarch_dsl/measured.py``): what
+the workers' C++ runtime did in one call, step by step, as the simulator's events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monarch_dsl as md
+from monarch_dsl import _core, measured
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compiler_helpers import mse_step  # noqa: E402
+
+pytestmark = pytest.mark.procs
+needs_cpp = pytest.mark.skipif(
+    _core.worker_native() is None, reason="a measured timeline needs the C++ runtime"
+)
+
+
+@pytest.fixture(scope="module")
+def pm():
+    mesh = md.this_host().spawn_procs({"dp": 2})
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return md.mesh_fn(mse_step(model, opt), data_parallel="dp")
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+@needs_cpp
+def test_a_measured_call_has_every_step_of_the_plan_on_every_rank(pm):
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        step(x, y)
+        step(x, y)  # (compiled again for the state on the workers)
+        report = step.timeline(x, y)
+        after = md.inspect(step(x, y)).item()
+    simulated = list(step.cache.values())[-1].plan.simulate()  # the plan of the later calls
+    assert report.profile == "measured" and report.peak_memory == {}
+    assert {e.rank for e in report.events} == {0, 1}
+    for r in (0, 1):
+        mine = [e for e in report.events if e.rank == r]
+        assert all(0.0 <= e.start <= e.end for e in mine)
+        # every compute step and collective the simulator plays, measured once, by name
+        for kind in ("compute", "comm"):
+            want = Counter(e.name for e in simulated.events if e.rank == r and e.kind == kind)
+            got = Counter(e.name for e in mine if e.kind == kind)
+            if kind == "comm":
+                assert got.pop("failure flag") == 1  # (the runtime's, not a plan step)
+            assert got == want, kind
+        # one thread: its events do not overlap
+        main = sorted((e.start, e.end) for e in mine if e.stream == "main")
+        assert all(a[1] <= b[0] for a, b in zip(main, main[1:]))
+    assert report.step_time > 0 and 0 < report.compute_time <= report.step_time
+    assert report.per_stream[(0, "main")] > 0
+    assert {e["pid"] for e in report.trace()["traceEvents"]} == {0, 1}
+    # the measured call was a real one: the next call continues from it
+    assert after == pytest.approx(_losses_of_four_calls(x, y)[-1], abs=1e-5)
+
+
+def _losses_of_four_calls(x, y):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fn = mse_step(model, opt)
+    return [fn(x, y).item() for _ in range(4)]
+
+
+@needs_cpp
+def test_display_of_a_measured_call_says_no_peak_memory(pm, capsys):
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        step(x, y)
+        report = step.timeline(x, y)
+    report.display(path=None)
+    out = capsys.readouterr().out
+    assert "profile measured" in out and "peak memory" not in out
+
+
+@needs_cpp
+def test_two_timelines_at_once_the_second_is_refused_and_the_first_is_unharmed(pm):
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        md.inspect(step(x, y))  # (done before the other measurement starts)
+        recorder = pm.spawn("other-timeline", measured._Recorder)
+        recorder.start.call().get()  # another controller's measurement, under way
+        try:
+            with pytest.raises(md.ActorError, match="already being measured"):
+                step.timeline(x, y)
+            md.inspect(step(x, y))
+        finally:
+            runs = recorder.take.call().get().values()
+        # the other measurement has its runs: the refused timeline took nothing from it
+        assert [len(r) for _, r in runs] == [1, 1]
+        report = step.timeline(x, y)  # and recording works again
+    assert {e.rank for e in report.events} == {0, 1}
+
+
+@needs_cpp
+def test_recording_stops_after_a_timeline(pm):
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        step(x, y)
+        step.timeline(x, y)
+        md.inspect(step(x, y))
+        traces = pm.spawn("peek", _Peek).traces.call().get().values()
+    assert traces == [None, None]
+
+
+class _Peek(md.Actor):
+    @md.endpoint
+    def traces(self):
+        return measured._plans().traces
+
+
+@needs_cpp
+def test_a_rank_killed_before_a_timeline_is_named():
+    pm = md.this_host().spawn_procs({"dp": 2})
+    try:
+        step, (x, y) = _step(), _batch()
+        with pm.activate():
+            step(x, y)
+            md.inspect(step(x, y))
+        os.kill(pm._job.pids[1], signal.SIGKILL)
+        with pytest.raises(md.MonarchError, match="rank 1"), pm.activate():
+            step.timeline(x, y)
+    finally:
+        pm.stop()
+
+
+def test_on_the_python_executor_a_timeline_is_refused_and_says_why():
+    pm = md.this_host().spawn_procs({"dp": 2}, env={"MD_EXECUTOR": "python"})
+    try:
+        step, (x, y) = _step(), _batch()
+        with pm.activate():
+            step(x, y)
+            with pytest.raises(md.ActorError, match="needs the C.. runtime"):
+                step.timeline(x, y)
+            md.inspect(step(x, y))  # the mesh still runs the step
+    finally:
+        pm.stop()
