@@ -51,6 +51,14 @@ pages and allocator caches, and the profiler's own memory.
 Printed per case: predicted, measured, error ((predicted - measured) / measured). Goals (issue
 13): median |error| <= 10%, max <= 25% for time; within 10% for memory (the peak in a call).
 
+Where a compiled call's time goes (the last table): per rank, the seconds in compute steps, in
+communication (collectives on ``main``, the starts of the others, the runtime's failure flag)
+and waiting for started collectives, and the run's span, predicted (``plan.simulate``) and
+measured (``step.timeline``: the C++ runtime's record of a call, step by step; the median of
+3 recorded calls after each case's timed blocks). The call's time beyond the span is the
+path to the workers (the controller, the message, the worker taking it up). This is what
+tells a compute miss (the machine's speed, the cache model) from a communication one.
+
 The machine's drift: before each run, both workers time one shape of the profile's matmul grid
 (``PROBE``, as calibration measured it: every rank at once, through operand sets) and the run
 prints that time over the profile's (``speed probe``). On a shared host this moves by tens of
@@ -386,15 +394,32 @@ def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int], lis
         one = _timed(run, 3)
         n = max(3, int(BLOCK_SECONDS / max(one, 1e-5)))
         times = [_timed(run, n) for _ in range(blocks)]
-    return statistics.median(times), [t[0] for t in traced], [t[1] for t in traced]
+        recorded = [kinds(step.timeline(*args)) for _ in range(TIMELINES)]
+    measured = {k: statistics.median(r[k] for r in recorded) for k in recorded[0]}
+    return statistics.median(times), [t[0] for t in traced], [t[1] for t in traced], measured
+
+
+TIMELINES = 3  # recorded calls per case and run (step.timeline), for where the time goes
+KINDS = ("compute", "comm", "wait", "span")
+
+
+def kinds(report) -> dict[str, float]:
+    """Seconds per rank (the mean of the ranks) in each kind of event, and the span of the
+    run (first event to last)."""
+    ranks = {e.rank for e in report.events}
+    out = {k: 0.0 for k in KINDS}
+    for e in report.events:
+        out[e.kind] += (e.end - e.start) / len(ranks)
+    out["span"] = report.step_time
+    return out
 
 
 def predict_compiled(
     case: Case, profile
-) -> tuple[tuple[float, list[int], list[int]], float | None]:
+) -> tuple[tuple[float, list[int], list[int]], float | None, dict[str, float]]:
     """Seconds per call; each rank's predicted peak bytes during a call above those resident
-    when it starts, and those; and the seconds per call without the cache model (None where
-    the profile has none), from the same compiled plan."""
+    when it starts, and those; the seconds per call without the cache model (None where
+    the profile has none), from the same compiled plan; and the simulated run's ``kinds``."""
     step, args = case.make()
     plan = step.compile(*args, mesh=md.Mesh.from_string(f"{case.dim}=2"))
 
@@ -414,7 +439,7 @@ def predict_compiled(
         cold = dataclasses.replace(profile, cache_bytes=0)
         uncached = per_call(plan.simulate(profile=cold), cold)
     resident = [report.resident_memory[r] for r in ranks]
-    return (per_call(report, profile), in_call, resident), uncached
+    return (per_call(report, profile), in_call, resident), uncached, kinds(report)
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -456,8 +481,10 @@ def main() -> None:
     # compute as if every operand came from memory, as before it), so what the model changes is
     # seen on the same runs.
     uncached: dict[str, float] = {}
+    where: dict[str, tuple[dict[str, float], list[dict[str, float]]]] = {}  # predicted, runs
     for c in cases:
-        predicted[c.name], without = predict_compiled(c, profile)
+        predicted[c.name], without, simulated = predict_compiled(c, profile)
+        where[c.name] = (simulated, [])
         if without is not None:
             uncached[c.name] = without
     times: dict[str, list[float]] = {n: [] for n in predicted}
@@ -473,8 +500,9 @@ def main() -> None:
             for name, fn in eager.items():
                 times[name].append(measure_eager(pm, fn, opts.blocks, steps))
             for case in cases:
-                m_time, m_mem, m_res = measure_compiled(pm, case, opts.blocks)
+                m_time, m_mem, m_res, m_kinds = measure_compiled(pm, case, opts.blocks)
                 times[case.name].append(m_time)
+                where[case.name][1].append(m_kinds)
                 memory.setdefault(case.name, (m_mem, m_res))  # (byte exact: once)
             for name, got in times.items():
                 print(f"  run {run + 1}: {name}: predicted {predicted[name][0] * 1e3:.3f} ms, "
@@ -487,7 +515,7 @@ def main() -> None:
         rows.append((name, p_time, statistics.median(times[name]), p_mem, m_mem, p_res, m_res))
     print(f"simulator accuracy, profile {profile.name} ({profile.notes or 'calibrated'}), "
           f"{os.cpu_count()} cores, 2 ranks; measured: median of {opts.runs} run(s)")  # fmt: skip
-    print(f"{'case':<16} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   "
+    print(f"{'case':<24} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   "
           f"{'pred. MiB':>9} {'meas. MiB':>9} {'error':>7}   "
           f"{'resident MiB pred/meas':>22}")  # fmt: skip
     errors, mem_errors = [], []
@@ -495,12 +523,12 @@ def main() -> None:
         e = _err(pt, mt)
         errors.append(abs(e))
         if pm_ is None:
-            print(f"{name:<16} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}")
+            print(f"{name:<24} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}")
             continue
         pmib, mmib = max(pm_) / 2**20, max(mm) / 2**20
         me = _err(pmib, mmib) if mmib > 0 else float("nan")
         mem_errors.append(abs(me))
-        print(f"{name:<16} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}   "
+        print(f"{name:<24} {pt * 1e3:12.3f} {mt * 1e3:12.3f} {e:+7.1%}   "
               f"{pmib:9.3f} {mmib:9.3f} {me:+7.1%}   "
               f"{max(pr) / 2**20:10.3f} /{max(mr) / 2**20:10.3f}")  # fmt: skip
     print(f"time: median |error| {statistics.median(errors):.1%} (goal <= 10%), "
@@ -518,6 +546,18 @@ def main() -> None:
     if mem_errors:
         print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip
+    if where:
+        print(f"where a compiled call's time goes, ms per rank, predicted/measured (measured: "
+              f"step.timeline, median of {TIMELINES} recorded calls per run, then of the runs; "
+              f"comm: collectives on main and starts of the others; span: the run on the "
+              f"workers, first step to last)")  # fmt: skip
+        print(f"{'case':<24}" + "".join(f"{k:>20}" for k in KINDS))
+        for name, (sim, runs) in where.items():
+            cells = []
+            for k in KINDS:
+                got = statistics.median(r[k] for r in runs)
+                cells.append(f"{sim[k] * 1e3:8.3f} /{got * 1e3:8.3f}")
+            print(f"{name:<24}" + "".join(f"{c:>20}" for c in cells))
 
 
 if __name__ == "__main__":
