@@ -367,10 +367,13 @@ def _timed(run: Callable[[int], None], steps: int) -> float:
         gc.enable()
 
 
-def measure_compiled(pm, case: Case, blocks: int) -> tuple[float, list[int], list[int]]:
+def measure_compiled(
+    pm, case: Case, blocks: int
+) -> tuple[float, list[int], list[int], dict[str, float]]:
     """Seconds per call (median of ``blocks`` blocks); each rank's peak tensor bytes during
     calls in a steady state above those live when a call starts, and those (what stays
-    between calls, above what was there before the case)."""
+    between calls, above what was there before the case); and where a call's time goes
+    (``kinds`` of recorded calls, the median of ``TIMELINES``)."""
     mesh = pm.rename(x=case.dim)
     gc.collect()  # the cases before: their tensors freed on the workers before tracing starts
     step, args = case.make()

@@ -15,6 +15,9 @@ one clock for the processes of a host). Kinds, as the simulator's:
 - ``wait``: ``main`` waiting for collectives started earlier (before the step that uses their
   results: ``wait <op>``; after the last step: ``wait end``).
 
+CPU workers only, for now: on a GPU the host's times would be the steps' launches (the
+device's work would all land where the run synchronizes), so workers on one refuse.
+
 Time 0 is the first event on the host (ranks on other hosts: their own host's first event).
 What the events do not show: the call's path to the workers before the run (the controller's
 message, the worker picking it up), which ``plan.simulate`` counts in its ``step_time`` only
@@ -22,32 +25,33 @@ through the profile's per-call terms in ``steady_step_time``."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import socket
-import weakref
 from typing import Any
+
+import torch.utils._pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.simulate import SimEvent, SimReport, summarize
-from monarch_dsl.tensor import Engine
+from monarch_dsl.tensor import Engine, Tensor, inspect
 
 TIMEOUT = 120.0  # seconds for each wait (the call's run included)
 
 _KINDS = {0: "compute", 1: "comm", 2: "wait", 3: "comm"}
-# id(mesh) -> its _Recorder, while the mesh lives (by identity: equal meshes can be two)
-_recorders: dict[int, Any] = {}
 
 
 class _Recorder(Actor):
-    """In every worker of the mesh: turns the plan runner's recording on and hands back what
-    it recorded."""
+    """In every worker of the mesh: turns the plan runner's recording on for one measurement
+    (its token) and hands back what it recorded."""
 
     @endpoint
-    def start(self) -> None:
-        _plans().start_trace()
+    def start(self, token: str) -> None:
+        _plans().start_trace(token)
 
     @endpoint
-    def take(self) -> tuple[str, list]:
-        return socket.gethostname(), _plans().take_trace()
+    def take(self, token: str) -> tuple[str, list | None]:
+        return socket.gethostname(), _plans().take_trace(token)
 
 
 def _plans() -> Any:
@@ -57,33 +61,63 @@ def _plans() -> Any:
     return worker.current.executor().plans()
 
 
+# One recorder per job and ranks (an actor lives as long as its processes), dropped when the
+# job stops.
+_recorders: dict[tuple[int, tuple[int, ...]], Any] = {}
+_tokens = itertools.count()
+
+
+def _recorder(engine: Any, pm: Any) -> Any:
+    job = engine.job
+    key = (id(job), tuple(pm.ranks))
+    recorder = _recorders.get(key)
+    if recorder is None:
+        if not any(k[0] == id(job) for k in _recorders):
+            job.before_stop.append(lambda _timeout: _forget(id(job)))
+        recorder = _recorders[key] = pm.spawn("md-timeline", _Recorder)
+    return recorder
+
+
+def _forget(job: int) -> None:
+    for key in [k for k in _recorders if k[0] == job]:
+        del _recorders[key]
+
+
 def measure(mf: Any, pm: Any, args: tuple, kwargs: dict) -> SimReport:
     """Run ``mf(*args, **kwargs)`` once on ``pm`` with recording on; its events."""
     engine = Engine.of(pm)
-    recorder = _recorders.get(id(pm))
-    if recorder is None:  # (one per mesh: an actor lives as long as its processes)
-        recorder = _recorders[id(pm)] = pm.spawn("md-timeline", _Recorder)
-        weakref.finalize(pm, _recorders.pop, id(pm), None)
+    recorder = _recorder(engine, pm)
     engine.sync(TIMEOUT)  # earlier calls are done: only this one is recorded
-    recorder.start.call().get(TIMEOUT)
+    token = f"{os.getpid()}:{next(_tokens)}"
     try:
-        mf(*args, **kwargs)
+        recorder.start.call(token).get(TIMEOUT)
+        out = mf(*args, **kwargs)
         engine.sync(TIMEOUT)
-    finally:
-        got = recorder.take.call().get(TIMEOUT).values()
+    finally:  # (also where some ranks refused to start: those that started stop)
+        got = recorder.take.call(token).get(TIMEOUT).values()
     by_id = {pid: c for c in mf.cache.values() for eid, pid in c.ids.items() if eid == id(engine)}
+    for rank, (_, runs) in enumerate(got):
+        if runs is None or len(runs) != 1 or runs[0][0] not in by_id:
+            raise RuntimeError(
+                f"{mf.__name__}.timeline: rank {rank} recorded "
+                f"{'nothing' if runs is None else len(runs)} runs of this step's plan, not one "
+                "(another call of it on this mesh at the same time?)"
+            )
+        if runs[0][3] is not None:
+            for leaf in pytree.tree_leaves(out):  # the call's own error (and it is then seen)
+                if isinstance(leaf, Tensor):
+                    inspect(leaf)
+            raise RuntimeError(
+                f"{mf.__name__}.timeline: the call failed on rank {rank}, so its record is not "
+                f"the step's: {runs[0][3]}"
+            )
     zero: dict[str, float] = {}  # time 0 of each host: its first event
     for host, runs in got:
-        for _, _, trace in runs:
-            zero[host] = min([zero.get(host, float("inf")), *(start for _, _, start, _ in trace)])
+        starts = [start for _, _, start, _ in runs[0][2]]
+        zero[host] = min([zero.get(host, float("inf")), *starts])
     events: list[SimEvent] = []
     for rank, (host, runs) in enumerate(got):
-        if len(runs) != 1 or runs[0][0] not in by_id:
-            raise RuntimeError(
-                f"{mf.__name__}.timeline: rank {rank} recorded {len(runs)} runs of this step's "
-                "plan, not one (another call of it on this mesh at the same time?)"
-            )
-        plan, _, trace = runs[0]
+        plan, _, trace, _ = runs[0]
         events += _events(rank, by_id[plan].program, trace, zero[host])
     return summarize(events, range(len(got)), profile="measured")
 

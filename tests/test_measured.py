@@ -102,17 +102,52 @@ def test_two_timelines_at_once_the_second_is_refused_and_the_first_is_unharmed(p
     with pm.activate():
         md.inspect(step(x, y))  # (done before the other measurement starts)
         recorder = pm.spawn("other-timeline", measured._Recorder)
-        recorder.start.call().get()  # another controller's measurement, under way
+        recorder.start.call("other").get()  # another controller's measurement, under way
         try:
             with pytest.raises(md.ActorError, match="already being measured"):
                 step.timeline(x, y)
             md.inspect(step(x, y))
         finally:
-            runs = recorder.take.call().get().values()
+            runs = recorder.take.call("other").get().values()
         # the other measurement has its runs: the refused timeline took nothing from it
         assert [len(r) for _, r in runs] == [1, 1]
         report = step.timeline(x, y)  # and recording works again
     assert {e.rank for e in report.events} == {0, 1}
+
+
+@needs_cpp
+def test_a_timeline_refused_on_one_rank_leaves_no_rank_recording(pm):
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        md.inspect(step(x, y))
+        recorder = pm.spawn("other-timeline", measured._Recorder)
+        recorder.slice(dp=0).start.call("other").get()  # rank 0 only is busy
+        try:
+            with pytest.raises(md.ActorError, match="already being measured"):
+                step.timeline(x, y)  # started on rank 1, refused on rank 0
+        finally:
+            recorder.slice(dp=0).take.call("other").get()
+        assert _recording(pm) == [False, False]
+        report = step.timeline(x, y)
+    assert {e.rank for e in report.events} == {0, 1}
+
+
+@needs_cpp
+def test_a_timeline_of_a_call_that_fails_says_so(pm):
+    @md.mesh_fn(data_parallel="dp", placements={"idx": md.Replicate()})
+    def pick(x, idx):
+        return torch.index_select(x, 1, idx).sum(1)
+
+    x = torch.randn(8, 16)
+    with pm.activate():
+        md.inspect(pick(x, torch.tensor([1])))
+        with pytest.raises(
+            md.RemoteError,
+            match=r"index_select.default at tests/test_measured.py:\d+ failed on worker rank 0",
+        ):
+            pick.timeline(x, torch.tensor([99]))  # index out of range on the workers
+        assert _recording(pm) == [False, False]
+        md.inspect(pick(x, torch.tensor([1])))  # the mesh still runs it
 
 
 @needs_cpp
@@ -122,14 +157,25 @@ def test_recording_stops_after_a_timeline(pm):
         step(x, y)
         step.timeline(x, y)
         md.inspect(step(x, y))
-        traces = pm.spawn("peek", _Peek).traces.call().get().values()
-    assert traces == [None, None]
+        assert _recording(pm) == [False, False]
+        # the C++ program too: the last (plain) run of the step's plans recorded nothing
+        plans = sorted({pid for c in step.cache.values() for pid in c.ids.values()})
+        assert pm.spawn("peek", _Peek).last_traces.call(plans).get().values() == [[0], [0]]
+
+
+def _recording(pm) -> list[bool]:
+    return pm.spawn("peek", _Peek).recording.call().get().values()
 
 
 class _Peek(md.Actor):
     @md.endpoint
-    def traces(self):
-        return measured._plans().traces
+    def recording(self):
+        return measured._plans().traces is not None
+
+    @md.endpoint
+    def last_traces(self, plans):
+        runner = measured._plans()
+        return sorted({len(c.last_trace()) for k, c in runner.compiled.items() if k[0] in plans})
 
 
 @needs_cpp

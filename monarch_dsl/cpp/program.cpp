@@ -360,6 +360,9 @@ class CompiledPlan {
     auto& values = env.values;
     reused_ = in_place_ = 0;
     trace_events_.clear();
+    // (at most 3 events a step, one per collective waited for at the end, and the flag's:
+    // reserved, so recording never allocates, nor throws, inside a step's error handling)
+    if (trace_) trace_events_.reserve(4 * steps_.size() + 2);
     // With set_trace: what this thread did, step by step (see last_trace). Off: one branch
     // per step.
     auto traced = [&](int64_t k, int kind, auto&& body) {
@@ -441,8 +444,11 @@ class CompiledPlan {
         int64_t n;
         double wall;
         ~Mark() {
-          if (plan.trace_)
+          if (!plan.trace_) return;
+          try {
             plan.trace_events_.emplace_back(n, kTraceAgree, wall, monotonic_seconds());
+          } catch (...) {  // (a destructor: never throws; the record lacks the flag)
+          }
         }
       } mark{*this, n, wall};
       bool any = false;

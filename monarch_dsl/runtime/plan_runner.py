@@ -51,29 +51,42 @@ class PlanRunner:
         self.runs = 0
         self.steps_cpu = 0.0
         # While a controller measures a step's timeline (``measured.py``): each C++ run's
-        # record, (plan, stream, [(step, kind, start, end), ...]); None when not tracing.
-        self.traces: list[tuple[int, str, list]] | None = None
+        # record, (plan, stream, [(step, kind, start, end), ...], its failure or None), for the
+        # measurement ``_trace_token``; None when not tracing.
+        self.traces: list[tuple[int, str, list, str | None]] | None = None
+        self._trace_token: str | None = None
+        self._trace_events = 0
         self._traces_lock = threading.Lock()
 
-    MAX_TRACES = 1000  # runs recorded at most (a controller that never took them)
+    MAX_TRACE_EVENTS = 200_000  # recorded at most (a controller that never took them)
 
-    def start_trace(self) -> None:
-        """Record the C++ runs from now on, for ``take_trace``."""
+    def start_trace(self, token: str) -> None:
+        """Record the C++ runs from now on, for ``take_trace(token)``."""
         if self.core is None:
             raise RuntimeError(
                 "a measured timeline needs the C++ runtime in the workers (MD_EXECUTOR is "
                 f"'python', or it is not built: {_core.unavailable_reason()})"
             )
+        if torch.device(self.ex.device).type != "cpu":
+            # (the steps' host times would be their launches; the device's work would all
+            # land where the run synchronizes)
+            raise RuntimeError(
+                f"a measured timeline records host times: not on {self.ex.device} workers yet"
+            )
         with self._traces_lock:
             if self.traces is not None:
                 raise RuntimeError("a timeline is already being measured on this worker")
-            self.traces = []
+            self.traces, self._trace_token, self._trace_events = [], token, 0
 
-    def take_trace(self) -> list[tuple[int, str, list]]:
-        """The runs recorded since ``start_trace``, and stop recording."""
+    def take_trace(self, token: str) -> list[tuple[int, str, list, str | None]] | None:
+        """The runs recorded since ``start_trace(token)``, and stop recording; None where
+        this worker is not recording for ``token`` (its start was refused, or another
+        measurement's is under way: left as it is)."""
         with self._traces_lock:
-            got, self.traces = self.traces, None
-        return got or []
+            if self._trace_token != token:
+                return None
+            got, self.traces, self._trace_token = self.traces, None, None
+        return got
 
     def define(self, ins: isa.DefinePlan) -> None:
         # (each step's slots whose pending collectives are finished before it runs)
@@ -192,12 +205,8 @@ class PlanRunner:
             cpu0 = time.thread_time()
             if compiled is not None:  # the whole run in C++, without the GIL
                 traced = self.traces is not None
-                if call.traced != traced:
-                    compiled.set_trace(traced)
-                    call.traced = traced
+                compiled.set_trace(traced)  # (the program's own flag: it may serve two calls)
                 failed = compiled.run_plan(env, ex.device, failure is not None)
-                if traced:
-                    self._keep_trace(ins, compiled.last_trace())
                 self.steps_cpu += time.thread_time() - cpu0 - compiled.last_agree_cpu()
                 if failed == compiled.OTHER_FAILED:
                     failure = Failure(ex.rank, ins.loc, "plan", _OTHER_FAILED, "")
@@ -206,6 +215,11 @@ class PlanRunner:
                     loc = (bad.loc if bad is not None else "") or ins.loc
                     op = bad.op if bad is not None else PLAN_COMMUNICATION
                     failure, own = Failure(ex.rank, loc, op, compiled.last_error(), ""), True
+                if traced:
+                    why = None
+                    if failure is not None:
+                        why = f"{failure.op} at {failure.line}: {failure.error}"
+                    self._keep_trace(ins, compiled.last_trace(), why)
             else:
                 failure, own = self._run_python(
                     program, self.programs[ins.plan][1], env, mesh, coords, ins, failure
@@ -223,13 +237,14 @@ class PlanRunner:
             if ref >= 0:  # (-1: state updated in place; its input's ref holds it)
                 ex.refs[ref] = env[slot]
 
-    def _keep_trace(self, ins: isa.RunPlan, trace: list) -> None:
+    def _keep_trace(self, ins: isa.RunPlan, trace: list, failure: str | None) -> None:
         with self._traces_lock:
             if self.traces is None:
                 return
-            self.traces.append((ins.plan, ins.stream, trace))
-            if len(self.traces) > self.MAX_TRACES:
-                self.traces = None  # nobody takes them
+            self.traces.append((ins.plan, ins.stream, trace, failure))
+            self._trace_events += len(trace)
+            if self._trace_events > self.MAX_TRACE_EVENTS:  # nobody takes them: stop
+                self.traces = self._trace_token = None
 
     def _split(self, ins: isa.RunPlan, coords: tuple[int, ...], sizes: tuple[int, ...]) -> None:
         """This rank's parts of the whole values ``ins`` splits, as the refs it names."""
@@ -346,7 +361,6 @@ class _Call:
     coords: tuple[int, ...]
     compiled: Any
     world: Any
-    traced: bool = False  # the C++ program records its runs (CompiledPlan.set_trace)
     _cuts: dict[tuple, Any] = field(default_factory=dict)
 
     def cuts(self, k: int, placements: tuple) -> list[tuple[int, int, int]] | None:
