@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.simulate import SimEvent, SimReport, summarize
+from monarch_dsl.simulator import SimJob
 from monarch_dsl.tensor import Engine, Tensor, inspect
 
 TIMEOUT = 120.0  # seconds for each wait (the call's run included)
@@ -86,6 +87,11 @@ def _forget(job: int) -> None:
 def measure(mf: Any, pm: Any, args: tuple, kwargs: dict) -> SimReport:
     """Run ``mf(*args, **kwargs)`` once on ``pm`` with recording on; its events."""
     engine = Engine.of(pm)
+    if isinstance(engine.job, SimJob):
+        raise RuntimeError(
+            f"{mf.__name__}.timeline measures a call on worker processes; on md.Simulator, "
+            f"{mf.__name__}.compile(...).simulate() is the call's predicted timeline"
+        )
     recorder = _recorder(engine, pm)
     engine.sync(TIMEOUT)  # earlier calls are done: only this one is recorded
     token = f"{os.getpid()}:{next(_tokens)}"
@@ -99,9 +105,8 @@ def measure(mf: Any, pm: Any, args: tuple, kwargs: dict) -> SimReport:
     for rank, (_, runs) in enumerate(got):
         if runs is None or len(runs) != 1 or runs[0][0] not in by_id:
             raise RuntimeError(
-                f"{mf.__name__}.timeline: rank {rank} recorded "
-                f"{'nothing' if runs is None else len(runs)} runs of this step's plan, not one "
-                "(another call of it on this mesh at the same time?)"
+                f"{mf.__name__}.timeline: rank {rank} recorded {len(runs or ())} runs of this "
+                "step's plan, not one (another call of it on this mesh at the same time?)"
             )
         if runs[0][3] is not None:
             for leaf in pytree.tree_leaves(out):  # the call's own error (and it is then seen)

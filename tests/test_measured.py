@@ -204,3 +204,12 @@ def test_on_the_python_executor_a_timeline_is_refused_and_says_why():
             md.inspect(step(x, y))  # the mesh still runs the step
     finally:
         pm.stop()
+
+
+def test_on_the_simulator_a_timeline_points_to_simulate():
+    step, (x, y) = _step(), _batch()
+    sim = md.Simulator(hosts=1, gpus=2)
+    with sim.mesh.rename(gpu="dp").activate():
+        step(x, y)
+        with pytest.raises(RuntimeError, match=r"compile\(...\).simulate\(\)"):
+            step.timeline(x, y)
