@@ -167,12 +167,17 @@ def _load_step(target: str, data_parallel: str | None) -> Any:
     return md.mesh_fn(fn, data_parallel=data_parallel)
 
 
-def _plan_of(args: argparse.Namespace) -> Any:
+def _step_of(args: argparse.Namespace) -> tuple[Any, list, Any]:
+    """The step, its example arguments and the mesh (a value) that ``args`` name."""
     import monarch_dsl as md
 
     step = _load_step(args.target, args.data_parallel)
-    examples = [_example(a) for a in args.arg]
-    return step.compile(*examples, mesh=md.Mesh.from_string(args.mesh))
+    return step, [_example(a) for a in args.arg], md.Mesh.from_string(args.mesh)
+
+
+def _plan_of(args: argparse.Namespace) -> Any:
+    step, examples, mesh = _step_of(args)
+    return step.compile(*examples, mesh=mesh)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -203,21 +208,16 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"monarch-dsl simulate: --width must be 8 or more, not {args.width}", file=sys.stderr)
         return 2
     try:
-        plan = _plan_of(args)
+        step, examples, mesh = _step_of(args)
+        plan = step.compile(*examples, mesh=mesh)
         report = plan.simulate(profile=args.profile)
     except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"monarch-dsl simulate: {e}", file=sys.stderr)
         return 2
-    ms = 1e3
     print(f"plan {plan.name} on {args.mesh}, profile {report.profile}")
     if _uncalibrated(args.profile):
         print("  uncalibrated: cpu-local is a placeholder until you run `monarch-dsl calibrate`")
-    print(f"  step time          {report.step_time * ms:10.3f} ms")
-    print(f"  compute time       {report.compute_time * ms:10.3f} ms")
-    print(f"  communication      {report.comm_time * ms:10.3f} ms")
-    print(f"  exposed comm       {report.exposed_comm_time * ms:10.3f} ms")
-    for rank, peak in sorted(report.peak_memory.items()):
-        print(f"  peak memory rank {rank} {peak / 2**20:10.2f} MiB")
+    _totals(report)
     if args.trace:
         print(f"  trace: {report.save_trace(args.trace)} (Perfetto / chrome://tracing)")
     if args.png:
@@ -228,6 +228,52 @@ def _simulate(args: argparse.Namespace) -> int:
             return 2
     print()
     print(report.timeline(args.width))
+    if args.measure:
+        return _measure(args, step, examples, mesh)
+    return 0
+
+
+def _totals(report: Any) -> None:
+    ms = 1e3
+    print(f"  step time          {report.step_time * ms:10.3f} ms")
+    print(f"  compute time       {report.compute_time * ms:10.3f} ms")
+    print(f"  communication      {report.comm_time * ms:10.3f} ms")
+    print(f"  exposed comm       {report.exposed_comm_time * ms:10.3f} ms")
+    for rank, peak in sorted(report.peak_memory.items()):
+        print(f"  peak memory rank {rank} {peak / 2**20:10.2f} MiB")
+
+
+def _measure(args: argparse.Namespace, step: Any, examples: list, mesh: Any) -> int:
+    """``simulate --measure``: the same call on local worker processes, recorded by their C++
+    runtime (``step.timeline``), after two calls (the plan's compile, then the state on the
+    workers)."""
+    import monarch_dsl as md
+    from monarch_dsl.errors import MonarchError
+
+    print()
+    print(f"measured on {len(mesh)} local CPU workers (step.timeline of the third call):")
+    try:
+        pm = md.this_host().spawn_procs(mesh.sizes)
+    except MonarchError as e:
+        print(f"monarch-dsl simulate --measure: {e}", file=sys.stderr)
+        return 1
+    try:
+        with pm.activate():
+            for _ in range(2):
+                step(*examples)
+            measured = step.timeline(*examples)
+    except (MonarchError, RuntimeError) as e:
+        print(f"monarch-dsl simulate --measure: {e}", file=sys.stderr)
+        return 1
+    finally:
+        pm.stop()
+    _totals(measured)
+    if args.trace:
+        root, ext = os.path.splitext(args.trace)
+        path = measured.save_trace(f"{root}.measured{ext or '.json'}")
+        print(f"  trace: {path} (Perfetto / chrome://tracing)")
+    print()
+    print(measured.timeline(args.width))
     return 0
 
 
@@ -500,6 +546,11 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument(
                 "--width", type=int, default=72, help="terminal timeline cells (default 72)"
             )
+            c.add_argument(
+                "--measure", action="store_true",
+                help="also run the call on local CPU worker processes (one per rank) and show "
+                "what their C++ runtime recorded (step.timeline), beside the prediction",
+            )  # fmt: skip
         c.set_defaults(fn=fn)
     k = sub.add_parser("calibrate", description=helps["calibrate"])
     k.add_argument(

@@ -18,6 +18,11 @@ one clock for the processes of a host). Kinds, as the simulator's:
 CPU workers only, for now: on a GPU the host's times would be the steps' launches (the
 device's work would all land where the run synchronizes), so workers on one refuse.
 
+The recorded call starts from idle workers (earlier calls are waited for first, so that
+only this one is recorded): each rank's start includes its taking up the call after a wait,
+and ranks can start apart (a rank that starts later shows as the other's longer first
+collective). Calls issued back to back, as in training, overlap that with the call before.
+
 Time 0 is the first event on the host (ranks on other hosts: their own host's first event).
 What the events do not show: the call's path to the workers before the run (the controller's
 message, the worker picking it up), which ``plan.simulate`` counts in its ``step_time`` only

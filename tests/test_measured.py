@@ -3,6 +3,7 @@ the workers' C++ runtime did in one call, step by step, as the simulator's event
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 import monarch_dsl as md
 from monarch_dsl import _core, measured
+from monarch_dsl.tensor import sync
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compiler_helpers import mse_step  # noqa: E402
@@ -32,6 +34,12 @@ def pm():
         yield mesh
     finally:
         mesh.stop()
+
+
+def done(pm, out):
+    """``out`` fetched and every rank done (a fetch waits for the rank it reads only)."""
+    md.inspect(out)
+    sync(pm, 60)
 
 
 def _step():
@@ -100,13 +108,13 @@ def test_display_of_a_measured_call_says_no_peak_memory(pm, capsys):
 def test_two_timelines_at_once_the_second_is_refused_and_the_first_is_unharmed(pm):
     step, (x, y) = _step(), _batch()
     with pm.activate():
-        md.inspect(step(x, y))  # (done before the other measurement starts)
+        done(pm, step(x, y))  # (done before the other measurement starts)
         recorder = pm.spawn("other-timeline", measured._Recorder)
         recorder.start.call("other").get()  # another controller's measurement, under way
         try:
             with pytest.raises(md.ActorError, match="already being measured"):
                 step.timeline(x, y)
-            md.inspect(step(x, y))
+            done(pm, step(x, y))
         finally:
             runs = recorder.take.call("other").get().values()
         # the other measurement has its runs: the refused timeline took nothing from it
@@ -119,7 +127,7 @@ def test_two_timelines_at_once_the_second_is_refused_and_the_first_is_unharmed(p
 def test_a_timeline_refused_on_one_rank_leaves_no_rank_recording(pm):
     step, (x, y) = _step(), _batch()
     with pm.activate():
-        md.inspect(step(x, y))
+        done(pm, step(x, y))
         recorder = pm.spawn("other-timeline", measured._Recorder)
         recorder.slice(dp=0).start.call("other").get()  # rank 0 only is busy
         try:
@@ -156,7 +164,7 @@ def test_recording_stops_after_a_timeline(pm):
     with pm.activate():
         step(x, y)
         step.timeline(x, y)
-        md.inspect(step(x, y))
+        done(pm, step(x, y))
         assert _recording(pm) == [False, False]
         # the C++ program too: the last (plain) run of the step's plans recorded nothing
         plans = sorted({pid for c in step.cache.values() for pid in c.ids.values()})
@@ -213,3 +221,23 @@ def test_on_the_simulator_a_timeline_points_to_simulate():
         step(x, y)
         with pytest.raises(RuntimeError, match=r"compile\(...\).simulate\(\)"):
             step.timeline(x, y)
+
+
+@needs_cpp
+def test_cli_simulate_measure_shows_the_measured_call_beside_the_prediction(tmp_path, capsys):
+    from test_cli_plan import _file
+
+    from monarch_dsl.__main__ import main
+
+    path, trace = _file(tmp_path), tmp_path / "t.json"
+    args = ["simulate", f"{path}:step", "--arg", "f32[8,16]", "--arg", "f32[8,16]"]
+    assert main([*args, "--trace", str(trace), "--width", "30", "--measure"]) == 0
+    out = capsys.readouterr().out
+    predicted, measured_part = out.split("measured on 2 local CPU workers")
+    for part in (predicted, measured_part):
+        assert "step time" in part and "communication" in part
+        bars = {ln.split("|")[0].strip() for ln in part.splitlines() if ln.startswith("rank ")}
+        assert bars >= {"rank 0 main", "rank 1 main"}
+    assert "peak memory" in predicted and "peak memory" not in measured_part
+    events = json.loads((tmp_path / "t.measured.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1} and {e["cat"] for e in events} >= {"compute"}
