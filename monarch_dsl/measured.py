@@ -106,7 +106,7 @@ def measure(mf: Any, pm: Any, args: tuple, kwargs: dict) -> SimReport:
         engine.sync(TIMEOUT)
     finally:  # (also where some ranks refused to start: those that started stop)
         got = recorder.take.call(token).get(TIMEOUT).values()
-    by_id = {pid: c for c in mf.cache.values() for eid, pid in c.ids.items() if eid == id(engine)}
+    by_id = {c.ids[id(engine)]: c for c in mf.cache.values() if id(engine) in c.ids}
     for rank, (_, runs) in enumerate(got):
         if runs is None or len(runs) != 1 or runs[0][0] not in by_id:
             raise RuntimeError(

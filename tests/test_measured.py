@@ -42,11 +42,15 @@ def done(pm, out):
     sync(pm, 60)
 
 
-def _step():
+def _training():
+    """The plain training step every test here compiles (seeded model, SGD with momentum)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return md.mesh_fn(mse_step(model, opt), data_parallel="dp")
+    return mse_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def _step():
+    return md.mesh_fn(_training(), data_parallel="dp")
 
 
 def _batch():
@@ -86,10 +90,7 @@ def test_a_measured_call_has_every_step_of_the_plan_on_every_rank(pm):
 
 
 def _losses_of_four_calls(x, y):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    fn = mse_step(model, opt)
+    fn = _training()
     return [fn(x, y).item() for _ in range(4)]
 
 
