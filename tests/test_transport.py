@@ -295,6 +295,28 @@ def test_big_frames_interleaved_with_small_ones():
     assert all(_same(g, m) for g, m in zip(got, msgs))
 
 
+def test_a_frame_of_hundreds_of_parts_round_trips():
+    """A batch of compiled calls is one frame with two buffers per call: hundreds of parts, of
+    every size the reader treats apart (through the shared buffer, straight into their own
+    buffer, empty), arriving over many reads; then a small frame after it."""
+    sizes = [16 * 1024, 0, 70 * 1024, 1, 4096, 200 * 1024]
+    value = [torch.full((sizes[i % len(sizes)] // 4,), float(i)) for i in range(600)]
+    msgs = [_r(value), _r("after")]
+    with _pair() as (a, b):
+
+        def send_all() -> None:
+            for m in msgs:
+                transport.send_parts(a, transport.encode(m))
+
+        sender = _Background(send_all)
+        reader = transport.FrameReader(b)
+        got = _read_messages(reader, len(msgs))
+        sender.result()
+    assert len(transport.encode(msgs[0])) > 500  # (header, payload, and the tensors' parts)
+    assert all(_same(g, m) for g, m in zip(got, msgs))
+    assert reader.pending is None
+
+
 # ---- framing: bad input -----------------------------------------------------------------------
 
 

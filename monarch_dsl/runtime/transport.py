@@ -238,6 +238,7 @@ class FrameReader:
         self.start = 0
         self.end = 0
         self.pending: list[list] | None = None  # [buffer, bytes filled, size] per frame part
+        self.part = 0  # the first part of ``pending`` not filled yet
 
     def read(self) -> list[Any]:
         if self.pending is not None:
@@ -291,6 +292,7 @@ class FrameReader:
             # A frame with out-of-band buffers or larger than the shared buffer: give every
             # part a buffer of its own and copy what has arrived already.
             self.pending = [[_part_buffer(n), 0, n] for n in (plen, *lens)]
+            self.part = 0
             self.start += head
             self._take_from_buffer()
             if self._pending_done():
@@ -302,19 +304,25 @@ class FrameReader:
         return out
 
     def _take_from_buffer(self) -> None:
+        """Fill the parts from the shared buffer, from the first one not filled yet (a batch
+        of calls can have hundreds of parts: each read costs the parts it fills, not all)."""
         assert self.pending is not None
-        for part in self.pending:
+        pending, i = self.pending, self.part
+        while i < len(pending):
+            part = pending[i]
             buf, filled, size = part
             take = min(size - filled, self.end - self.start)
             if take:  # (a slice assignment: buf may already be grown past `filled`)
                 buf[filled : filled + take] = self.view[self.start : self.start + take]
                 self.start += take
-                part[1] = filled + take
-            if part[1] < size:
-                return
+                part[1] = filled = filled + take
+            if filled < size:
+                break
+            i += 1
+        self.part = i
 
     def _pending_done(self) -> bool:
-        return all(filled == size for _, filled, size in self.pending)  # type: ignore[union-attr]
+        return self.part == len(self.pending)  # type: ignore[arg-type]
 
     def _finish_pending(self) -> Any:
         parts = [buf.obj for buf, _, _ in self.pending]  # type: ignore[union-attr]
@@ -323,13 +331,15 @@ class FrameReader:
 
     def _fill_pending(self) -> list[Any]:
         assert self.pending is not None
-        part = next(p for p in self.pending if p[1] < p[2])
+        part = self.pending[self.part]
         buf, filled, size = part
         if size - filled >= _SMALL:  # receive straight into the part
             n = self.sock.recv_into(buf[filled:])
             if n == 0:
                 raise EOFError("connection closed in the middle of a frame")
             part[1] = filled + n
+            # (the shared buffer is empty: this only moves past the parts now full)
+            self._take_from_buffer()
         else:
             self.start = self.end = 0
             n = self.sock.recv_into(self.view)
