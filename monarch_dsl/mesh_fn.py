@@ -602,7 +602,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
         with _plan_ids_lock:
             pid = next(_plan_ids)
         compiled.ids[id(engine)] = pid
-        engine.append(mesh_id, isa.DefinePlan(pid, compiled.program))
+        engine.append(mesh_id, isa.DefinePlan(pid, compiled.program, compiled.placements))
     inputs, split, sent, keep = [], [], [], []
     if _plain(args, kwargs):
         flat_args = list(args)
@@ -707,7 +707,6 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             tuple(inputs),
             tuple(outs),
             tuple(split),
-            compiled.placements,
             "main",
             line,
             tuple(sent),

@@ -240,10 +240,10 @@ def test_a_plan_whose_first_run_cannot_be_set_up_fails_its_outputs(monkeypatch, 
     the run: the outputs were never bound, and a fetch said they were deleted)."""
     monkeypatch.setenv("MD_EXECUTOR", executor)
     ex, runner = _plan_runner(0, (0,), dist.HashStore())
-    runner.define(isa.DefinePlan(7, _index_plan("aten.no_such_op.default")))
+    runner.define(isa.DefinePlan(7, _index_plan("aten.no_such_op.default"), ((), ())))
     ex.refs.update({1: torch.arange(4.0), 2: torch.tensor([1])})
     for out in (10, 11):  # (and again: nothing half made was kept)
-        runner.run(isa.RunPlan(7, 0, (1, 2), (out,), (), ((), ()), "main", "call.py:1"))
+        runner.run(isa.RunPlan(7, 0, (1, 2), (out,), (), "main", "call.py:1"))
         failure = ex.refs.get(out)
         assert isinstance(failure, Failure) and "no_such_op" in failure.error, failure
 
@@ -255,14 +255,14 @@ def _rank_of_two(rank: int, port: int, peer_gone, results) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     ex, runner = _plan_runner(rank, (0, 1), store)
-    runner.define(isa.DefinePlan(7, _index_plan()))
+    runner.define(isa.DefinePlan(7, _index_plan(), ((), ())))
     ex.refs.update({1: torch.arange(4.0), 2: torch.tensor([1])})
-    runner.run(isa.RunPlan(7, 0, (1, 2), (10,), (), ((), ()), "main", "call.py:1"))
+    runner.run(isa.RunPlan(7, 0, (1, 2), (10,), (), "main", "call.py:1"))
     if rank == 1:
         return
     assert peer_gone.wait(60)
     ex.refs[2] = torch.tensor([99])
-    runner.run(isa.RunPlan(7, 0, (1, 2), (11,), (), ((), ()), "main", "call.py:2"))
+    runner.run(isa.RunPlan(7, 0, (1, 2), (11,), (), "main", "call.py:2"))
     f = ex.refs.get(11)
     results.put((getattr(f, "op", None), getattr(f, "line", None), getattr(f, "error", repr(f))))
 

@@ -125,8 +125,8 @@ def test_the_executors_run_every_step_kind(executor, plans, executors, monkeypat
             (-1, isa.DefineMesh(0, ("x",), (1,), (0,))),
             (0, isa.CallOp("aten::clone", (a,), {}, (1,), "main", "t.py:1")),
             (0, isa.CallOp("aten::clone", (b,), {}, (2,), "main", "t.py:1")),
-            (0, isa.DefinePlan(7, _program(False))),
-            (0, isa.RunPlan(7, 0, (1, 2), (3, 4), (), (), "main", "t.py:2")),
+            (0, isa.DefinePlan(7, _program(False), ((), ()))),
+            (0, isa.RunPlan(7, 0, (1, 2), (3, 4), (), "main", "t.py:2")),
             (0, isa.Fetch(1, -1, "main", "t.py:3")),
         )
     )

@@ -192,7 +192,7 @@ class EagerSimulator:
             for r in range(self.world)
         ]
         self.meshes: dict[int, isa.DefineMesh] = {}
-        self.plans: dict[int, isa.Program] = {}
+        self.plans: dict[int, isa.DefinePlan] = {}
         self.plan_types: dict[tuple[int, tuple[SlotType, ...]], list[SlotType]] = {}
         # (those keys, the ranks that run it) -> simulate.warm_fractions: the same every call
         self.plan_warm: dict[tuple[Any, ...], dict[tuple[int, ...], dict[int, float]]] = {}
@@ -402,7 +402,7 @@ class EagerSimulator:
         self.meshes[ins.mesh] = ins
 
     def define_plan(self, ins: isa.DefinePlan, ranks: list[int]) -> None:
-        self.plans[ins.plan] = ins.program
+        self.plans[ins.plan] = ins
 
     def call_op(self, ins: isa.CallOp, ranks: list[int]) -> None:
         op = resolve_op(ins.op)
@@ -536,7 +536,7 @@ class EagerSimulator:
             self.memory[r].drop(ins.dst)
 
     def run_plan(self, ins: isa.RunPlan, ranks: list[int]) -> None:
-        program = self.plans[ins.plan]
+        program, placements = self.plans[ins.plan].program, self.plans[ins.plan].placements
         mesh = self.meshes[ins.mesh]
         where = {coords_of_index(mesh.ranks.index(r), mesh.sizes): r for r in ranks}
         sizes = program.sizes
@@ -544,7 +544,7 @@ class EagerSimulator:
             for whole, local, i in ins.split:
                 v = self.refs[r].get(whole)
                 if isinstance(v, torch.Tensor):
-                    t = TensorType(tuple(v.shape), "", ins.placements[i])
+                    t = TensorType(tuple(v.shape), "", placements[i])
                     v = local_value(v, t, c, sizes)
                 self._set(r, local, v)
         sent = dict(ins.sent)  # local arguments sent with the call
@@ -565,7 +565,7 @@ class EagerSimulator:
                 v = torch.empty_strided(
                     sent[k].shape, sent[k].stride(), dtype=sent[k].dtype, device="meta"
                 )
-                t = TensorType(tuple(v.shape), "", ins.placements[k])
+                t = TensorType(tuple(v.shape), "", placements[k])
                 part = local_value(v, t, c0, sizes)
                 parts += part.numel() * part.element_size()
                 inputs.append(_type(part))

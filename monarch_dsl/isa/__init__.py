@@ -189,27 +189,29 @@ class DefineMesh(NamedTuple):
 
 
 class DefinePlan(NamedTuple):
-    """Keep the lowered program ``program`` as plan ``plan``."""
+    """Keep the lowered program ``program`` as plan ``plan``; ``placements``: per input of
+    the program, its placements (how a whole value a ``RunPlan`` splits or sends is cut into
+    this rank's part). Sent once, not with every call."""
 
     plan: int
     program: Program
+    placements: tuple[Any, ...] = ()
 
 
 class RunPlan(NamedTuple):
     """Run plan ``plan`` on mesh ``mesh``: ``inputs`` are the refs of this rank's inputs (its
     shards), ``outputs`` the refs its results get. ``split``: (whole ref, local ref, input
     index) — a whole value sent by the controller; this rank keeps its part of it (by that
-    input's placements) as the local ref before the run. ``sent``: (input index, whole
-    value) — a local tensor argument sent with the call: this rank's part of it (by that
-    input's placements) is the input for this run only (its entry of ``inputs`` is -1; no ref
-    is made, so nothing is deleted after)."""
+    input's placements, from the plan's ``DefinePlan``) as the local ref before the run.
+    ``sent``: (input index, whole value) — a local tensor argument sent with the call: this
+    rank's part of it (by that input's placements) is the input for this run only (its entry
+    of ``inputs`` is -1; no ref is made, so nothing is deleted after)."""
 
     plan: int
     mesh: int
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     split: tuple[tuple[int, int, int], ...]
-    placements: tuple[Any, ...]  # per input: its placements (for split)
     stream: str
     loc: str
     sent: tuple[tuple[int, Any], ...] = ()

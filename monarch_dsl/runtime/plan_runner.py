@@ -90,7 +90,7 @@ class PlanRunner:
 
     def define(self, ins: isa.DefinePlan) -> None:
         # (each step's slots whose pending collectives are finished before it runs)
-        self.programs[ins.plan] = (ins.program, isa.settles(ins.program))
+        self.programs[ins.plan] = (ins.program, isa.settles(ins.program), ins.placements)
 
     def _compiled(
         self, plan: int, program: Program, mesh, coords: tuple[int, ...], run_stream: str
@@ -150,7 +150,7 @@ class PlanRunner:
         its first run: a compiled step's call costs this rank a few microseconds per Python
         line it runs, on cores it may share with the controller)."""
         ex = self.ex
-        program, _ = self.programs[ins.plan]
+        program, _, placements = self.programs[ins.plan]
         coords = ex.coords_in(mesh)
         compiled = (
             self._compiled(ins.plan, program, mesh, coords, ins.stream) if self.core else None
@@ -158,7 +158,7 @@ class PlanRunner:
         world, _, size = self._group(mesh, coords, tuple(range(len(mesh.dims))), ins.stream)
         if compiled is not None and size > 1:  # the failure flag, in the C++ run
             compiled.set_agree(world)
-        call = _Call(mesh, program, coords, compiled, world)
+        call = _Call(mesh, program, coords, compiled, world, placements)
         self.calls[(ins.plan, ins.mesh, ins.stream)] = call
         return call
 
@@ -172,12 +172,12 @@ class PlanRunner:
             except Exception as e:  # noqa: BLE001 - the C++ program or a group could not be
                 # made: the outputs fail with it (a fetch says why)
                 program = self.programs[ins.plan][0]
-                self._split(ins, ex.coords_in(mesh), program.sizes)
+                self._split(ins, ex.coords_in(mesh), program.sizes, self.programs[ins.plan][2])
                 failure = ex.root_failure(ins.loc, PLAN_COMMUNICATION, e)
                 ex.fail([r for r in ins.outputs if r >= 0], failure, root=True)
                 return
         program, coords, sizes = call.program, call.coords, call.program.sizes
-        self._split(ins, coords, sizes)
+        self._split(ins, coords, sizes, call.placements)
         values = ex.values_of(ins.inputs)  # (-1: sent with the call, or None)
         failure: Failure | None = None
         for k, v in enumerate(values):
@@ -194,9 +194,9 @@ class PlanRunner:
         for k, whole in ins.sent:  # a local argument sent with the call: this rank's part
             if not (self.on_cpu and whole.is_cpu):  # (a cold .to() that does nothing: ~10 us)
                 whole = whole.to(ex.device)
-            cuts = call.cuts(k, ins.placements[k]) if compiled is not None else None
+            cuts = call.cuts(k) if compiled is not None else None
             if cuts is None:
-                env[program.inputs[k]] = local_part(whole, ins.placements[k], coords, sizes)
+                env[program.inputs[k]] = local_part(whole, call.placements[k], coords, sizes)
             else:
                 env.set_part(program.inputs[k], whole, cuts)
         own = False
@@ -246,15 +246,18 @@ class PlanRunner:
             if self._trace_events > self.MAX_TRACE_EVENTS:  # nobody takes them: stop
                 self.traces = self._trace_token = None
 
-    def _split(self, ins: isa.RunPlan, coords: tuple[int, ...], sizes: tuple[int, ...]) -> None:
-        """This rank's parts of the whole values ``ins`` splits, as the refs it names."""
+    def _split(
+        self, ins: isa.RunPlan, coords: tuple[int, ...], sizes: tuple[int, ...], placements
+    ) -> None:
+        """This rank's parts of the whole values ``ins`` splits (by the plan's ``placements``
+        of its inputs), as the refs it names."""
         refs = self.ex.refs
         for whole, local, i in ins.split:
             v = refs.get(whole)
             if isinstance(v, Failure) or v is None:
                 refs[local] = v
             else:
-                refs[local] = local_part(v, ins.placements[i], coords, sizes)
+                refs[local] = local_part(v, placements[i], coords, sizes)
 
     def _run_python(self, program, uses, env, mesh, coords, ins, failure=None):
         """The reference executor's run of the steps: (the first failure or None, whether
@@ -354,24 +357,24 @@ def _groups_of(run_stream: str, step) -> str:
 @dataclass
 class _Call:
     """A plan's runs on one mesh and stream: this rank's coordinates, its C++ program (None:
-    the Python path) and the group over the whole mesh (the failure flag's)."""
+    the Python path), the group over the whole mesh (the failure flag's) and the placements
+    of the program's inputs (its ``DefinePlan``'s)."""
 
     mesh: Any  # the isa.DefineMesh (a new definition under the same id is a new _Call)
     program: Program
     coords: tuple[int, ...]
     compiled: Any
     world: Any
-    _cuts: dict[tuple, Any] = field(default_factory=dict)
+    placements: tuple[Any, ...]
+    _cuts: dict[int, Any] = field(default_factory=dict)
 
-    def cuts(self, k: int, placements: tuple) -> list[tuple[int, int, int]] | None:
-        """How ``Env.set_part`` cuts this rank's part of input ``k`` (laid out as
-        ``placements``) out of the whole: ``shard_cuts``; None where the part is zeros
-        (``local_part`` makes them)."""
-        key = (k, placements)
-        got = self._cuts.get(key, False)
+    def cuts(self, k: int) -> list[tuple[int, int, int]] | None:
+        """How ``Env.set_part`` cuts this rank's part of input ``k`` out of the whole:
+        ``shard_cuts``; None where the part is zeros (``local_part`` makes them)."""
+        got = self._cuts.get(k, False)
         if got is False:
-            cuts, zeros = shard_cuts(placements, self.coords, self.program.sizes)
-            got = self._cuts[key] = None if zeros else cuts
+            cuts, zeros = shard_cuts(self.placements[k], self.coords, self.program.sizes)
+            got = self._cuts[k] = None if zeros else cuts
         return got
 
 
