@@ -76,15 +76,25 @@ def executors():
     gc.collect()
 
 
-@pytest.fixture
-def mesh4():
-    import monarch_dsl as md
+def local_mesh(sizes: dict[str, int], scope: str = "module"):
+    """A fixture: a process mesh of ``sizes`` on this host, for the tests of its ``scope``;
+    stopped after them, whether they passed or not. In a test module: ``pm =
+    local_mesh({"dp": 2})``, and its tests take ``pm``."""
 
-    pm = md.this_host().spawn_procs({"host": 2, "gpu": 2})
-    try:
-        yield pm
-    finally:
-        pm.stop()
+    @pytest.fixture(scope=scope)
+    def mesh():
+        import monarch_dsl as md
+
+        pm = md.this_host().spawn_procs(sizes)
+        try:
+            yield pm
+        finally:
+            pm.stop()
+
+    return mesh
+
+
+mesh4 = local_mesh({"host": 2, "gpu": 2}, scope="function")
 
 
 def pytest_addoption(parser):

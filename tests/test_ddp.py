@@ -15,6 +15,7 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import local_mesh
 from torch import nn
 
 import monarch_dsl as md
@@ -22,13 +23,7 @@ import monarch_dsl as md
 pytestmark = pytest.mark.procs
 
 
-@pytest.fixture(scope="module")
-def dp2():
-    pm = md.this_host().spawn_procs({"dp": 2})
-    try:
-        yield pm
-    finally:
-        pm.stop()
+dp2 = local_mesh({"dp": 2})
 
 
 def _mlp(seed=0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import local_mesh
 
 import monarch_dsl as md
 from monarch_dsl.mesh import all_coords
@@ -13,13 +14,7 @@ from monarch_dsl.mesh import all_coords
 pytestmark = pytest.mark.procs
 
 
-@pytest.fixture(scope="module")
-def ab():
-    pm = md.this_host().spawn_procs({"a": 2, "b": 2})
-    try:
-        yield pm
-    finally:
-        pm.stop()
+ab = local_mesh({"a": 2, "b": 2})
 
 
 def _held(t, mesh):

@@ -11,7 +11,7 @@ import textwrap
 import threading
 
 import pytest
-from conftest import wait_until
+from conftest import local_mesh, wait_until
 
 import monarch_dsl as md
 from monarch_dsl.runtime import logs
@@ -69,13 +69,7 @@ def no_thread_dies(monkeypatch):
     assert thread is None or thread.is_alive(), "the log forwarder's thread died"
 
 
-@pytest.fixture(scope="module")
-def pm():
-    mesh = md.this_host().spawn_procs({"gpu": 4})
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+pm = local_mesh({"gpu": 4})
 
 
 @pytest.fixture

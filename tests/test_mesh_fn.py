@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import local_mesh
 
 import monarch_dsl as md
 from monarch_dsl import _build
@@ -29,13 +30,7 @@ ATOL = 1e-5
 pytestmark = pytest.mark.procs
 
 
-@pytest.fixture(scope="module")
-def pm():
-    mesh = md.this_host().spawn_procs({"dp": 2, "tp": 2})
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+pm = local_mesh({"dp": 2, "tp": 2})
 
 
 def _batches(n=3):

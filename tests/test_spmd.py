@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import TORCH_GLOO_EXIT_ABORT, pid_alive, wait_until
+from conftest import TORCH_GLOO_EXIT_ABORT, local_mesh, pid_alive, wait_until
 
 import monarch_dsl as md
 from monarch_dsl.errors import SpmdError
@@ -25,13 +25,7 @@ DDP_TRAIN = os.path.join(SCRIPTS, "ddp_train.py")
 RANKS = os.path.join(SCRIPTS, "ranks.py")
 
 
-@pytest.fixture(scope="module")
-def pm():
-    mesh = md.this_host().spawn_procs({"gpu": 2})
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+pm = local_mesh({"gpu": 2})
 
 
 def rank_files(path, n=2):
