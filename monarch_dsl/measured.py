@@ -89,47 +89,104 @@ def _forget(job: int) -> None:
         del _recorders[key]
 
 
+class Recording:
+    """``step.record()``: every call of the step while the ``with`` block runs, recorded by
+    every worker, as one ``md.SimReport`` per call in ``reports`` (set when the block ends).
+    Calls issued back to back in the block run as in training: each after the one before,
+    not from idle workers (``step.timeline`` records one call from idle)."""
+
+    def __init__(self, mf: Any, pm: Any) -> None:
+        self.mf, self.pm = mf, pm
+        self.reports: list[SimReport] = []
+        self._engine: Any = None
+
+    def __enter__(self) -> Recording:
+        mf, pm = self.mf, self.pm
+        engine = Engine.of(pm)
+        if isinstance(engine.job, SimJob):
+            raise RuntimeError(
+                f"{mf.__name__}: a measured timeline records calls on worker processes; on "
+                f"md.Simulator, {mf.__name__}.compile(...).simulate() is the call's predicted "
+                "timeline"
+            )
+        self._recorder = _recorder(engine, pm)
+        engine.sync(TIMEOUT)  # earlier calls are done: only the block's are recorded
+        self._token = f"{os.getpid()}:{next(_tokens)}"
+        self._engine = engine
+        try:
+            self._recorder.start.call(self._token).get(TIMEOUT)
+        except BaseException:  # (some ranks may have started: they stop)
+            self._recorder.take.call(self._token).get(TIMEOUT)
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self._engine.sync(TIMEOUT)
+        finally:
+            got = list(self._recorder.take.call(self._token).get(TIMEOUT).values())
+        if exc_type is None:
+            self.reports = _reports(self.mf, self._engine, got)
+
+
+def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
+    """One report per recorded call of ``mf`` (runs of other plans are left out), from every
+    rank's ``(host, runs)``; a call that failed on a rank raises ``_Failed``."""
+    by_id = {c.ids[id(engine)]: c for c in mf.cache.values() if id(engine) in c.ids}
+    mine = [[r for r in (runs or ()) if r[0] in by_id] for _, runs in got]
+    if len({len(runs) for runs in mine}) > 1:
+        counts = ", ".join(f"rank {k}: {len(runs)}" for k, runs in enumerate(mine))
+        raise RuntimeError(
+            f"{mf.__name__}: the ranks recorded different numbers of runs of its plans "
+            f"({counts}; another call of it on this mesh at the same time?)"
+        )
+    for rank, runs in enumerate(mine):
+        for call, run in enumerate(runs):
+            if run[3] is not None:
+                raise _Failed(rank, call, run[3])
+    reports = []
+    for call in range(len(mine[0]) if mine else 0):
+        zero: dict[str, float] = {}  # time 0 of each host: its first event in this call
+        for (host, _), runs in zip(got, mine):
+            starts = [start for _, _, start, _ in runs[call][2]]
+            zero[host] = min([zero.get(host, float("inf")), *starts])
+        events: list[SimEvent] = []
+        for rank, ((host, _), runs) in enumerate(zip(got, mine)):
+            plan, _, trace, _ = runs[call]
+            events += _events(rank, by_id[plan].program, trace, zero[host])
+        reports.append(summarize(events, range(len(got)), profile="measured"))
+    return reports
+
+
+class _Failed(RuntimeError):
+    def __init__(self, rank: int, call: int, why: str) -> None:
+        super().__init__(
+            f"call {call + 1} failed on rank {rank}, so its record is not the step's: {why}"
+        )
+        self.rank, self.call, self.why = rank, call, why
+
+
 def measure(mf: Any, pm: Any, args: tuple, kwargs: dict) -> SimReport:
     """Run ``mf(*args, **kwargs)`` once on ``pm`` with recording on; its events."""
-    engine = Engine.of(pm)
-    if isinstance(engine.job, SimJob):
-        raise RuntimeError(
-            f"{mf.__name__}.timeline measures a call on worker processes; on md.Simulator, "
-            f"{mf.__name__}.compile(...).simulate() is the call's predicted timeline"
-        )
-    recorder = _recorder(engine, pm)
-    engine.sync(TIMEOUT)  # earlier calls are done: only this one is recorded
-    token = f"{os.getpid()}:{next(_tokens)}"
+    rec = Recording(mf, pm)
     try:
-        recorder.start.call(token).get(TIMEOUT)
-        out = mf(*args, **kwargs)
-        engine.sync(TIMEOUT)
-    finally:  # (also where some ranks refused to start: those that started stop)
-        got = recorder.take.call(token).get(TIMEOUT).values()
-    by_id = {c.ids[id(engine)]: c for c in mf.cache.values() if id(engine) in c.ids}
-    for rank, (_, runs) in enumerate(got):
-        if runs is None or len(runs) != 1 or runs[0][0] not in by_id:
-            raise RuntimeError(
-                f"{mf.__name__}.timeline: rank {rank} recorded {len(runs or ())} runs of this "
-                "step's plan, not one (another call of it on this mesh at the same time?)"
-            )
-        if runs[0][3] is not None:
-            for leaf in pytree.tree_leaves(out):  # the call's own error (and it is then seen)
-                if isinstance(leaf, Tensor):
-                    inspect(leaf)
-            raise RuntimeError(
-                f"{mf.__name__}.timeline: the call failed on rank {rank}, so its record is not "
-                f"the step's: {runs[0][3]}"
-            )
-    zero: dict[str, float] = {}  # time 0 of each host: its first event
-    for host, runs in got:
-        starts = [start for _, _, start, _ in runs[0][2]]
-        zero[host] = min([zero.get(host, float("inf")), *starts])
-    events: list[SimEvent] = []
-    for rank, (host, runs) in enumerate(got):
-        plan, _, trace, _ = runs[0]
-        events += _events(rank, by_id[plan].program, trace, zero[host])
-    return summarize(events, range(len(got)), profile="measured")
+        with rec:
+            out = mf(*args, **kwargs)
+    except _Failed as e:
+        for leaf in pytree.tree_leaves(out):  # the call's own error (and it is then seen)
+            if isinstance(leaf, Tensor):
+                inspect(leaf)
+        raise RuntimeError(
+            f"{mf.__name__}.timeline: the call failed on rank {e.rank}, so its record is not "
+            f"the step's: {e.why}"
+        ) from None
+    if len(rec.reports) != 1:
+        raise RuntimeError(
+            f"{mf.__name__}.timeline: recorded {len(rec.reports)} runs of this step's plan, "
+            "not one (another call of it on this mesh at the same time?)"
+        )
+    return rec.reports[0]
 
 
 def _events(rank: int, program: Any, trace: list, zero: float) -> list[SimEvent]:

@@ -341,6 +341,19 @@ class MeshFunction:
 
         return measured.measure(self, pm, args, kwargs)
 
+    def record(self) -> Any:
+        """``with step.record() as rec:`` -- every call of the step in the block, recorded by
+        every worker's C++ runtime; when the block ends, ``rec.reports`` holds one
+        ``md.SimReport`` per call, in order. Calls issued back to back run as in training
+        (each right after the one before), where ``timeline`` records one call from idle
+        workers. Under ``pm.activate()``; needs the C++ runtime in the workers."""
+        pm = active_mesh()
+        if pm is None:
+            raise RuntimeError(f"{self.__name__}.record: call it under `with pm.activate():`")
+        from monarch_dsl import measured
+
+        return measured.Recording(self, pm)
+
     def pull(self) -> None:
         """Copy the parameters, buffers, optimizer state and gradients the step keeps on the
         workers back into the local modules and optimizers (whole values), and let go of the

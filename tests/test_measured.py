@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import local_mesh
 
 import monarch_dsl as md
 from monarch_dsl import _core, measured
@@ -27,13 +28,7 @@ needs_cpp = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def pm():
-    mesh = md.this_host().spawn_procs({"dp": 2})
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+pm = local_mesh({"dp": 2})
 
 
 def done(pm, out):
@@ -86,12 +81,41 @@ def test_a_measured_call_has_every_step_of_the_plan_on_every_rank(pm):
     assert report.per_stream[(0, "main")] > 0
     assert {e["pid"] for e in report.trace()["traceEvents"]} == {0, 1}
     # the measured call was a real one: the next call continues from it
-    assert after == pytest.approx(_losses_of_four_calls(x, y)[-1], abs=1e-5)
+    assert after == pytest.approx(_losses_of_n_calls(x, y, 4)[-1], abs=1e-5)
 
 
-def _losses_of_four_calls(x, y):
+def _losses_of_n_calls(x, y, n):
     fn = _training()
-    return [fn(x, y).item() for _ in range(4)]
+    return [fn(x, y).item() for _ in range(n)]
+
+
+@needs_cpp
+def test_record_gives_one_report_per_call_of_the_step_and_leaves_out_other_steps(pm):
+    step, (x, y) = _step(), _batch()
+    other = md.mesh_fn(lambda a: a * 2, data_parallel="dp")
+    with pm.activate():
+        step(x, y)
+        step(x, y)  # (compiled again for the state on the workers)
+        with step.record() as rec:
+            losses = [step(x, y) for _ in range(3)]  # back to back, as in training
+            doubled = other(x)  # another step's plan, run in the block: not in the reports
+        got = [md.inspect(loss).item() for loss in losses]
+        assert torch.equal(md.inspect(doubled), x * 2)
+        assert _recording(pm) == [False, False]  # recording stopped with the block
+        with pytest.raises(ValueError, match="inside"), step.record() as failed:
+            step(x, y)
+            raise ValueError("inside")  # the block's own error, as it is
+        assert failed.reports == [] and _recording(pm) == [False, False]
+    assert len(rec.reports) == 3
+    simulated = list(step.cache.values())[-1].plan.simulate()
+    want = Counter(e.name for e in simulated.events if e.rank == 0 and e.kind == "compute")
+    for report in rec.reports:
+        assert {e.rank for e in report.events} == {0, 1}
+        assert min(e.start for e in report.events) == 0.0  # each call from its own start
+        mine = Counter(e.name for e in report.events if e.rank == 0 and e.kind == "compute")
+        assert mine == want  # the step's plan only: the other step's op is not in it
+    # the recorded calls were real ones: the 3rd to 5th of the training
+    assert got == pytest.approx(_losses_of_n_calls(x, y, 5)[2:], abs=1e-5)
 
 
 @needs_cpp
