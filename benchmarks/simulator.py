@@ -54,10 +54,12 @@ Printed per case: predicted, measured, error ((predicted - measured) / measured)
 Where a compiled call's time goes (the last table): per rank, the seconds in compute steps, in
 communication (collectives on ``main``, the starts of the others, the runtime's failure flag)
 and waiting for started collectives, and the run's span, predicted (``plan.simulate``) and
-measured (``step.timeline``: the C++ runtime's record of a call, step by step; the median of
-3 recorded calls after each case's timed blocks). The call's time beyond the span is the
-path to the workers (the controller, the message, the worker taking it up). This is what
-tells a compute miss (the machine's speed, the cache model) from a communication one.
+measured (``step.record()``: the C++ runtime's record of calls, step by step; the median of the
+last 3 of 5 calls issued back to back, as the timed blocks issue them, after each case's
+timed blocks -- not a call from idle workers, ``step.timeline``, whose first collective holds
+the ranks' start skew). The call's time beyond the span is the path to the workers (the
+controller, the message, the worker taking it up). This is what tells a compute miss (the
+machine's speed, the cache model) from a communication one.
 
 The machine's drift: before each run, both workers time one shape of the profile's matmul grid
 (``PROBE``, as calibration measured it: every rank at once, through operand sets) and the run
@@ -397,12 +399,16 @@ def measure_compiled(
         one = _timed(run, 3)
         n = max(3, int(BLOCK_SECONDS / max(one, 1e-5)))
         times = [_timed(run, n) for _ in range(blocks)]
-        recorded = [kinds(step.timeline(*args)) for _ in range(TIMELINES)]
+        with step.record() as rec:
+            for _ in range(RECORDED):
+                step(*args)
+        recorded = [kinds(r) for r in rec.reports[-TIMELINES:]]
     measured = {k: statistics.median(r[k] for r in recorded) for k in recorded[0]}
     return statistics.median(times), [t[0] for t in traced], [t[1] for t in traced], measured
 
 
-TIMELINES = 3  # recorded calls per case and run (step.timeline), for where the time goes
+TIMELINES = 3  # recorded calls per case and run, for where the time goes: the last of
+RECORDED = 5  # calls issued back to back in step.record()
 KINDS = ("compute", "comm", "wait", "span")
 
 
@@ -551,7 +557,8 @@ def main() -> None:
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip
     if where:
         print(f"where a compiled call's time goes, ms per rank, predicted/measured (measured: "
-              f"step.timeline, median of {TIMELINES} recorded calls per run, then of the runs; "
+              f"step.record(), median of the last {TIMELINES} of {RECORDED} calls back to "
+              f"back per run, then of the runs; "
               f"comm: collectives on main and starts of the others; span: the run on the "
               f"workers, first step to last)")  # fmt: skip
         print(f"{'case':<24}" + "".join(f"{k:>20}" for k in KINDS))

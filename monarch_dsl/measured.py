@@ -1,9 +1,10 @@
-"""Measured timelines of compiled steps (``MeshFunction.timeline``): what each worker's C++
-runtime did in one call, step by step, as the simulator's events (``md.SimEvent``) in an
+"""Measured timelines of compiled steps (``MeshFunction.timeline`` for one call,
+``MeshFunction.record`` for every call in a block): what each worker's C++ runtime did in a
+call, step by step, as the simulator's events (``md.SimEvent``) in an
 ``md.SimReport``, so that a measured call and ``plan.simulate()`` can be laid side by side and
 shown the same way (``display``, a Perfetto trace, a PNG).
 
-One call of the step runs with recording on (``CompiledPlan.set_trace``): each worker notes,
+Calls of the step run with recording on (``CompiledPlan.set_trace``): each worker notes,
 on the thread that runs the plan, when each of its steps started and ended (``CLOCK_MONOTONIC``:
 one clock for the processes of a host). Kinds, as the simulator's:
 
@@ -18,15 +19,16 @@ one clock for the processes of a host). Kinds, as the simulator's:
 CPU workers only, for now: on a GPU the host's times would be the steps' launches (the
 device's work would all land where the run synchronizes), so workers on one refuse.
 
-The recorded call starts from idle workers (earlier calls are waited for first, so that
+A ``timeline`` call starts from idle workers (earlier calls are waited for first, so that
 only this one is recorded): each rank's start includes its taking up the call after a wait,
 and ranks can start apart (a rank that starts later shows as the other's longer first
-collective). Calls issued back to back, as in training, overlap that with the call before.
+collective). Calls issued back to back in a ``record`` block, as in training, overlap that
+with the call before: each is recorded as it runs in a training loop.
 
-Time 0 is the first event on the host (ranks on other hosts: their own host's first event).
-What the events do not show: the call's path to the workers before the run (the controller's
-message, the worker picking it up), which ``plan.simulate`` counts in its ``step_time`` only
-through the profile's per-call terms in ``steady_step_time``."""
+Time 0 of a call is its first event on the host (ranks on other hosts: their own host's
+first event). What the events do not show: the call's path to the workers before the run
+(the controller's message, the worker picking it up), which ``plan.simulate`` counts in its
+``step_time`` only through the profile's per-call terms in ``steady_step_time``."""
 
 from __future__ import annotations
 
