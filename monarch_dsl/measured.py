@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.simulate import SimEvent, SimReport, summarize
+from monarch_dsl.runtime.plan_runner import PlanRunner
 from monarch_dsl.simulator import SimJob
 from monarch_dsl.tensor import Engine, Tensor, inspect
 
@@ -136,7 +137,13 @@ def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
     """One report per recorded call of ``mf`` (runs of other plans are left out), from every
     rank's ``(host, runs)``; a call that failed on a rank raises ``_Failed``."""
     by_id = {c.ids[id(engine)]: c for c in mf.cache.values() if id(engine) in c.ids}
-    mine = [[r for r in (runs or ()) if r[0] in by_id] for _, runs in got]
+    for rank, (_, runs) in enumerate(got):
+        if runs is None:  # (its token was dropped: the plan runner's cap on kept events)
+            raise RuntimeError(
+                f"{mf.__name__}: rank {rank} stopped recording: the block ran more steps than "
+                f"a worker keeps ({PlanRunner.MAX_TRACE_EVENTS} events); record fewer calls"
+            )
+    mine = [[r for r in runs if r[0] in by_id] for _, runs in got]
     if len({len(runs) for runs in mine}) > 1:
         counts = ", ".join(f"rank {k}: {len(runs)}" for k, runs in enumerate(mine))
         raise RuntimeError(
@@ -146,7 +153,7 @@ def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
     for rank, runs in enumerate(mine):
         for call, run in enumerate(runs):
             if run[3] is not None:
-                raise _Failed(rank, call, run[3])
+                raise _Failed(mf.__name__, rank, call, run[3])
     reports = []
     for call in range(len(mine[0]) if mine else 0):
         zero: dict[str, float] = {}  # time 0 of each host: its first event in this call
@@ -162,9 +169,10 @@ def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
 
 
 class _Failed(RuntimeError):
-    def __init__(self, rank: int, call: int, why: str) -> None:
+    def __init__(self, name: str, rank: int, call: int, why: str) -> None:
         super().__init__(
-            f"call {call + 1} failed on rank {rank}, so its record is not the step's: {why}"
+            f"{name}: its call {call + 1} in the block failed on rank {rank}, so its record is "
+            f"not the step's: {why}"
         )
         self.rank, self.call, self.why = rank, call, why
 

@@ -119,6 +119,26 @@ def test_record_gives_one_report_per_call_of_the_step_and_leaves_out_other_steps
 
 
 @needs_cpp
+def test_record_of_more_calls_than_a_worker_keeps_says_so(pm):
+    step, (x, y) = _step(), _batch()
+    peek = pm.spawn("peek", _Peek)
+    with pm.activate():
+        done(pm, step(x, y))
+        peek.slice(dp=1).cap.call(10).get()  # (a call of this step has more events)
+        try:
+            with pytest.raises(RuntimeError, match="rank 1 stopped recording.*fewer calls"):
+                with step.record():
+                    step(x, y)
+                    step(x, y)
+        finally:
+            peek.cap.call(None).get()
+        assert _recording(pm) == [False, False]
+        with step.record() as rec:
+            step(x, y)
+    assert len(rec.reports) == 1
+
+
+@needs_cpp
 def test_display_of_a_measured_call_says_no_peak_memory(pm, capsys):
     step, (x, y) = _step(), _batch()
     with pm.activate():
@@ -204,6 +224,15 @@ class _Peek(md.Actor):
     @md.endpoint
     def recording(self):
         return measured._plans().traces is not None
+
+    @md.endpoint
+    def cap(self, events):
+        """Set this worker's cap on kept events (None: the class's)."""
+        runner = measured._plans()
+        if events is None:
+            runner.__dict__.pop("MAX_TRACE_EVENTS", None)
+        else:
+            runner.MAX_TRACE_EVENTS = events
 
     @md.endpoint
     def last_traces(self, plans):
