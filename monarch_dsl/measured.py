@@ -94,13 +94,17 @@ def _forget(job: int) -> None:
 
 class Recording:
     """``step.record()``: every call of the step while the ``with`` block runs, recorded by
-    every worker, as one ``md.SimReport`` per call in ``reports`` (set when the block ends).
-    Calls issued back to back in the block run as in training: each after the one before,
-    not from idle workers (``step.timeline`` records one call from idle)."""
+    every worker, as one ``md.SimReport`` per call in ``reports`` (set when the block ends),
+    and ``starts``: when each call started (its first event on the first rank's host, in
+    seconds of that host's ``CLOCK_MONOTONIC``), so ``starts[k + 1] - starts[k]`` is what call
+    ``k`` took in the loop, its path to the workers included. Calls issued back to back in
+    the block run as in training: each after the one before, not from idle workers
+    (``step.timeline`` records one call from idle)."""
 
     def __init__(self, mf: Any, pm: Any) -> None:
         self.mf, self.pm = mf, pm
         self.reports: list[SimReport] = []
+        self.starts: list[float] = []
         self._engine: Any = None
 
     def __enter__(self) -> Recording:
@@ -130,12 +134,13 @@ class Recording:
         finally:
             got = list(self._recorder.take.call(self._token).get(TIMEOUT).values())
         if exc_type is None:
-            self.reports = _reports(self.mf, self._engine, got)
+            self.reports, self.starts = _reports(self.mf, self._engine, got)
 
 
-def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
+def _reports(mf: Any, engine: Any, got: list) -> tuple[list[SimReport], list[float]]:
     """One report per recorded call of ``mf`` (runs of other plans are left out), from every
-    rank's ``(host, runs)``; a call that failed on a rank raises ``_Failed``."""
+    rank's ``(host, runs)``, and each call's start on the first rank's host; a call that
+    failed on a rank raises ``_Failed``."""
     by_id = {c.ids[id(engine)]: c for c in mf.cache.values() if id(engine) in c.ids}
     for rank, (_, runs) in enumerate(got):
         if runs is None:  # (its token was dropped: the plan runner's cap on kept events)
@@ -154,7 +159,7 @@ def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
         for call, run in enumerate(runs):
             if run[3] is not None:
                 raise _Failed(mf.__name__, rank, call, run[3])
-    reports = []
+    reports, call_starts = [], []
     for call in range(len(mine[0]) if mine else 0):
         zero: dict[str, float] = {}  # time 0 of each host: its first event in this call
         for (host, _), runs in zip(got, mine):
@@ -165,7 +170,8 @@ def _reports(mf: Any, engine: Any, got: list) -> list[SimReport]:
             plan, _, trace, _ = runs[call]
             events += _events(rank, by_id[plan].program, trace, zero[host])
         reports.append(summarize(events, range(len(got)), profile="measured"))
-    return reports
+        call_starts.append(zero[got[0][0]])
+    return reports, call_starts
 
 
 class _Failed(RuntimeError):

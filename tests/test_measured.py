@@ -106,7 +106,10 @@ def test_record_gives_one_report_per_call_of_the_step_and_leaves_out_other_steps
             step(x, y)
             raise ValueError("inside")  # the block's own error, as it is
         assert failed.reports == [] and _recording(pm) == [False, False]
-    assert len(rec.reports) == 3
+    assert len(rec.reports) == len(rec.starts) == 3
+    for k in range(2):  # a call's next starts after it ended on some rank (each runs in order)
+        ends = [max(e.end for e in rec.reports[k].events if e.rank == r) for r in (0, 1)]
+        assert rec.starts[k + 1] - rec.starts[k] >= min(ends) > 0
     simulated = list(step.cache.values())[-1].plan.simulate()
     want = Counter(e.name for e in simulated.events if e.rank == 0 and e.kind == "compute")
     for report in rec.reports:
