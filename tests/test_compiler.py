@@ -390,6 +390,40 @@ def test_gradients_bucketed_on_comms_stream():
     assert first < last_mm
 
 
+def test_the_loss_rides_in_the_last_gradient_bucket():
+    """A result's all-reduce (the loss, an average over dp) goes out in the last gradient
+    bucket, summed, and is divided where it was: one collective per step fewer. A result
+    made after the bucket went out (a second loss after the update) keeps its own."""
+    x, y = mse_batches(1)[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mesh = md.Mesh.from_string("dp=2")
+    plan = md.mesh_fn(mse_step(model, opt), data_parallel="dp").compile(x, y, mesh=mesh)
+    plan.check()
+    [bucket] = plan.collectives
+    ins = _made_by(plan, bucket.value)
+    assert ins.stream == "comms" and ins.kw("op") == "sum" and len(ins.outs) == 5
+    assert "and the step's result %mean" in ins.reason
+    loss = _made_by(plan, plan.outputs[0].var)
+    assert loss.op == "aten.div.Tensor" and loss.args[1] == 2 and loss.stream == "main"
+    assert loss.args[0].name == ins.outs[-1] and loss.uses() == [ins.outs[-1]]
+
+    def twice(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss, F.mse_loss(model(x), y)  # the second: after the bucket went out
+
+    plan = md.mesh_fn(twice, data_parallel="dp").compile(x, y, mesh=mesh)
+    plan.check()
+    comms = [c for c in plan.collectives if c.stream == "comms"]
+    assert len(comms) == 1 and "and the step's result" in comms[0].reason
+    [own] = [c for c in plan.collectives if c.stream == "main"]
+    assert _made_by(plan, own.value).kw("op") == "avg"
+
+
 def test_plan_cache_and_recompile():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)
@@ -1083,7 +1117,7 @@ def _pipeline_plan():
 @pytest.mark.parametrize(
     "make,lines",
     [
-        (_dp_plan, ["opt.step()", "loss = F.mse_loss"]),  # the gradient bucket, the loss
+        (_dp_plan, ["opt.step()"]),  # the gradient bucket (the loss's average rides in it)
         (_megatron_plan, ["loss = F.mse_loss"]),  # the row-parallel layer's output
     ],
     ids=["dp", "megatron-tp2"],
@@ -1101,11 +1135,17 @@ def test_each_collective_records_its_op_placement_change_and_user_line(make, lin
         srcs = ins.uses()
         if c.stream == "comms":  # gradients bucketed for the update: each made whole
             assert re.fullmatch(r"gradient bucket 1/1 \(\d+ tensors, [\d.]+ MiB\): .*", c.reason)
-            assert c.reason.endswith(
+            grads, rider = c.reason.split("; and the step's result ")
+            srcs, last = srcs[:-1], srcs[-1]  # (the loss rides last)
+            assert rider.startswith(f"%{last} (") and types[last].placements == (Partial("avg"),)
+            assert grads.endswith(
                 f": {', '.join('%' + s for s in srcs)} made whole for the optimizer update"
             )
             assert all(types[s].placements == (Partial("sum"),) for s in srcs)
             assert all(t.placements == (R,) for t in ins.types)
+            [loss] = [i for i in plan.body if i.uses() == [ins.outs[-1]]]
+            assert loss.op == "aten.div.Tensor" and loss.outs[0] == plan.outputs[0].var
+            _assert_loc(loss.loc, mse_step, "loss = F.mse_loss")
             continue
         change = f"{_fmt(types[srcs[0]].placements, plan.dims)} -> "
         change += f"{_fmt(ins.types[0].placements, plan.dims)} of %{srcs[0]} for "

@@ -4,6 +4,7 @@ buckets per stage on the ``comms`` stream; the loss is reduced once."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,10 +38,27 @@ def _compile(bucket_cap_mb: float) -> md.Plan:
 
 
 def _all_reduces(plan: md.Plan) -> tuple[list, list]:
-    """(gradient all-reduces, the loss's), as instructions."""
-    ars = [ins for ins in plan.body if ins.op == "all_reduce"]
-    loss = [ins for ins in ars if "the result out0" in ins.reason]
-    return [ins for ins in ars if ins not in loss], loss
+    """(gradient all-reduces, the loss's), as instructions. The loss's all-reduce rides in
+    the last stage's gradient bucket (summed, then divided: the loss's instruction is that
+    division): the bucket is given here without it."""
+    [out0] = [o.var for o in plan.outputs if o.name == "out0"]
+    [loss] = [ins for ins in plan.body if out0 in ins.outs]
+    riders = set(loss.uses()) if loss.op == "aten.div.Tensor" else set()
+    grads = []
+    for ins in plan.body:
+        if ins.op != "all_reduce" or ins is loss:
+            continue
+        keep = [k for k, o in enumerate(ins.outs) if o not in riders]
+        grads.append(
+            dataclasses.replace(
+                ins,
+                outs=tuple(ins.outs[k] for k in keep),
+                args=tuple(ins.args[k] for k in keep),
+                types=tuple(ins.types[k] for k in keep),
+                reason=ins.reason.split("; and the step's result")[0],
+            )
+        )
+    return grads, [loss]
 
 
 def test_one_bucket_per_stage_on_the_comms_stream():
@@ -58,7 +76,10 @@ def test_one_bucket_per_stage_on_the_comms_stream():
         o.var for o in plan.outputs if o.kind == "grad"
     )
     assert not any(".mb" in v.name for ins in grads for v in ins.args)
-    assert len(loss) == 1 and loss[0].on == STAGE1 and loss[0].kw("op") == "avg"
+    # The loss's average rides in the last stage's bucket: summed there, divided after.
+    assert len(loss) == 1 and loss[0].on == STAGE1 and loss[0].op == "aten.div.Tensor"
+    [bucket1] = [ins for ins in plan.body if ins.stream == "comms" and ins.on == STAGE1]
+    assert bucket1.outs[-1] == loss[0].uses()[0] and "the step's result" in bucket1.reason
     # Overlap: the last stage's bucket is issued before the first stage's backward is done.
     body = plan.body
     bucket1 = next(i for i, ins in enumerate(body) if ins.stream == "comms" and ins.on == STAGE1)

@@ -397,17 +397,17 @@ class Plan:
         comm_instrs = [ins for ins in self.body if ins.is_comm]
         for i, (c, ins) in enumerate(zip(comms, comm_instrs)):
             values = ins.uses() if ins.op == "send" else list(ins.outs)
-            moved = [t for t in (types.get(v) for v in values) if t is not None and t.shape]
+            moved = [t for t in (types.get(v) for v in values) if t and t.shape is not None]
             moves = ""
-            if len(moved) == 1:
+            if len(moved) == 1 and moved[0].shape:
                 t = moved[0]
                 shape = "x".join(map(str, t.local_shape(self.sizes)))
                 moves = f"{DTYPE_NAMES.get(t.dtype, t.dtype)}[{shape}]"
-            elif moved:
+            elif len(moved) == 1:
+                moves = f"{DTYPE_NAMES.get(moved[0].dtype, '?')} scalar"
+            elif moved:  # (a bucket: a scalar in it, the loss, counts as a tensor)
                 size = sum(math.prod(t.local_shape(self.sizes)) * itemsize(t.dtype) for t in moved)
                 moves = f"{len(moved)} tensors, {_bytes(size)}"
-            elif values and types.get(values[0]) is not None:
-                moves = f"{DTYPE_NAMES.get(types[values[0]].dtype, '?')} scalar"
             where = c.loc.rsplit("/", 1)[-1]
             rows.append((str(i), c.kind, ",".join(c.dims), c.stream, moves, c.reason, where))
         why = 5  # the reason column, wrapped: bucket reasons list every gradient

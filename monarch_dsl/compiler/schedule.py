@@ -11,6 +11,11 @@ names, like the reasons ``propagate`` gives, the placement change and the ops th
 results: ``gradient bucket 1/2 (2 tensors, 0.01 MiB): {dp: P(sum)} -> {dp: R} for
 aten.lerp_.Scalar, aten.addcmul_.default: %g1, %g2 made whole for the optimizer update``.
 
+A result's all-reduce (the loss the step returns, an average over ``dp``: nothing in the step
+reads it) rides in the last bucket of its ranks, group and dtype that goes out after its value
+is ready: summed there with the gradients, and divided by the group's size where it was. One
+collective per step fewer (on shared memory a sync point of the ranks; on NCCL a launch).
+
 Buckets are formed per group of ranks that issue the reduction: in a pipeline, each stage's
 ranks bucket their own stage's gradients (``on pp=i``; a data-parallel group lies within one
 stage, so every rank of it issues the same buckets). With micro-batches a gradient's partial
@@ -27,6 +32,7 @@ from typing import Any
 from monarch_dsl.compiler.cost import nbytes
 from monarch_dsl.compiler.ops import ALIASING, base_name, written
 from monarch_dsl.compiler.plan import (
+    FreshNames,
     Instr,
     Plan,
     TensorType,
@@ -60,6 +66,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             writes.setdefault(root.get(w, w), []).append(k)
 
     candidates: list[tuple[int, int]] = []  # (ready, index)
+    results: list[tuple[int, int]] = []  # (ready, index): all-reduces of results only
     scatters: list[
         tuple[int, int]
     ] = []  # reduce-scatters of gradients (fully sharded parameters): moved one by one
@@ -78,8 +85,11 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
                 break
             src = producer.uses()[0]
         ready = defined_at[src]
-        if ins.outs[0] not in first_use:
-            continue  # a result of the step only: nothing waits for it
+        if ins.outs[0] not in first_use:  # a result of the step only: nothing waits for it
+            if ins.op == "all_reduce" and ins.kw("op") in ("sum", "avg"):
+                results.append((ready, k))  # (it may ride in a gradient bucket: below)
+                sources[k] = src
+            continue
         r = root.get(src, src)
         # Not movable above a write into the same storage.
         if any(ready < w < k for w in writes.get(r, [])):
@@ -106,6 +116,9 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     moved = {k for b in buckets for _, k in b} | {k for _, k in scatters}
     types = plan.types()
     insert_after: dict[int, list[Instr]] = {}
+    riders = _riders(results, buckets, body, sources, root, writes)
+    names = FreshNames([i.name for i in plan.inputs] + [o for ins in body for o in ins.outs])
+    moved |= {k for ks in riders.values() for k in ks}
     for ready, k in scatters:
         ins = body[k]
         args = (Var(sources[k]), *ins.args[1:])  # the gradient itself (not its later detach)
@@ -125,12 +138,44 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             f"gradient bucket {bi + 1}/{len(buckets)} ({len(members)} tensors, {mib:.2f} MiB): "
             f"{_why(members, srcs, readers, types, plan.dims)} made whole for the optimizer update"
         )
+        b_outs = [o for m in members for o in m.outs]
+        b_args = [Var(s) for s in srcs]
+        member_types = [m.types[0] for m in members]
+        for k in riders.get(bi, ()):
+            # A result's all-reduce (the step's loss) rides in the bucket: one collective
+            # fewer per step. An average is summed there and divided where it was.
+            ins = body[k]
+            result = ins.outs[0]
+            if ins.kw("op") != first.kw("op"):
+                n = 1
+                for d in ins.kw("dims"):
+                    n *= dict(plan.mesh)[d]
+                summed = names.fresh(f"{result}_sum")
+                insert_after.setdefault(k, []).append(
+                    Instr(
+                        (result,),
+                        "aten.div.Tensor",
+                        (Var(summed), n),
+                        (),
+                        ins.types,
+                        "main",
+                        ins.on,
+                        ins.loc,
+                        f"the average of %{sources[k]} over {'/'.join(ins.kw('dims'))}, "
+                        f"summed in gradient bucket {bi + 1}/{len(buckets)}",
+                    )
+                )
+                result = summed
+            b_outs.append(result)
+            b_args.append(Var(sources[k]))
+            member_types.append(ins.types[0])
+            reason += f"; and the step's result %{sources[k]} ({ins.reason})"
         instr = Instr(
-            tuple(o for m in members for o in m.outs),
+            tuple(b_outs),
             "all_reduce",
-            tuple(Var(s) for s in srcs),
+            tuple(b_args),
             first.kwargs,
-            tuple(m.types[0] for m in members),
+            tuple(member_types),
             "comms",
             first.on,
             first.loc,
@@ -226,6 +271,37 @@ def _buckets(
     if current:
         buckets.append(current)
     return buckets
+
+
+def _riders(
+    results: list[tuple[int, int]],
+    buckets: list[list[tuple[int, int]]],
+    body: list[Instr],
+    sources: dict[int, str],
+    root: dict[str, str],
+    writes: dict[str, list[int]],
+) -> dict[int, list[int]]:
+    """Which all-reduces of results only (``results``: (ready, index)) go in which bucket
+    (its index): each in the last bucket of its ranks, group and dtype that goes out after
+    its value is ready (and before anything writes it again), summing as the bucket does --
+    a sum, or an average (divided after). None where no such bucket: it stays where it was."""
+    out: dict[int, list[int]] = {}
+    for ready, k in results:
+        ins = body[k]
+        key = _key(ins)
+        src = sources[k]
+        r = root.get(src, src)
+        for bi in range(len(buckets) - 1, -1, -1):
+            first = body[buckets[bi][0][1]]
+            at = max(rd for rd, _ in buckets[bi])  # where the bucket goes out
+            if (key[0], key[1], key[3]) != (_key(first)[0], _key(first)[1], _key(first)[3]):
+                continue
+            if first.kw("op") != "sum" and first.kw("op") != ins.kw("op"):
+                continue
+            if ready <= at and not any(ready < w <= at for w in writes.get(r, [])):
+                out.setdefault(bi, []).append(k)
+            break
+    return out
 
 
 def _key(ins: Instr) -> tuple[Any, ...]:
