@@ -43,7 +43,11 @@ class Output:
         self.capfd, self.out, self.err = capfd, "", ""
 
     def read(self) -> "Output":
-        out, err = self.capfd.readouterr()
+        # Under the forwarder's lock, which it holds while it writes: a line written between
+        # the capture's read and its reset would be lost (capfd.readouterr reads, then
+        # truncates), 1 run in ~10 of the tests that wait while ranks print.
+        with logs.forwarder()._lock:
+            out, err = self.capfd.readouterr()
         self.out, self.err = self.out + out, self.err + err
         return self
 
