@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -244,16 +245,25 @@ class _Peek(md.Actor):
 
 
 @needs_cpp
-def test_a_rank_killed_before_a_timeline_is_named():
+@pytest.mark.parametrize("when", ["before a timeline", "inside a record block"])
+def test_a_killed_rank_is_named(when):
     pm = md.this_host().spawn_procs({"dp": 2})
     try:
         step, (x, y) = _step(), _batch()
         with pm.activate():
             step(x, y)
             md.inspect(step(x, y))
-        os.kill(pm._job.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
         with pytest.raises(md.MonarchError, match="rank 1"), pm.activate():
-            step.timeline(x, y)
+            if when == "before a timeline":
+                os.kill(pm._job.pids[1], signal.SIGKILL)
+                step.timeline(x, y)
+            else:
+                with step.record():
+                    step(x, y)
+                    os.kill(pm._job.pids[1], signal.SIGKILL)
+                    step(x, y)
+        assert time.monotonic() - t0 < measured.TIMEOUT / 2  # noticed, not waited out
     finally:
         pm.stop()
 
