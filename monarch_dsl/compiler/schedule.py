@@ -26,6 +26,7 @@ its one all-reduce is ready when its last micro-batch's backward is.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -117,7 +118,8 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
     types = plan.types()
     insert_after: dict[int, list[Instr]] = {}
     riders = _riders(results, buckets, body, sources, root, writes)
-    names = FreshNames([i.name for i in plan.inputs] + [o for ins in body for o in ins.outs])
+    if riders:  # (names for the sums of averages that ride)
+        names = FreshNames([i.name for i in plan.inputs] + [o for ins in body for o in ins.outs])
     moved |= {k for ks in riders.values() for k in ks}
     for ready, k in scatters:
         ins = body[k]
@@ -147,9 +149,7 @@ def schedule(plan: Plan, bucket_cap_mb: float = 25) -> Plan:
             ins = body[k]
             result = ins.outs[0]
             if ins.kw("op") != first.kw("op"):
-                n = 1
-                for d in ins.kw("dims"):
-                    n *= dict(plan.mesh)[d]
+                n = math.prod(dict(plan.mesh)[d] for d in ins.kw("dims"))
                 summed = names.fresh(f"{result}_sum")
                 insert_after.setdefault(k, []).append(
                     Instr(
@@ -294,7 +294,8 @@ def _riders(
         for bi in range(len(buckets) - 1, -1, -1):
             first = body[buckets[bi][0][1]]
             at = max(rd for rd, _ in buckets[bi])  # where the bucket goes out
-            if (key[0], key[1], key[3]) != (_key(first)[0], _key(first)[1], _key(first)[3]):
+            theirs = _key(first)
+            if (key[0], key[1], key[3]) != (theirs[0], theirs[1], theirs[3]):  # (not the op)
                 continue
             if first.kw("op") != "sum" and first.kw("op") != ins.kw("op"):
                 continue
