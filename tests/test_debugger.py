@@ -193,8 +193,8 @@ REMOTE_SCRIPT = """\
 def test_breakpoint_in_a_remote_function_and_cast_to_several_ranks(terminals, tmp_path):
     term = controller(terminals, REMOTE_SCRIPT, tmp_path)
     stop = line_of(REMOTE_SCRIPT, "return t * factor")
-    for rank in (0, 1):
-        term.expect(rf"\n  {rank} +@remote +gpu={rank} +\S+ +scale +\S+controller\.py:{stop}\n")
+    for rank in (0, 1):  # rows of one table: a row leaves its newline for the next row's
+        term.expect(rf"\n  {rank} +@remote +gpu={rank} +\S+ +scale +\S+controller\.py:{stop}(?=\n)")
     term.expect(r"\(md-debug\) ")
     term.send("cast 5 bt")
     term.expect(r"no stopped rank in '5'; stopped: 0, 1\n")
