@@ -424,6 +424,39 @@ def test_the_loss_rides_in_the_last_gradient_bucket():
     assert _made_by(plan, own.value).kw("op") == "avg"
 
 
+def test_a_loss_written_after_it_is_ready_keeps_its_own_all_reduce():
+    """The bucket reads a rider where it goes out and on the comms stream after: a loss the
+    step writes later (here after the update, past the bucket) must not ride, or the step
+    returns the value before the write (it returned 1/3 of the loss)."""
+    from monarch_dsl.compiler.compile import compile_step
+
+    x, y = mse_batches(1)[0]
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_of(model, opt):
+        train = mse_step(model, opt)
+
+        def step(x, y):
+            loss = train(x, y)
+            loss.detach().mul_(3.0)  # written after the update: after the bucket went out
+            return loss
+
+        return step
+
+    model, opt = make()
+    plan, c = compile_step(step_of(model, opt), (x, y), {}, (("dp", 2),), data_parallel="dp")
+    plan.check()
+    assert not any("the step's result" in col.reason for col in plan.collectives)
+    outs, _ = simulate_both(plan, c.input_values)
+    ref_model, ref_opt = make()
+    expected = step_of(ref_model, ref_opt)(x, y)  # (both ranks hold the same batch here)
+    torch.testing.assert_close(outs[0], expected)
+
+
 def test_plan_cache_and_recompile():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)

@@ -283,7 +283,7 @@ def _riders(
 ) -> dict[int, list[int]]:
     """Which all-reduces of results only (``results``: (ready, index)) go in which bucket
     (its index): each in the last bucket of its ranks, group and dtype that goes out after
-    its value is ready (and before anything writes it again), summing as the bucket does --
+    its value is ready, if nothing writes the value after it is ready, summing as the bucket does --
     a sum, or an average (divided after). None where no such bucket: it stays where it was."""
     out: dict[int, list[int]] = {}
     for ready, k in results:
@@ -299,7 +299,9 @@ def _riders(
                 continue
             if first.kw("op") != "sum" and first.kw("op") != ins.kw("op"):
                 continue
-            if ready <= at and not any(ready < w <= at for w in writes.get(r, [])):
+            # Nothing may write the value once it is ready: the bucket reads it where it
+            # goes out, and on the comms stream until the result's first use.
+            if ready <= at and not any(w > ready for w in writes.get(r, [])):
                 out.setdefault(bi, []).append(k)
             break
     return out
