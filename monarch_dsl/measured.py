@@ -45,7 +45,9 @@ from monarch_dsl.runtime.plan_runner import PlanRunner
 from monarch_dsl.simulator import SimJob
 from monarch_dsl.tensor import Engine, Tensor, inspect
 
-TIMEOUT = 120.0  # seconds for each wait (the call's run included)
+TIMEOUT = 120.0  # seconds for each of the recorder's own calls
+# (The waits for the user's calls, before and after a record() block, have no timeout, as
+# md.sync has none: however long a block's steps run, a dead worker ends them with an error.)
 
 _KINDS = {0: "compute", 1: "comm", 2: "wait", 3: "comm"}
 
@@ -117,7 +119,7 @@ class Recording:
                 "timeline"
             )
         self._recorder = _recorder(engine, pm)
-        engine.sync(TIMEOUT)  # earlier calls are done: only the block's are recorded
+        engine.sync()  # earlier calls are done: only the block's are recorded
         self._token = f"{os.getpid()}:{next(_tokens)}"
         self._engine = engine
         try:
@@ -130,7 +132,7 @@ class Recording:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if exc_type is None:
-                self._engine.sync(TIMEOUT)
+                self._engine.sync()  # the block's calls are done
         finally:
             got = list(self._recorder.take.call(self._token).get(TIMEOUT).values())
         if exc_type is None:

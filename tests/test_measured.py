@@ -122,6 +122,29 @@ def test_record_gives_one_report_per_call_of_the_step_and_leaves_out_other_steps
     assert got == pytest.approx(_losses_of_n_calls(x, y, 5)[2:], abs=1e-5)
 
 
+@md.remote(propagate=lambda seconds: torch.zeros((), dtype=torch.int64))
+def busy_for(seconds):
+    """Work of the main stream that takes ``seconds`` (a long step, as far as waits go)."""
+    time.sleep(seconds)
+    return torch.zeros((), dtype=torch.int64)
+
+
+@needs_cpp
+def test_a_record_block_longer_than_the_recorders_timeout_is_waited_for(pm, monkeypatch):
+    """The waits for the block's own calls are the user's work, as md.sync's: no timeout
+    (a dead worker ends them), however long the steps run; only the recorder's calls have
+    one."""
+    step, (x, y) = _step(), _batch()
+    with pm.activate():
+        done(pm, step(x, y))
+        done(pm, step(x, y))
+        monkeypatch.setattr(measured, "TIMEOUT", 0.2)
+        with step.record() as rec:
+            busy_for(0.6)  # on every rank, before the step: the block ends 0.6 s later
+            loss = step(x, y)
+        assert len(rec.reports) == 1 and torch.isfinite(md.inspect(loss))
+
+
 @needs_cpp
 def test_record_of_more_calls_than_a_worker_keeps_says_so(pm):
     step, (x, y) = _step(), _batch()
