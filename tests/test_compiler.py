@@ -457,6 +457,50 @@ def test_a_loss_written_after_it_is_ready_keeps_its_own_all_reduce():
     torch.testing.assert_close(outs[0], expected)
 
 
+def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
+    """Three writes in place whose target the plan holds as a copy laid out for another op:
+    each was compiled, and the step returned the value before the write. Now a PlanError names
+    the op and the user's line."""
+    from monarch_dsl.compiler.compile import compile_step
+
+    def through_a_row_slice(x):  # rows of a dp-sharded batch: the slice reads a column split
+        x = x.clone()
+        x[:2].mul_(0.0)
+        return x.sum()
+
+    def through_a_diagonal(x):  # diagonal has no rule: it runs on an all-reduced copy
+        w = (x.t() @ x).detach()  # a partial sum over dp
+        w.diagonal().mul_(0.0)
+        return (w * 1.0).sum()
+
+    def through_out(x):  # aten.mul.out writes its out= argument: the name does not say so
+        s = x.sum()
+        d = s.detach()
+        torch.mul(d, 3.0, out=d)
+        return s
+
+    x = torch.ones(8, 4)
+    cases = [
+        (through_a_row_slice, "x[:2].mul_", r"writes in place into %slice\w*, a view of %clone"),
+        (through_a_diagonal, "w.diagonal().mul_", r"writes in place into %diagonal\w*, a view"),
+        (through_out, "torch.mul(d", r"aten.mul.out writes in place into %\w+, whose placement"),
+    ]
+    for fn, line, message in cases:
+        with pytest.raises(PlanError, match=message) as e:
+            compile_step(fn, (x,), {}, (("dp", 2),), data_parallel="dp")
+        _assert_loc(e.value.loc, fn, line)
+
+    # a slice of the dim that is not sharded is a view of the value itself: written, and read
+    def through_a_column_slice(x):
+        x = x.clone()
+        x[:, :2].mul_(0.0)
+        return x.sum()
+
+    plan, c = compile_step(through_a_column_slice, (x,), {}, (("dp", 2),), data_parallel="dp")
+    outs, _ = simulate_both(plan, c.input_values)
+    assert outs[0].item() == through_a_column_slice(x).item() == 16.0
+
+
 def test_plan_cache_and_recompile():
     torch.manual_seed(0)
     model = nn.Linear(16, 16)

@@ -13,7 +13,7 @@ from typing import Any
 
 import monarch_dsl.compiler.propagate.rules  # noqa: F401  (registers the rules)
 from monarch_dsl.compiler.cost import nbytes, redistribute_cost
-from monarch_dsl.compiler.ops import ALIASING, base_name, written
+from monarch_dsl.compiler.ops import ALIASING, base_name, written, written_uses
 from monarch_dsl.compiler.plan import (
     FreshNames,
     Instr,
@@ -40,6 +40,8 @@ class State:
         self.body: list[Instr] = []
         self.cache: dict[tuple[str, int, Placement], str] = {}  # (value, dim, placement) -> value
         self.root: dict[str, str] = {}
+        # A value redistribute() made -> the storage (root) of the value it is a copy of.
+        self.copy_of: dict[str, str] = {}
         self.canon: dict[str, str] = {}
         self.loc_of: dict[str, str] = {}
         self.flat_dims: set[int] = set()  # mesh dims along which everything is Replicate
@@ -125,12 +127,13 @@ class State:
         # Redistribute the inputs that need it, use by use: one value used twice may be
         # wanted two ways (x * x with x Partial: one use made whole, the other kept).
         names = []
-        writes = written(ins)  # the first uses: ins.uses() is in argument order
+        at = written_uses(ins)
+        writes = [uses[i] for i in at]
         for i, (u, t, want) in enumerate(zip(uses, in_types, required)):
             if tuple(want) == t.placements:
                 names.append(u)
                 continue
-            if i < len(writes):
+            if i in at:
                 raise PlanError(
                     f"{ins.op} writes in place into %{u}, whose placement "
                     f"{self._layout(t.placements)} would have to change to {self._layout(want)}",
@@ -168,14 +171,28 @@ class State:
         ):
             param, chain = self.derived[new_uses[0]]
             self.derived[ins.outs[0]] = (param, (*chain, new))
-        # Storage roots, and what a write in place invalidates.
-        if name in ALIASING and uses:
+        # Storage roots, and what a write in place invalidates. A view's storage is that of
+        # the value it was made from here: a copy where its input had to be laid out anew.
+        if name in ALIASING and new_uses:
             for o in ins.outs:
-                self.root[o] = self.root.get(uses[0], uses[0])
+                self.root[o] = self.root.get(new_uses[0], new_uses[0])
         if name in ("detach", "alias") and uses:  # the same value under another name
             self.canon[ins.outs[0]] = self.canon.get(uses[0], uses[0])
         if writes:
             roots = {self.root.get(w, w) for w in writes}
+            for value in writes:
+                copy = self.root.get(value, value)
+                source = self.copy_of.get(copy)
+                if source is not None:
+                    made = self.loc_of.get(source)
+                    raise PlanError(
+                        f"{ins.op} writes in place into %{value}, a view of %{source}"
+                        f"{f' (made at {made})' if made else ''} as it was laid out anew "
+                        f"({self._layout(self.types[copy].placements)}) for an "
+                        f"earlier op: the write would not reach %{source} itself (write into "
+                        "it before the view, or into a clone)",
+                        ins.loc,
+                    )
             for o in ins.outs:
                 self.root[o] = self.root.get(writes[0], writes[0])
             self.cache = {
@@ -407,6 +424,7 @@ class State:
                     )
                 )
                 self.types[out] = tt
+                self.copy_of[out] = self.copy_of.get(name, self.root.get(name, name))
                 name = out
             self.cache[key] = name
         return name
