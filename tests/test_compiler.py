@@ -457,6 +457,32 @@ def test_a_loss_written_after_it_is_ready_keeps_its_own_all_reduce():
     torch.testing.assert_close(outs[0], expected)
 
 
+def test_zero_grad_keeping_the_tensors_after_the_update_trains_as_eager():
+    """``opt.zero_grad(set_to_none=False)`` after the update zeroes gradients that are still
+    each rank's partial sum: zeros sum to zero, so it writes them where they are (it was
+    refused: the write would have had to make them whole)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+        def step_of(model, opt):
+            def step(x, y):
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                return loss
+
+            return step
+
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step_of
+
+    model, ref, losses, ref_losses, _ = simulate_training(make, batches=mse_batches(3), **DP)
+    _assert_parity(model, ref, losses, ref_losses)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
 def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
     """Three writes in place whose target the plan holds as a copy laid out for another op:
     each was compiled, and the step returned the value before the write. Now a PlanError names

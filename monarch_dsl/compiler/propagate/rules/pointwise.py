@@ -13,12 +13,14 @@ POINTWISE = set(
     "copy clone detach alias lift_fresh_copy _to_copy threshold_backward gelu_backward "
     "native_dropout bernoulli rsub sgn floor ceil round trunc "
     "frac isnan logical_and logical_or bitwise_not type_as contiguous "
-    "convert_element_type".split()
+    "convert_element_type zero".split()
 )
 # Linear in a Partial(sum/avg) input: op(P) is P when the other tensor inputs are Replicate.
-# (clone is not: a gradient's clone in an optimizer makes it whole, where DDP would have.)
+# (clone is not: a gradient's clone in an optimizer makes it whole, where DDP would have.
+# zero is: zeros on every rank sum, or average, to zero -- zero_grad(set_to_none=False) on a
+# gradient that is still a per-rank partial, after the update, writes it where it is.)
 LINEAR_UNARY = set(
-    "neg detach alias lift_fresh_copy _to_copy contiguous copy convert_element_type".split()
+    "neg detach alias lift_fresh_copy _to_copy contiguous copy convert_element_type zero".split()
 )
 LINEAR_ADD = {"add", "sub"}  # all tensor inputs Partial with the same op
 LINEAR_SCALE = {"mul", "div"}  # exactly one Partial tensor input (div: the numerator)
