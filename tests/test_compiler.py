@@ -484,9 +484,10 @@ def test_zero_grad_keeping_the_tensors_after_the_update_trains_as_eager():
 
 
 def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
-    """Three writes in place whose target the plan holds as a copy laid out for another op:
-    each was compiled, and the step returned the value before the write. Now a PlanError names
-    the op and the user's line."""
+    """Writes in place whose target the plan holds as a copy laid out for another op: each
+    was compiled, and the step returned the value before the write. Now a PlanError names the
+    op and the user's line -- or, for a view that can keep its input's layout, the write is
+    where it belongs."""
     from monarch_dsl.compiler.compile import compile_step
 
     def through_a_row_slice(x):  # rows of a dp-sharded batch: the slice reads a column split
@@ -494,8 +495,8 @@ def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
         x[:2].mul_(0.0)
         return x.sum()
 
-    def through_a_diagonal(x):  # diagonal has no rule: it runs on an all-reduced copy
-        w = (x.t() @ x).detach()  # a partial sum over dp
+    def through_a_diagonal(x):  # (without a rule, diagonal ran on an all-reduced copy)
+        w = (x.t() @ x).detach()  # a partial sum over dp: its diagonal is too
         w.diagonal().mul_(0.0)
         return (w * 1.0).sum()
 
@@ -508,7 +509,6 @@ def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
     x = torch.ones(8, 4)
     cases = [
         (through_a_row_slice, "x[:2].mul_", r"writes in place into %slice\w*, a view of %clone"),
-        (through_a_diagonal, "w.diagonal().mul_", r"writes in place into %diagonal\w*, a view"),
         (through_out, "torch.mul(d", r"aten.mul.out writes in place into %\w+, whose placement"),
     ]
     for fn, line, message in cases:
@@ -516,15 +516,20 @@ def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
             compile_step(fn, (x,), {}, (("dp", 2),), data_parallel="dp")
         _assert_loc(e.value.loc, fn, line)
 
-    # a slice of the dim that is not sharded is a view of the value itself: written, and read
+    # a slice of the dim that is not sharded, a diagonal of a partial sum: views of the value
+    # itself, written where it is
     def through_a_column_slice(x):
         x = x.clone()
         x[:, :2].mul_(0.0)
         return x.sum()
 
-    plan, c = compile_step(through_a_column_slice, (x,), {}, (("dp", 2),), data_parallel="dp")
-    outs, _ = simulate_both(plan, c.input_values)
-    assert outs[0].item() == through_a_column_slice(x).item() == 16.0
+    x = torch.arange(32.0).reshape(8, 4)
+    for fn in (through_a_column_slice, through_a_diagonal):
+        plan, c = compile_step(fn, (x,), {}, (("dp", 2),), data_parallel="dp")
+        for view in (i for i in plan.body if i.op == "aten.diagonal.default"):
+            assert _made_by(plan, view.uses()[0]).op == "aten.detach.default"  # not a copy
+        outs, _ = simulate_both(plan, c.input_values)
+        torch.testing.assert_close(outs[0], fn(x.clone()))
 
 
 def test_plan_cache_and_recompile():

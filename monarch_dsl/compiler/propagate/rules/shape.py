@@ -45,6 +45,21 @@ def rule_view(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
     return first_input_as_is(cands, c)
 
 
+# Views whose dims do not map one to one (a diagonal, sliding windows): a sharded input is
+# made whole, a partial one stays partial (a view of each rank's part is that rank's part of
+# the view). Without a rule they ran on a whole copy, and a write through them was refused.
+WHOLE_VIEWS = {"diagonal", "unfold"}
+
+
+@rule(*aten(WHOLE_VIEWS))
+def rule_view_whole(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    rest = (None,) * (len(c.ins) - 1)
+    cands = [Strategy((R, *rest), (R,) * len(c.outs))]
+    for op in ("sum", "avg", "max", "min"):
+        cands.append(Strategy((Partial(op), *rest), (Partial(op),) * len(c.outs)))
+    return first_input_as_is([s for s in cands if valid(s, c)], c)
+
+
 def _view_map(src: tuple[int, ...], dst: tuple[int, ...], d: int, n: int) -> int | None:
     """The dim of ``dst`` that a shard of ``src`` along ``d`` becomes under a reshape, or None
     if the shard does not stay a contiguous block."""
