@@ -1,5 +1,5 @@
-"""What the passes know about an op from its name: its base name, whether it writes in place
-(and into what), whether its result shares storage with its input.
+"""What the passes know about an op from its name and aten's schema of it: its base name,
+whether it writes in place (and into what), whether its result shares storage with its input.
 
 Op names are aten's (and prims') overload names, ``"aten.add_.Tensor"``: namespace, op,
 overload. The communication and local redistributions a plan holds (``plan.COMM_OPS``,
