@@ -138,9 +138,9 @@ def test_a_record_block_longer_than_the_recorders_timeout_is_waited_for(pm, monk
     with pm.activate():
         done(pm, step(x, y))
         done(pm, step(x, y))
-        monkeypatch.setattr(measured, "TIMEOUT", 0.2)
+        monkeypatch.setattr(measured, "TIMEOUT", 1.0)  # (its own calls take milliseconds)
         with step.record() as rec:
-            busy_for(0.6)  # on every rank, before the step: the block ends 0.6 s later
+            busy_for(2.5)  # on every rank, before the step: the block ends 2.5 s later
             loss = step(x, y)
         assert len(rec.reports) == 1 and torch.isfinite(md.inspect(loss))
 
