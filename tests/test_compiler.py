@@ -483,6 +483,49 @@ def test_zero_grad_keeping_the_tensors_after_the_update_trains_as_eager():
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
 
 
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.001])
+@pytest.mark.parametrize(
+    "kind",
+    ["clipped", "row of a gradient", "diagonal of a gradient", "loss written after the update"],
+)
+def test_writes_around_the_buckets_train_as_eager(kind, bucket_cap_mb):
+    """Writes between the backward pass and the end of the step -- into gradients before the
+    update, into the loss after it -- with every gradient in one bucket or each in its own:
+    the cases of a differential fuzzer against eager that found wrong results (two steps,
+    SGD with momentum, values and parameters as eager's)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+
+        def step_of(model, opt):
+            def step(x, y):
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                grad = model[-1].weight.grad
+                if kind == "clipped":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                elif kind == "row of a gradient":
+                    grad[0].mul_(0.5)
+                elif kind == "diagonal of a gradient":
+                    grad.diagonal().mul_(0.5)
+                    loss = (grad * 1.0).sum()  # the gradient read again after the write
+                opt.step()
+                if kind == "loss written after the update":
+                    loss.detach().mul_(3.0)
+                return loss
+
+            return step
+
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step_of
+
+    got = simulate_training(
+        make, batches=mse_batches(2), steps=2, bucket_cap_mb=bucket_cap_mb, **DP
+    )
+    _assert_parity(*got[:4])
+
+
 def test_writes_the_plan_cannot_honour_are_refused_at_the_users_line():
     """Writes in place whose target the plan holds as a copy laid out for another op: each
     was compiled, and the step returned the value before the write. Now a PlanError names the
