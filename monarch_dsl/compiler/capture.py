@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
+from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name, schema_writes
 from monarch_dsl.compiler.plan import (
     FreshNames,
     Input,
@@ -385,9 +385,7 @@ def _written_nodes(node: torch.fx.Node) -> set[torch.fx.Node]:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return set()
     out: set[torch.fx.Node] = set()
-    for k, a in enumerate(target._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
+    for k, a in schema_writes(target):
         value = node.args[k] if k < len(node.args) else node.kwargs.get(a.name)
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(v, torch.fx.Node):

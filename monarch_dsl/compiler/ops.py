@@ -107,11 +107,18 @@ def _written_formals(op: str) -> tuple[frozenset[int], frozenset[str]] | None:
     if namespace != "aten" or not overload:
         return None
     packet: Any = getattr(torch.ops.aten, name, None)
-    schema = getattr(packet, overload, None) if packet is not None else None
-    if schema is None:
+    resolved = getattr(packet, overload, None) if packet is not None else None
+    if resolved is None:
         return None
-    formals = schema._schema.arguments
-    writes = [
-        (k, a) for k, a in enumerate(formals) if a.alias_info is not None and a.alias_info.is_write
-    ]
+    writes = schema_writes(resolved)
     return frozenset(k for k, a in writes if not a.kwarg_only), frozenset(a.name for _, a in writes)
+
+
+def schema_writes(overload: Any) -> list[tuple[int, Any]]:
+    """(position, formal argument) of each argument aten's schema of ``overload`` (an
+    ``OpOverload``) marks written: ``Tensor(a!)``."""
+    return [
+        (k, a)
+        for k, a in enumerate(overload._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
