@@ -536,7 +536,8 @@ class EagerSimulator:
             self.memory[r].drop(ins.dst)
 
     def run_plan(self, ins: isa.RunPlan, ranks: list[int]) -> None:
-        program, placements = self.plans[ins.plan].program, self.plans[ins.plan].placements
+        defined = self.plans[ins.plan]
+        program, placements = defined.program, defined.placements
         mesh = self.meshes[ins.mesh]
         where = {coords_of_index(mesh.ranks.index(r), mesh.sizes): r for r in ranks}
         sizes = program.sizes
