@@ -11,6 +11,14 @@
    group in the same processes (timed inside the workers by an actor). Algorithmic bandwidth
    (bytes / time), median of 5 runs of several reduces each; the ratio is the target's.
 
+3. Local data sent to the workers: the controller's CPU (all its threads, ``process_time``) per
+   ``md.to_mesh(t)`` of a local tensor and per call of a compiled step with a local argument
+   (the block's CPU, the 2 ms between calls and the last call's wait included, over its calls),
+   at 512 KiB and 4 MiB, on 2 worker processes. Each copies the tensor when it is called (the
+   caller may change it before the message leaves): with ``serialize.snapshot`` (one thread)
+   beside torch's ``clone()`` (the peer, on torch's intra-op threads), calls 2 ms apart as in
+   a loop that does other work between them, blocks alternating; median of 5 blocks.
+
 Targets (issue 3): <= 30 us of controller time per eager op; reduce >= 90% of the raw
 all-reduce bandwidth at 64 MiB.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
@@ -94,6 +103,38 @@ def reduce_bandwidth(pm, mib: int) -> tuple[float, float]:
     return statistics.median(md_bw), statistics.median(raw_bw)
 
 
+SEND_KIB = (512, 4096)
+SEND_CALLS = 20
+
+
+def send_local(pm, kib: int) -> dict[str, tuple[float, float]]:
+    """(to_mesh, compiled call) controller CPU ms each, for snapshot and clone."""
+    from monarch_dsl.runtime.serialize import snapshot
+    from monarch_dsl.tensor import movement
+
+    mesh_fn_module = sys.modules["monarch_dsl.mesh_fn"]  # (md.mesh_fn is the function)
+    copies = {"snapshot": snapshot, "clone": lambda t: t.detach().clone()}
+    value = torch.randn(2, kib * 256 // 2)  # kib KiB of float32, outside pm.activate()
+    out = {"x": {"gpu": md.Shard(0)}}
+    step = md.mesh_fn(lambda x: x * 2, placements=out, out_placements={"out0": out["x"]})
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in copies}
+    with pm.activate():
+        md.inspect(step(value))
+        for _ in range(RUNS):
+            for name, copy in copies.items():
+                movement.snapshot = mesh_fn_module.snapshot = copy
+                for kind, send in enumerate((lambda: md.to_mesh(value, pm), lambda: step(value))):
+                    c0 = time.process_time()  # (sleeping takes none: what runs meanwhile)
+                    for _ in range(SEND_CALLS):
+                        result = send()
+                        time.sleep(0.002)  # (the loop's other work)
+                    md.inspect(result[:1])
+                    cpu = time.process_time() - c0
+                    times[name][kind].append(cpu / SEND_CALLS * 1e3)
+    movement.snapshot = mesh_fn_module.snapshot = snapshot
+    return {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in times.items()}
+
+
 def main() -> None:
     pm = md.this_host().spawn_procs({"gpu": 2})
     try:
@@ -126,6 +167,18 @@ def main() -> None:
                     ok,
                 )
             )
+        for kib in SEND_KIB:
+            sent = send_local(pm, kib)
+            for kind, what in enumerate(("md.to_mesh", "compiled call")):
+                rows.append(
+                    (
+                        f"{what}, {kib} KiB local (ctl CPU ms)",
+                        sent["snapshot"][kind],
+                        sent["clone"][kind],
+                        "-",
+                        None,
+                    )
+                )
     finally:
         pm.stop()
     print(
@@ -136,7 +189,8 @@ def main() -> None:
         print(f"{name:40s} {mine:12.2f} {peer:12.2f} {mine / peer:7.2f}  {target:>10s}  {check}")
     print(
         "peer: local eager torch for ops; for reduce, a raw all_reduce on the same group "
-        "(shared memory between processes of one host)."
+        "(shared memory between processes of one host); for local data sent, the same with "
+        "the copy made by torch's clone() (intra-op threads) instead of serialize.snapshot."
     )
     print(f"eager runs (controller CPU us/op): {', '.join(f'{c:.1f}' for c in cpu)}")
 

@@ -49,6 +49,7 @@ from monarch_dsl.compiler.plan import (
 from monarch_dsl.compiler.simulate import SimReport
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh, all_coords
+from monarch_dsl.runtime.serialize import snapshot
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 from monarch_dsl.tensor.handle import contiguous_desc
 
@@ -667,7 +668,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             keep.append(value)
             continue
         if kind == "arg":  # sent with the call (a copy: the caller may change it after)
-            sent.append((k, value.detach().clone()))
+            sent.append((k, snapshot(value)))
             inputs.append(-1)
             continue
         whole = lift(value, pm)

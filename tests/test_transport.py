@@ -279,6 +279,39 @@ def test_large_tensors_travel_out_of_band_and_round_trip():
     assert got["scalar"].dim() == 0 and got["int_scalar"].dim() == 0
 
 
+def test_a_snapshot_is_an_independent_copy_of_every_kind_of_tensor():
+    """serialize.snapshot (a call's local argument, md.to_mesh's value): equal to the tensor,
+    contiguous, sharing no memory with it -- the big contiguous ones copied by this thread
+    (numpy), the others by clone -- and a local tensor even under pm.activate()."""
+    from monarch_dsl.runtime.serialize import SNAPSHOT_THREADED_BYTES, snapshot
+
+    big = torch.randn(SNAPSHOT_THREADED_BYTES)  # 4x the threshold
+    values = [
+        big,
+        big.view(512, -1)[:, 1:],  # not contiguous
+        big.to(torch.bfloat16),  # (numpy has no bfloat16: copied as bytes)
+        torch.randn(4096, 8, dtype=torch.complex64),
+        torch.arange(SNAPSHOT_THREADED_BYTES, dtype=torch.int64).view(4, -1),
+        torch.tensor(2.5),
+        torch.empty(0, 3),
+        torch.randn(64, requires_grad=True),
+    ]
+    for v in values:
+        s = snapshot(v)
+        assert type(s) is torch.Tensor and s.is_contiguous() and not s.requires_grad
+        assert s.shape == v.shape and s.dtype == v.dtype
+        assert torch.equal(s, v.detach())
+        if v.numel():
+            assert s.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+            before = s.clone()
+            with torch.no_grad():
+                v.add_(1)  # the caller changes the original after
+            assert torch.equal(s, before)
+    with md.Simulator(hosts=1, gpus=2).mesh.activate():  # factories make mesh tensors here
+        s = snapshot(big)
+    assert type(s) is torch.Tensor and torch.equal(s, big)
+
+
 def test_big_frames_interleaved_with_small_ones():
     big = torch.arange(3 * 1024 * 1024, dtype=torch.int32)  # 12 MiB
     blob_msg = {"blob": os.urandom(300_000)}  # no out-of-band buffer, bigger than the buffer

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from monarch_dsl import isa
 from monarch_dsl.frames import user_line
 from monarch_dsl.runtime.messages import RunBatch
+from monarch_dsl.runtime.serialize import snapshot
 from monarch_dsl.tensor.active import check_usable, current_stream
 from monarch_dsl.tensor.engine import Engine
 from monarch_dsl.tensor.handle import KNOWN_MAX_NUMEL, Tensor, reduce_tensor
@@ -29,7 +30,7 @@ def lift(value: torch.Tensor, mesh: Any) -> Tensor:
         engine.mesh_id(mesh),
         isa.CallOp(
             "aten::_to_copy.default",
-            (value.detach().clone(),),
+            (snapshot(value),),
             {"device": isa.WORKER_DEVICE},
             (ref,),
             current_stream(),
