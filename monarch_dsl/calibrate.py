@@ -1012,9 +1012,12 @@ def _calls(
     placements = {"x": {"r": Shard(0)}, "z": {"r": Shard(0)}}
     out = {"out0": {"r": Shard(0)}}
     cases: dict[str, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
+    # Local tensors are made here, not under pm.activate() (a factory there makes a mesh
+    # tensor: the "local N" cases would pass one, and measure no sending).
+    z, more = torch.ones(n, 2), [torch.ones(size) for _ in range(MORE)]
+    local_args = {b: torch.ones(n, b // 4 // n) for b in LOCAL_ARG_BYTES}
     with pm.activate():
         mx, mw = distribute(x, {"r": Shard(0)}), distribute(w, {})
-        z, more = torch.ones(n, 2), [torch.ones(size) for _ in range(MORE)]
         mz, mmore = distribute(z, {"r": Shard(0)}), [distribute(m, {}) for m in more]
         for key, fn, args, local in (
             ("base", chain(1), [mx, mw, mz], [x, w, z]),
@@ -1027,7 +1030,7 @@ def _calls(
             cases[key] = (step, args, local)
         for nbytes in LOCAL_ARG_BYTES:
             step = mesh_fn(chain(1), placements=placements, out_placements=out)
-            zb = torch.ones(n, nbytes // 4 // n)
+            zb = local_args[nbytes]
             cases[f"local {_size(nbytes)}"] = (step, [mx, mw, zb], [x, w, zb])
         times: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
