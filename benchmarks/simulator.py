@@ -22,7 +22,10 @@ blocks). Cases:
   over tp=2 (one all-reduce forward, one backward), batch 64, SGD;
 - ``pipeline pp=2``: two stages of 2 x (Linear(512) + ReLU), 4 micro-batches of 16, SGD;
 - ``eager ...``: programs of eager ops on the mesh (``with pm.activate()``), simulated on
-  ``md.Simulator`` (when it exists in this version): its step time, which on a host with
+  ``md.Simulator`` (when it exists in this version): the time per step of a loop on state made
+  once before it (the model put on the mesh, as a training loop does; measured: blocks of
+  steps, each ending when the workers have run its last one; predicted: the simulated clock
+  from the end of the same warm-up to the last step's end), which on a host with
   fewer cores than ranks + controller is at least the time they take sharing the cores
   fairly, as a compiled step's (``compiler/simulate.py:cpu_bound``).
 
@@ -195,15 +198,20 @@ CASES = [
 # ---- eager programs: the same function on md.Simulator's mesh and on the workers ------------
 
 
-def eager_ddp(mesh, steps: int) -> None:
-    """A hand-written data-parallel step, ``steps`` times: 4 x Linear(512) forward and
-    backward (``grad_generator``), each gradient averaged over ``gpu`` on a comms stream and
-    the borrow dropped when the next gradient is there, then an SGD update."""
-    comms = md.Stream("comms")
+def eager_ddp_setup(mesh):
+    """A hand-written data-parallel step's state: 4 x Linear(512) on the mesh, a batch of 32,
+    a comms stream."""
     torch.manual_seed(0)
     model = md.to_mesh(nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]), mesh)
+    return model, md.Stream("comms"), torch.randn(32, 512)
+
+
+def eager_ddp(state, steps: int):
+    """The step, ``steps`` times: forward and backward (``grad_generator``), each gradient
+    averaged over ``gpu`` on a comms stream and the borrow dropped when the next gradient is
+    there, then an SGD update. Returns the last loss."""
+    model, comms, x = state
     params = list(reversed(list(model.parameters())))
-    x = torch.randn(32, 512)
     loss = None
     for _ in range(steps):
         loss = model(x).pow(2).mean()
@@ -219,38 +227,52 @@ def eager_ddp(mesh, steps: int) -> None:
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p.sub_(g, alpha=0.01)
-    md.inspect(loss)
+    return loss
 
 
-def eager_ops(mesh, steps: int) -> None:
-    """Small eager ops, ``steps`` times: a chain of 16 matmuls + tanh on 64 x 64 and one
-    all-reduce -- where the controller's cost per op shows."""
+def eager_ops_setup(mesh):
     torch.manual_seed(0)
-    w = md.to_mesh(torch.randn(64, 64) / 8, mesh)
-    h = md.to_mesh(torch.randn(64, 64), mesh)
+    return md.to_mesh(torch.randn(64, 64) / 8, mesh), md.to_mesh(torch.randn(64, 64), mesh)
+
+
+def eager_ops(state, steps: int):
+    """Small eager ops, ``steps`` times: a chain of 16 matmuls + tanh on 64 x 64 and one
+    all-reduce -- where the controller's cost per op shows. Returns the last value."""
+    w, h = state
     for _ in range(steps):
         for _ in range(16):
             h = torch.tanh(h @ w)
         h = h.reduce("gpu", "avg")
-    md.inspect(h)
+    return h
 
 
-EAGER = {"eager ddp": eager_ddp, "eager small ops": eager_ops}
+# name: (its state, made once on the mesh; its steps on that state)
+EAGER = {"eager ddp": (eager_ddp_setup, eager_ddp), "eager small ops": (eager_ops_setup, eager_ops)}
 
 
-def measure_eager(pm, fn, blocks: int, steps: int) -> float:
+def measure_eager(pm, case, blocks: int, steps: int) -> float:
+    """Seconds per step: blocks of ``steps`` steps on the state made once (as a training loop
+    makes its model once), each block ending when the workers have run its last step."""
+    setup, fn = case
     mesh = pm.rename(x="gpu")
     with mesh.activate():
-        fn(mesh, 2)  # warm: shapes cached, state on the workers
-        times = [_timed(lambda n: fn(mesh, n), steps) for _ in range(blocks)]
+        state = setup(mesh)
+        md.inspect(fn(state, 2))  # warm: shapes cached, the state on the workers
+        times = [_timed(lambda n: md.inspect(fn(state, n)), steps) for _ in range(blocks)]
     return statistics.median(times)
 
 
-def predict_eager(fn, profile, steps: int) -> float:
+def predict_eager(case, profile, steps: int) -> float:
+    """The simulated seconds per step: the same steps after the same set-up and warm-up,
+    from the simulated clock between the end of the warm-up and of the last step."""
+    setup, fn = case
     sim = md.Simulator(hosts=1, gpus=2, profile=profile)
     with sim.mesh.activate():
-        fn(sim.mesh, steps)
-    return sim.summary().step_time / steps
+        state = setup(sim.mesh)
+        md.inspect(fn(state, 2))
+        before = sim.summary().step_time
+        md.inspect(fn(state, steps))
+    return (sim.summary().step_time - before) / steps
 
 
 # ---- the workers' memory -----------------------------------------------------------------------

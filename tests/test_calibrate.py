@@ -367,6 +367,8 @@ def test_steady_step_time_is_the_slower_of_controller_and_ranks_or_their_cpu():
     # the controller: 2e-4 + 10 inputs * 1e-5 + a local argument (1e-5 + 2 x 1e6 B / 1e9)
     assert steady_step_time(1e-3, p, 10, (), ranks=2) == pytest.approx(1e-3 + 1e-4)
     assert steady_step_time(0.0, p, 10, (10**6,), ranks=2) == pytest.approx(3e-4 + 1e-5 + 2e-3)
+    # a rank: its steps, plan_overhead and taking the local argument in (1e6 B / 1e9)
+    assert steady_step_time(5e-3, p, 10, (10**6,), ranks=2) == pytest.approx(5e-3 + 1e-4 + 1e-3)
     shared = dataclasses.replace(p, host_cores=2)  # 3 processes on 2 cores: CPU sets the pace
     assert steady_step_time(1e-3, shared, 10, (), ranks=2) == pytest.approx((3e-4 + 2 * 1.1e-3) / 2)
     # each result the plan returns (a handle, deleted when the next call replaces it)
@@ -645,3 +647,28 @@ def torch_mlp(layers: int, width: int):
     return torch.nn.Sequential(
         *[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
     )
+
+
+def test_the_local_argument_calls_send_local_tensors_of_their_size(monkeypatch):
+    """The controller link is measured from compiled calls with a local tensor argument of
+    each of ``LOCAL_ARG_BYTES``: each call must copy and send that many bytes (a tensor made
+    under the mesh's activation is a mesh tensor, and nothing would be sent)."""
+    import sys as _sys
+
+    from monarch_dsl.runtime import serialize
+
+    sent: list[int] = []
+
+    def spy(t):
+        sent.append(t.numel() * t.element_size())
+        return serialize.snapshot(t)
+
+    monkeypatch.setattr(_sys.modules["monarch_dsl.mesh_fn"], "snapshot", spy)
+    pm = md.this_host().spawn_procs({"r": 2})
+    try:
+        calibrate._set_up_collectives(pm)
+        calibrate._calls(pm, 2, 1)
+    finally:
+        pm.stop()
+    for nbytes in calibrate.LOCAL_ARG_BYTES:  # warm-up and 2 timed calls each
+        assert sent.count(nbytes) == 3, (nbytes, sent)

@@ -486,6 +486,54 @@ def test_an_eager_op_costs_a_worker_its_overhead_too():
     assert all(b - a == pytest.approx(1e-3) for a, b in zip(plain, more))
 
 
+def test_local_data_sent_costs_the_controller_per_rank_and_each_rank_the_bytes():
+    """md.to_mesh of a local tensor: the controller pays the "controller" link's time for its
+    bytes to every rank (simulate.sending), each rank the bytes at the link's bandwidth before
+    the copy's own cost (simulate.receiving); a compiled call's local argument, the same on
+    each rank before its program."""
+    import dataclasses
+
+    from monarch_dsl.compiler.profile import Link
+
+    with_link = _costed(controller_overhead=1e-6)
+    with_link = dataclasses.replace(
+        with_link, links={**with_link.links, "controller": Link(5e-5, 1e9)}
+    )
+    without = dataclasses.replace(
+        with_link, links={k: v for k, v in with_link.links.items() if k != "controller"}
+    )
+    value = torch.ones(250_000)  # 1e6 bytes, made outside the activation (a local tensor)
+    x = torch.rand(8, 16)
+
+    def run(profile):
+        model = nn.Linear(16, 16)
+        step = md.mesh_fn(lambda x: model(x).sum(), data_parallel="dp")
+        sim = md.Simulator(gpus=2, profile=profile)
+        with sim.mesh.activate():
+            sim.summary()  # (everything issued so far has reached the simulator)
+            before = sim.job.sim.issued
+            md.to_mesh(value, sim.mesh)
+            sim.summary()
+            issued = sim.job.sim.issued - before
+            copies = [e.end - e.start for e in _busy(sim, "compute")]
+            mesh = sim.mesh.flatten("dp")
+            with mesh.activate():
+                md.inspect(step(x))  # (compiles; the parameters go to the workers)
+                start = sim.summary().step_time
+                md.inspect(step(x))
+                call = sim.summary().step_time - start
+        return issued, copies, call
+
+    issued, copies, call = run(with_link)
+    base_issued, base_copies, base_call = run(without)
+    assert issued - base_issued == pytest.approx(5e-5 + 2 * 1e6 / 1e9)
+    assert len(copies) == len(base_copies) == 2  # (one _to_copy per rank)
+    assert all(a - b == pytest.approx(1e6 / 1e9) for a, b in zip(copies, base_copies))
+    # x (512 bytes) sent with the second call: each rank takes it in before its program (the
+    # controller's sending of it is off the path: the ranks are still busy with the first)
+    assert call - base_call == pytest.approx(512 / 1e9, rel=1e-3)
+
+
 def test_ranks_and_controller_sharing_cores_bound_the_step_time():
     """2 ranks and the controller on 2 cores: the step takes as long as they need sharing
     the cores fairly (compiler/simulate.cpu_bound); with a core each, the timeline's span."""

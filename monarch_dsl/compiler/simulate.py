@@ -281,12 +281,12 @@ def steady_step_time(
     state included, ``plan_issue_per_output`` per result of the plan (``len(plan.outputs)``:
     gradients kept as state included), and each argument passed as a local torch tensor,
     ``local_bytes``, sent to every one of ``ranks`` workers over the ``"controller"`` link)
-    or a rank's
-    (``step_time + plan_overhead``). Where the controller and the ``ranks`` ranks of a host
-    share fewer cores (``host_cores``), CPU time sets it too: the time their CPU takes with
-    the cores shared fairly (``cpu_bound``)."""
+    or a rank's (``step_time + plan_overhead``, and ``receiving`` the local arguments).
+    Where the controller and the ``ranks`` ranks of a host share fewer cores
+    (``host_cores``), CPU time sets it too: the time their CPU takes with the cores shared
+    fairly (``cpu_bound``)."""
     controller = call_issue(profile, inputs, outputs, local_bytes, ranks)
-    worker = step_time + profile.plan_overhead
+    worker = step_time + profile.plan_overhead + receiving(profile, local_bytes)
     return max(controller, worker, cpu_bound(controller, [worker] * ranks, profile))
 
 
@@ -304,10 +304,29 @@ def call_issue(
         + profile.plan_issue_per_input * inputs
         + profile.plan_issue_per_output * outputs
     )
+    return seconds + sending(profile, local_bytes, ranks)
+
+
+def sending(profile: DeviceProfile, local_bytes: Sequence[int], ranks: int) -> float:
+    """The controller's CPU seconds for sending local tensors of ``local_bytes`` each (a
+    compiled call's local arguments, ``md.to_mesh``'s value) whole to each of ``ranks``
+    workers: the ``"controller"`` link's time for the bytes, per tensor (copying it, encoding
+    the message, the socket writes; measured by ``monarch-dsl calibrate``)."""
     link = profile.links.get("controller")
-    if link is not None:
-        seconds += sum(link.time(b * ranks, 1) for b in local_bytes)
-    return seconds
+    if link is None:
+        return 0.0
+    return sum(link.time(b * ranks, 1) for b in local_bytes)
+
+
+def receiving(profile: DeviceProfile, local_bytes: Sequence[int]) -> float:
+    """A worker's seconds for taking in local tensors of ``local_bytes`` the controller sent:
+    the bytes at the ``"controller"`` link's bandwidth (the socket reads; the per-message part
+    is the worker's overhead per instruction or call, ``eager_op_overhead`` /
+    ``plan_overhead``)."""
+    link = profile.links.get("controller")
+    if link is None or link.bandwidth <= 0:
+        return 0.0
+    return sum(local_bytes) / link.bandwidth
 
 
 def cpu_bound(controller: float, ranks: Sequence[float], profile: DeviceProfile) -> float:

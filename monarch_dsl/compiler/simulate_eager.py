@@ -20,6 +20,9 @@ inputs are the same meta tensors share one run). The model, per rank:
   user's Python spends between ops is not modelled.
 - **Streams.** Each stream of each rank has a clock: an instruction starts when its stream has
   finished the previous one and the controller has issued it, and takes its cost.
+- **Local data sent** (``md.to_mesh``'s value, a compiled call's local arguments): the
+  controller's ``simulate.sending`` time for the bytes to every rank, and each rank's
+  ``simulate.receiving`` time before the instruction's own (the ``"controller"`` link).
 - **Compute** (``CallOp``): the roofline time of ``compiler/simulate.compute_time`` for the
   op's input and output shapes (the one cost function of compiled and eager programs) plus
   the profile's ``eager_op_overhead`` (what a worker spends on an eager instruction beyond
@@ -76,6 +79,8 @@ from monarch_dsl.compiler.simulate import (
     compute_time,
     cpu_bound,
     play_program,
+    receiving,
+    sending,
     summarize,
     warm_fractions,
 )
@@ -121,6 +126,18 @@ def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.device.type != "meta":
         return x.detach().to("meta")
     return x
+
+
+def _carried(ins: Any) -> list[int]:
+    """The bytes of each local tensor an instruction carries to the workers (``md.to_mesh``'s
+    value in a ``CallOp``, a remote function's tensor arguments; not the meta tensors here)."""
+    if not isinstance(ins, (isa.CallOp, isa.CallFunction)):
+        return []
+    return [
+        x.numel() * x.element_size()
+        for x in pytree.tree_leaves((ins.args, ins.kwargs))
+        if isinstance(x, torch.Tensor) and x.device.type != "meta"
+    ]
 
 
 def step_name(op: str) -> str:
@@ -236,24 +253,24 @@ class EagerSimulator:
             handler = self.handlers.get(type(ins))
             if handler is None:
                 raise TypeError(f"the simulator has no handler for {type(ins).__name__}")
+            if mesh < 0:
+                here = sorted(posted)
+            else:
+                here = [r for r in self.meshes[mesh].ranks if r in posted]
             if not isinstance(ins, _FREE):
                 how = issued[i] if issued is not None else None
                 start = self.issued
-                self.issued += self.controller_cost(ins, how)
+                self.issued += self.controller_cost(ins, how, len(here))
                 if self.trace_controller:
                     name = getattr(ins, "op", type(ins).__name__)
                     self.events.append(
                         SimEvent(-1, "controller", name, start, self.issued, "controller")
                     )
-            if mesh < 0:
-                here = sorted(posted)
-            else:
-                here = [r for r in self.meshes[mesh].ranks if r in posted]
             handler(ins, here)
 
-    def controller_cost(self, ins: Any, how: Issued | None) -> float:
-        """The controller's CPU seconds for issuing ``ins`` (see the module's docstring),
-        counted in ``charged``."""
+    def controller_cost(self, ins: Any, how: Issued | None, ranks: int = 1) -> float:
+        """The controller's CPU seconds for issuing ``ins`` to ``ranks`` workers (see the
+        module's docstring), counted in ``charged``."""
         p = self.prof
         if isinstance(ins, isa.Reduce):
             term, cost = "reduce", p.controller_reduce or p.controller_overhead
@@ -267,6 +284,9 @@ class EagerSimulator:
             cost = call_issue(p, len(ins.inputs), outputs, sent, ranks)
         else:
             term, cost = "op", p.controller_overhead
+            carried = _carried(ins)
+            if carried:  # local tensors in the instruction (md.to_mesh): sent to each rank
+                cost += sending(p, carried, ranks)
         self.charged[term] += 1
         if how is not None:
             if how.backward:
@@ -360,6 +380,7 @@ class EagerSimulator:
         """A call (an op or a remote function) on each rank: its result on meta tensors (one
         run per distinct input), its outputs stored, its time on its stream."""
         done: dict[tuple[Any, ...], tuple[list[Any], float] | Failure] = {}
+        received = receiving(self.prof, _carried(ins))  # (its local tensors, on each rank)
         for r in ranks:
             args, kwargs = self._resolve(r, ins.args), self._resolve(r, ins.kwargs)
             failed = isa.leaves((args, kwargs), Failed)
@@ -393,6 +414,7 @@ class EagerSimulator:
                 for ref, value in zip(ins.outs, tensors):
                     self._set(r, ref, value)
                 start = self._begin(r, ins.stream)
+                cost += received
                 self._busy(r, ins.stream, name, start, start + cost, "compute")
             else:
                 self._fail([r], ins.outs, got)
@@ -577,7 +599,9 @@ class EagerSimulator:
         types = self.plan_types.get(key)
         if types is None:
             types = self.plan_types[key] = program_types(program, inputs)
-        begin = {c: self._begin(r, ins.stream) for c, r in where.items()}
+        # each rank takes in the whole of the local arguments first (and keeps its part)
+        received = receiving(self.prof, [v.numel() * v.element_size() for v in sent.values()])
+        begin = {c: self._begin(r, ins.stream) + received for c, r in where.items()}
         mem = {c: _Memory() for c in where}
         hosts = {c: self.host[r] for c, r in where.items()}
         placed = (key, tuple(hosts.items()))
