@@ -32,7 +32,7 @@ import torch
 
 import monarch_dsl as md
 from monarch_dsl.errors import SupervisionError
-from monarch_dsl.runtime import controller, transport
+from monarch_dsl.runtime import controller, serialize, transport
 from monarch_dsl.runtime.messages import (
     CallEndpoint,
     Configure,
@@ -279,34 +279,42 @@ def test_large_tensors_travel_out_of_band_and_round_trip():
     assert got["scalar"].dim() == 0 and got["int_scalar"].dim() == 0
 
 
-def test_a_snapshot_is_an_independent_copy_of_every_kind_of_tensor():
+def test_a_snapshot_is_an_independent_copy_of_every_kind_of_tensor_and_travels_as_it_is():
     """serialize.snapshot (a call's local argument, md.to_mesh's value): equal to the tensor,
-    contiguous, sharing no memory with it -- the big contiguous ones copied by this thread
-    (numpy), the others by clone -- and a local tensor even under pm.activate()."""
-    from monarch_dsl.runtime.serialize import SNAPSHOT_THREADED_BYTES, snapshot
+    contiguous, sharing no memory with it, unchanged by a later write to the original, a local
+    tensor even under a mesh's activation, and it arrives as it is when sent (after a write to
+    the copy, too)."""
+    from monarch_dsl.runtime.serialize import snapshot
 
-    big = torch.randn(SNAPSHOT_THREADED_BYTES)  # 4x the threshold
+    big = torch.randn(1 << 16)  # 256 KiB
     values = [
         big,
         big.view(512, -1)[:, 1:],  # not contiguous
-        big.to(torch.bfloat16),  # (numpy has no bfloat16: copied as bytes)
+        big.to(torch.bfloat16).view(256, 256),  # (numpy has no bfloat16: copied as bytes)
         torch.randn(4096, 8, dtype=torch.complex64),
-        torch.arange(SNAPSHOT_THREADED_BYTES, dtype=torch.int64).view(4, -1),
+        torch.arange(1 << 16, dtype=torch.int64).view(4, -1),
         torch.tensor(2.5),
+        torch.tensor(1.5, dtype=torch.bfloat16),
         torch.empty(0, 3),
         torch.randn(64, requires_grad=True),
+        torch.randn(8, 8).conj(),  # (a real tensor's conj is itself)
+        torch.randn(4, 4, dtype=torch.complex64).conj(),  # a lazy conjugate: cloned
     ]
     for v in values:
         s = snapshot(v)
         assert type(s) is torch.Tensor and s.is_contiguous() and not s.requires_grad
         assert s.shape == v.shape and s.dtype == v.dtype
-        assert torch.equal(s, v.detach())
+        assert torch.equal(s, v.detach().resolve_conj())
         if v.numel():
             assert s.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
             before = s.clone()
             with torch.no_grad():
                 v.add_(1)  # the caller changes the original after
             assert torch.equal(s, before)
+            s.view(-1)[0] = 7  # and the copy changed before it is sent is sent so
+        payload, buffers = serialize.dumps(s)
+        got = serialize.loads(payload, [bytearray(b) for b in buffers])
+        assert got.dtype == s.dtype and got.shape == s.shape and torch.equal(got, s)
     with md.Simulator(hosts=1, gpus=2).mesh.activate():  # factories make mesh tensors here
         s = snapshot(big)
     assert type(s) is torch.Tensor and torch.equal(s, big)

@@ -67,13 +67,14 @@ def _reduce_tensor(t):
         or t.is_neg()
     ):
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    data = t.detach()
-    if not data.is_contiguous():
-        data = data.contiguous()
-    try:  # its bytes, straight from the tensor's memory
-        array = data.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16): as bytes
-        array = data.reshape(-1).view(torch.uint8).numpy()
+    with local_ops():
+        data = t.detach()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        try:  # its bytes, straight from the tensor's memory
+            array = data.numpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): as bytes
+            array = data.reshape(-1).view(torch.uint8).numpy()
     # (the dtype by name: a short string in the stream, not a pickled torch.dtype)
     name = dtype_name(t.dtype)
     return _rebuild_tensor, (pickle.PickleBuffer(array), name, tuple(t.shape), t.requires_grad)
@@ -82,35 +83,52 @@ def _reduce_tensor(t):
 _have_tensor_reducer = False
 
 
-# Below this a copy is cheap however it is made.
-SNAPSHOT_THREADED_BYTES = 64 << 10
+_python_key: Any = None
+
+
+def local_ops() -> Any:
+    """A context in which torch ops skip the Python dispatch key: for ops on local tensors
+    while the controller sends them. Under ``pm.activate()`` every op, a local tensor's too,
+    goes through the mesh's dispatch mode first (``tensor/dispatch.MeshMode``): a tensor's
+    ``detach()`` took 18 us there, ``numpy()`` 25 (1 outside; under this, with the guard's own
+    cost, about 5)."""
+    global _python_key
+    import torch
+
+    if _python_key is None:
+        _python_key = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+    return torch._C._ExcludeDispatchKeyGuard(_python_key)
 
 
 def snapshot(t: Any) -> Any:
     """A copy of a local tensor that is sent later (a call's argument, ``md.to_mesh``'s value:
-    the caller may change the original in the meantime), made by this thread alone. A large
-    ``clone()`` runs on torch's intra-op (OpenMP) threads, which wake for it and then spin
-    waiting for more work: on a controller whose host's cores also run its workers that took
-    2.3 ms of CPU per 512 KiB copy issued every 2 ms, where one ``memcpy`` here takes 0.4 ms.
-    Contiguous CPU tensors are copied so; others (and small ones) by ``clone()``. The copy is
-    contiguous, as its bytes are sent."""
-    import numpy
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
+    the caller may change the original in the meantime), contiguous, made by this thread
+    alone.
 
-    t = t.detach()
-    if (
-        t.device.type != "cpu"
-        or t.layout != torch.strided
-        or not t.is_contiguous()
-        or t.is_conj()
-        or t.is_neg()
-        or t.numel() * t.element_size() < SNAPSHOT_THREADED_BYTES
-    ):
-        return t.clone()
-    with _disable_current_modes():  # a local tensor, even under pm.activate()
-        out = torch.empty(t.shape, dtype=t.dtype)
-    numpy.copyto(out.view(-1).view(torch.uint8).numpy(), t.view(-1).view(torch.uint8).numpy())
+    - One ``memcpy`` here (numpy's copy of the tensor's memory), not ``clone()``: a large clone
+      runs on torch's intra-op (OpenMP) threads, which wake for it and then spin waiting for
+      more work. On a controller whose host's cores also run its workers that took 2.3 ms of
+      CPU per 512 KiB copy issued every 2 ms, where the memcpy takes 0.4 ms.
+    - Its torch ops under ``local_ops`` (no mesh dispatch mode): a small tensor's copy under
+      ``pm.activate()`` took 52 us through the mode, 8.5 so.
+
+    Tensors numpy cannot hold (bfloat16) are copied as bytes; others not in plain CPU memory
+    (a GPU's, sparse, quantized, a lazy conjugate) by ``clone()``."""
+    import torch
+
+    with local_ops():
+        t = t.detach()
+        if not t.is_cpu or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            return t.clone(memory_format=torch.contiguous_format)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        shape = tuple(t.shape)
+        try:
+            copy = t.numpy().copy()
+            out = torch.from_numpy(copy)
+        except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
+            copy = t.reshape(-1).view(torch.uint8).numpy().copy()
+            out = torch.from_numpy(copy).view(t.dtype).view(shape)
     return out
 
 
