@@ -211,10 +211,75 @@ def test_bad_inputs_are_refused_before_anything_starts(pm, monkeypatch, args, kw
         pm.run_spmd(*args, **kwargs)
 
 
-def test_a_mesh_of_remote_hosts_is_refused_clearly(pm, monkeypatch, tmp_path):
-    monkeypatch.setattr(pm._job, "pids", {})  # as for workers that joined over TCP
-    with pytest.raises(NotImplementedError, match="remote_hosts"):
-        pm.run_spmd(RANKS, "ok", str(tmp_path))
+def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path, capfd):
+    """Workers an external launcher started (md.remote_hosts: 2 "hosts" of 2 here, over TCP):
+    each starts its rank's process (no fork server on this host). The torchrun variables
+    count ranks by host; output is prefixed on the worker's host; a failing rank stops the
+    others and is named with the end of its stderr; the mesh runs again; a worker killed
+    during a run is a SupervisionError, and no rank outlives it (the killed worker's own rank
+    dies with it: PR_SET_PDEATHSIG)."""
+    hosts = md.remote_hosts(2)
+    address = hosts.listen({"gpu": 2})
+    env = dict(os.environ, MONARCH_DSL_QUIET="1", PYTHONPATH=ROOT, **hosts.env())
+    command = [sys.executable, "-m", "monarch_dsl", "worker", "--connect", address]
+    workers = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(4)]
+    try:
+        pm = hosts.spawn_procs({"gpu": 2}, timeout=120)
+        ok = tmp_path / "ok"
+        ok.mkdir()
+        assert pm.run_spmd(RANKS, "ok", str(ok), timeout=60).values() == [0, 0, 0, 0]
+        seen = rank_files(ok, 4)
+        assert [s["env"]["RANK"] for s in seen] == ["0", "1", "2", "3"]
+        assert [s["env"]["LOCAL_RANK"] for s in seen] == ["0", "1", "0", "1"]
+        assert [s["env"]["GROUP_RANK"] for s in seen] == ["0", "0", "1", "1"]
+        for s in seen:
+            e = s["env"]
+            assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) == (
+                "4",
+                "2",
+                "2",
+            )
+            assert (
+                e["MASTER_ADDR"] == "127.0.0.1"
+                and e["MASTER_PORT"] == seen[0]["env"]["MASTER_PORT"]
+            )
+            assert e["MONARCH_DSL_TOKEN"] is None  # the job's secret stays with the workers
+            assert not s["torch_preloaded"]  # a fresh interpreter
+        out, err = capfd.readouterr()
+        assert "[host=1,gpu=0] hello from rank 2 of 4" in out
+        assert "[host=0,gpu=1] to stderr from rank 1" in err
+
+        failed = tmp_path / "exit3"
+        failed.mkdir()
+        with pytest.raises(SpmdError, match=r"rank 1 \(host=0,gpu=1.*exited with code 3") as e:
+            pm.run_spmd(RANKS, "exit3", str(failed), timeout=60)
+        assert e.value.rank == 1 and e.value.returncode == 3 and list(e.value.stopped) == [0, 2, 3]
+        assert "rank 1 gives up" in e.value.stderr
+        assert_gone([s["pid"] for s in rank_files(failed, 4)])
+
+        again = tmp_path / "again"
+        again.mkdir()
+        assert pm.run_spmd(RANKS, "ok", str(again), timeout=60).values() == [0, 0, 0, 0]
+
+        sleeping = tmp_path / "sleep"
+        sleeping.mkdir()
+        killer = threading.Thread(
+            target=lambda: (
+                wait_until(lambda: len(list(sleeping.glob("*.json"))) == 4, 60, "4 ranks up"),
+                workers[2].kill(),
+            )
+        )
+        killer.start()
+        with pytest.raises(md.SupervisionError, match="rank 2"):
+            pm.run_spmd(RANKS, "sleep", str(sleeping), timeout=60)
+        killer.join()
+        assert_gone([s["pid"] for s in rank_files(sleeping, 4)])
+        pm.stop()
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.wait(timeout=30)
 
 
 def test_a_stopped_mesh_refuses_to_run(tmp_path):

@@ -55,26 +55,51 @@ a package runs its ``__main__``. The module is found on the controller (the work
 then its ``sys.path``) without importing it, so a misspelled name fails before any process
 starts.
 
-Not yet: meshes of remote hosts (their workers have no fork server on this host; a per-host fork
-server started by ``monarch-dsl worker`` would take the same ``ForkScripts`` request).
+Meshes of remote hosts
+----------------------
+Workers an external launcher started (``md.remote_hosts``) have no fork server on this host.
+There each worker starts its own rank's process, as torchrun's agent does: ``python script ARGS``
+(``-m`` for a module), a fresh interpreter in a session of its own, through a small bootstrap
+that first asks the kernel to kill it when the worker dies (``PR_SET_PDEATHSIG``) and then execs
+the real command -- so a worker killed mid-run leaves no rank behind. An ``_Agent`` actor on each
+worker starts it, reports its exit status and the end of its stderr, and signals its process
+group when the run is stopped; the controller polls the agents every ``POLL`` s and applies the
+same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
+``STOP_GRACE``). What differs:
+
+- the script (or module) must exist on every host at the same path (``pm.sync_files`` copies
+  it); a rank whose host lacks it fails the run with ``FileNotFoundError``, naming the rank;
+- each rank's environment is its worker's environment (the launcher's on that host) with the
+  variables above set; ``MASTER_ADDR`` is the address rank 0's worker connected from, and
+  ``MASTER_PORT`` a port free on rank 0's host; ``GROUP_RANK`` / ``LOCAL_RANK`` /
+  ``LOCAL_WORLD_SIZE`` count the run's ranks by host (the ``host`` coordinate), as torchrun's;
+- the output is prefixed with the worker's coordinates on its own host, where the workers of
+  ``md.remote_hosts`` print (``pm.logging`` does not reach them);
+- each run starts a fresh interpreter, so it pays for ``import torch`` every time (a per-host
+  fork server started by ``monarch-dsl worker`` would spare it; not built).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import errno
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from monarch_dsl.actor import ValueMesh
+from monarch_dsl.actor import Actor, ValueMesh, endpoint
 from monarch_dsl.errors import SpmdError, SupervisionError
 from monarch_dsl.runtime import controller, forkserver, logs
+from monarch_dsl.runtime.context import current_rank
 from monarch_dsl.runtime.messages import ForkScripts
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping ranks
@@ -110,12 +135,8 @@ def run_spmd(
     job = pm.job
     ranks = pm.ranks
     job.check_alive(ranks)
-    if not job.pids:
-        raise NotImplementedError(
-            "run_spmd runs scripts on meshes of this host (md.this_host().spawn_procs); the "
-            "workers of remote_hosts() have no fork server here: start the script there with "
-            "torchrun"
-        )
+    if not job.pids:  # workers an external launcher started (md.remote_hosts)
+        return _RemoteRun(job, pm, ranks, path, args, env, module).result(timeout)
     return _Run(job, pm, ranks, path, args, env, module).result(timeout)
 
 
@@ -236,6 +257,13 @@ class _Run:
         self._cond = threading.Condition()
         self.status: dict[int, int | None] = {}  # run rank -> wait status, in order of exit
         self.signalled: set[int] = set()  # ranks we stopped (their exit is no failure)
+        self.pids: tuple[int, ...] = ()
+        self._start(args, env, module)
+        self.started = time.monotonic()
+
+    def _start(self, args: tuple[str, ...], env: dict[str, str], module: bool) -> None:
+        """Fork the ranks from the fork server, their output forwarded here."""
+        job, ranks, script = self.job, self.ranks, self.script
         self.out: list[Any] = []
         self.err: list[Any] = []
         envs = rank_envs(job.worker_env, env, len(ranks))
@@ -258,7 +286,6 @@ class _Run:
                 os.close(fd)
         for i, pid in enumerate(self.pids):
             server.watch_exit(pid, lambda status, i=i: self._on_exit(i, status))
-        self.started = time.monotonic()
 
     # ------------------------------------------------------------------ events
     def _on_exit(self, i: int, status: int) -> None:
@@ -352,6 +379,9 @@ class _Run:
     def describe(self, i: int) -> str:
         return f"rank {i} ({self.labels[i]}, pid {self.pids[i]})"
 
+    def _stderr_tail(self, i: int) -> str:
+        return logs.forwarder().stderr_tail(self.err[i])
+
     def _error(self, failed: list[int], stopped: list[int], timeout: float | None) -> SpmdError:
         name = os.path.basename(self.script)
         what = f"timed out after {timeout} s" if timeout is not None else ""
@@ -371,7 +401,307 @@ class _Run:
             rank=first,
             coords=None if first is None else self.job.coords(self.ranks[first]),
             returncode=None if first is None else returncode(self.status[first]),
-            stderr="" if first is None else logs.forwarder().stderr_tail(self.err[first]),
+            stderr="" if first is None else self._stderr_tail(first),
             stopped=stopped,
             timed_out=timeout is not None,
         )
+
+
+# ---------------------------------------------------------------------------- remote hosts
+TAIL_LINES = 40  # the end of a remote rank's stderr kept for the error
+BOOTSTRAP = (  # argv: the worker's pid, then the command to exec
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):  # the worker died before that\n"
+    "    os._exit(128 + signal.SIGKILL)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def remote_rank_envs(
+    job: controller.Job, ranks: list[int], mesh_env: Mapping[str, str], env: Mapping[str, str],
+    master: tuple[str, int],
+) -> list[dict[str, str]]:  # fmt: skip
+    """The variables each rank of a run on remote hosts gets on top of its worker's own
+    environment (see the module docstring)."""
+    n = len(ranks)
+    hosts: dict[Any, list[int]] = {}
+    for i, r in enumerate(ranks):
+        hosts.setdefault(job.coords(r).get("host", 0), []).append(i)
+    defaults = {
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+    per_host = max(len(v) for v in hosts.values())
+    if per_host > 1 and "OMP_NUM_THREADS" not in {**mesh_env, **env}:
+        defaults["OMP_NUM_THREADS"] = "1"  # as torchrun: a host's ranks share its cores
+    common = {**mesh_env, **defaults, **env, "MONARCH_DSL_ROLE": "spmd"}
+    out: list[dict[str, str]] = [{} for _ in ranks]
+    for g, members in enumerate(hosts.values()):
+        for local, i in enumerate(members):
+            out[i] = dict(
+                common,
+                RANK=str(i),
+                LOCAL_RANK=str(local),
+                WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(len(members)),
+                GROUP_RANK=str(g),
+                GROUP_WORLD_SIZE=str(len(hosts)),
+                ROLE_RANK=str(i),
+                ROLE_WORLD_SIZE=str(n),
+            )
+    return out
+
+
+class _Agent(Actor):
+    """On each worker of a mesh of remote hosts: starts, watches and stops its rank's process
+    of a ``run_spmd`` run (see the module docstring). Its output is copied, line by line and
+    prefixed with the worker's coordinates, to the worker's own stdout / stderr."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, tuple[subprocess.Popen, Any, list[threading.Thread]]] = {}
+        atexit.register(self._kill_all)
+
+    @endpoint
+    def master_port(self) -> int:
+        return free_port("0.0.0.0")
+
+    @endpoint
+    def start(
+        self, run: str, script: str, args: tuple[str, ...], env: dict[str, str], module: bool
+    ) -> int:
+        if not module and not os.path.isfile(script):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"run_spmd: no such script file on host {socket.gethostname()} (copy it there "
+                f"with pm.sync_files)",
+                script,
+            )
+        command = [sys.executable, *(("-m",) if module else ()), script, *args]
+        full = {k: v for k, v in os.environ.items() if k != "MONARCH_DSL_TOKEN"}
+        full.update(env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BOOTSTRAP, str(os.getpid()), *command],
+            env=full,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: stopped as a whole
+        )
+        c = current_rank()
+        label = "[" + ",".join(f"{d}={v}" for d, v in c.items()) + "] " if c else ""
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        streams = ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, tail))
+        threads = [
+            threading.Thread(
+                target=_copy_lines,
+                args=(pipe, out, label, keep),
+                name="md-spmd-output",
+                daemon=True,
+            )  # fmt: skip
+            for pipe, out, keep in streams
+        ]
+        for t in threads:
+            t.start()
+        self.runs[run] = (proc, tail, threads)
+        return proc.pid
+
+    @endpoint
+    def poll(self, run: str) -> tuple[int | None, str]:
+        """The rank's ``returncode`` (None while it runs) and, once it exited, its stderr's
+        end (all of its output read first)."""
+        entry = self.runs.get(run)
+        if entry is None:
+            return None, ""
+        proc, tail, threads = entry
+        code = proc.poll()
+        if code is None:
+            return None, ""
+        for t in threads:
+            t.join(1.0)
+        return code, "".join(tail)
+
+    @endpoint
+    def signal(self, run: str, sig: int) -> None:
+        entry = self.runs.get(run)
+        if entry is not None and entry[0].poll() is None:
+            try:
+                os.killpg(entry[0].pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    @endpoint
+    def forget(self, run: str) -> None:
+        self.runs.pop(run, None)
+
+    def _kill_all(self) -> None:
+        for proc, _, _ in self.runs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _copy_lines(pipe: Any, out: Any, label: str, keep: Any) -> None:
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            if keep is not None:
+                keep.append(line)
+            try:
+                out.write(label + line if line.endswith("\n") else label + line + "\n")
+                out.flush()
+            except (OSError, ValueError):  # the worker's own output is gone: keep reading
+                pass
+
+
+_agents: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+_agents_lock = threading.Lock()
+
+
+def _agent(pm: Any) -> Any:
+    """The ``_Agent`` actors on ``pm``'s workers (spawned once per job and ranks)."""
+    with _agents_lock:
+        per_job = _agents.setdefault(pm.job, {})
+        agent = per_job.get(tuple(pm.ranks))
+        if agent is None:
+            agent = per_job[tuple(pm.ranks)] = pm.spawn(f"md-spmd-{uuid.uuid4().hex[:8]}", _Agent)
+        return agent
+
+
+def _master_addr(job: controller.Job, rank: int) -> str:
+    """The address rank ``rank``'s worker connected from (a TCP peer), else loopback."""
+    conn = job.conns.get(rank)
+    try:
+        host = conn.sock.getpeername()[0] if conn is not None else MASTER_ADDR
+    except (OSError, AttributeError, IndexError, TypeError):
+        host = MASTER_ADDR
+    return host if isinstance(host, str) and host else MASTER_ADDR
+
+
+class _RemoteRun(_Run):
+    """A run on workers of remote hosts: each rank's process is started, polled and stopped
+    by the ``_Agent`` on its worker."""
+
+    def _start(self, args: tuple[str, ...], env: dict[str, str], module: bool) -> None:
+        """Each agent starts its rank; then a thread polls them."""
+        job, pm, ranks, script = self.job, self.pm, self.ranks, self.script
+        self.tails: dict[int, str] = {}
+        self.run_id = uuid.uuid4().hex
+        self.agent = _agent(pm)
+        port = env.get("MASTER_PORT")
+        if port is None:
+            port = self.agent.slice(**_first(pm)).master_port.call_one().get(FORK_TIMEOUT)
+        master = (env.get("MASTER_ADDR") or _master_addr(job, ranks[0]), int(port))
+        envs = remote_rank_envs(job, ranks, job.worker_env, env, master)
+        self._done = threading.Event()
+        try:
+            started = [
+                self.agent.slice(**_point(pm, i)).start.call_one(
+                    self.run_id, script, args, envs[i], module
+                )
+                for i in range(len(ranks))
+            ]
+            self.pids = tuple(f.get(FORK_TIMEOUT) for f in started)
+        except BaseException:
+            self._stop_started()
+            raise
+        self._poller = threading.Thread(target=self._poll, name="md-spmd-poll", daemon=True)
+        self._poller.start()
+
+    def _stop_started(self) -> None:
+        """A start failed: stop the ranks that did start (each agent ignores a run it has not)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                self.agent.signal.call(self.run_id, sig).get(FORK_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a worker gone: nothing of this run is left there
+                pass
+
+    def _poll(self) -> None:
+        """Every POLL s: each agent's rank's status, until all exited. A rank whose worker
+        died is gone with it (its process was killed with the worker: the bootstrap's
+        PR_SET_PDEATHSIG), with no status (the run's error is the worker's); the others are
+        asked one by one from then on."""
+        while not self._done.is_set():
+            dead = [i for i in range(len(self.ranks)) if self._gone(i)]
+            try:
+                if not dead:
+                    replies = list(self.agent.poll.call(self.run_id).get(FORK_TIMEOUT).values())
+                else:
+                    replies = [
+                        (None, "")
+                        if i in self.status or i in dead
+                        else self.agent.slice(**_point(self.pm, i))
+                        .poll.call_one(self.run_id)
+                        .get(FORK_TIMEOUT)
+                        for i in range(len(self.ranks))
+                    ]
+            except Exception:  # noqa: BLE001 - a worker died meanwhile: see it next round
+                replies = [(None, "")] * len(self.ranks)
+            for i, (code, tail) in enumerate(replies):
+                if code is not None and i not in self.status:
+                    self.tails[i] = tail
+                    # as a wait status: the exit code, or the signal that killed it
+                    self._on_exit(i, -code if code < 0 else code << 8)
+            with self._cond:
+                if self._all_ended():
+                    return
+            self._done.wait(POLL)
+
+    def _gone(self, i: int) -> bool:
+        return self.ranks[i] in self.job.dead
+
+    def _all_ended(self) -> bool:
+        return all(i in self.status or self._gone(i) for i in range(len(self.pids)))
+
+    def _running(self) -> list[int]:
+        with self._cond:
+            return [i for i in range(len(self.pids)) if i not in self.status and not self._gone(i)]
+
+    def _wait_exits(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(self._all_ended, timeout)
+
+    def _signal(self, ranks: list[int], sig: int) -> None:
+        for i in ranks:
+            try:
+                self.agent.slice(**_point(self.pm, i)).signal.call_one(self.run_id, sig).get(
+                    FORK_TIMEOUT
+                )
+            except Exception:  # noqa: BLE001 - its worker is gone, and the rank with it
+                pass
+
+    def result(self, timeout: float | None) -> ValueMesh:
+        try:
+            return super().result(timeout)
+        finally:
+            self._done.set()
+            try:
+                self.agent.forget.call(self.run_id).get(FORK_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a dead worker forgets on its own
+                pass
+
+    def describe(self, i: int) -> str:
+        return f"rank {i} ({self.labels[i]}, pid {self.pids[i]} on its host)"
+
+    def _stderr_tail(self, i: int) -> str:
+        return self.tails.get(i, "")
+
+
+def _point(pm: Any, i: int) -> dict[str, int]:
+    """The coordinates of ``pm``'s ``i``-th worker, row-major, as ``slice`` takes them."""
+    sizes = pm.sizes
+    out: dict[str, int] = {}
+    for d in reversed(list(sizes)):
+        out[d] = i % sizes[d]
+        i //= sizes[d]
+    return dict(reversed(list(out.items())))
+
+
+def _first(pm: Any) -> dict[str, int]:
+    return _point(pm, 0)

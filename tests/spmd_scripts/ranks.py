@@ -29,6 +29,8 @@ VARS = (
     "ROLE_RANK",
     "OMP_NUM_THREADS",
     "SPMD_TEST_EXTRA",
+    "GROUP_WORLD_SIZE",
+    "MONARCH_DSL_TOKEN",
 )
 
 action, out_dir = sys.argv[1], sys.argv[2]
