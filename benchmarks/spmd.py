@@ -27,6 +27,11 @@ For each, in a fresh controller process (``python -c``; ``RUNS`` of them):
 and ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node=N script``
 from ``Popen`` to exit (its agent and each rank start an interpreter and import torch).
 
+``remote``: the same first and second run on a mesh of ``md.remote_hosts(1)`` whose N workers
+were started as an external launcher starts them (``python -m monarch_dsl worker --connect``;
+not timed): there each worker starts its rank as a fresh ``python script`` (no fork server on
+that host), so every run pays interpreter start and ``import torch`` as torchrun's ranks do.
+
 Measurements of monarch_dsl and torchrun alternate run by run, so noise on a busy machine hits
 both alike. "torchrun / this" is how many times faster a monarch_dsl run is than torchrun
 running the same script.
@@ -76,6 +81,30 @@ pm.stop()
 sys.stdout.write(json.dumps({"mesh": t1 - t0, "first": t2 - t1, "second": t3 - t2}) + "\\n")
 """
 
+REMOTE_CONTROLLER = """\
+import json, os, subprocess, sys, time
+import monarch_dsl as md
+
+script, nproc, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+hosts = md.remote_hosts(1)
+address = hosts.listen({"gpu": nproc})
+env = dict(os.environ, **hosts.env())
+command = [sys.executable, "-m", "monarch_dsl", "worker", "--connect", address]
+workers = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(nproc)]
+try:
+    pm = hosts.spawn_procs({"gpu": nproc}, timeout=120)
+    t1 = time.perf_counter()
+    pm.run_spmd(script, *args)
+    t2 = time.perf_counter()
+    pm.run_spmd(script, *args)
+    t3 = time.perf_counter()
+    pm.stop()
+finally:
+    for w in workers:
+        w.wait(timeout=60) if w.poll() is None else None
+sys.stdout.write(json.dumps({"first": t2 - t1, "second": t3 - t2}) + "\\n")
+"""
+
 
 def _env() -> dict[str, str]:
     return dict(
@@ -107,6 +136,20 @@ def monarch_once(script: str, nproc: int, args: list[str]) -> dict[str, float]:
     return dict(result, cold=cold)
 
 
+def remote_once(script: str, nproc: int, args: list[str]) -> dict[str, float]:
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_CONTROLLER, script, str(nproc), *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"the remote-hosts controller failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
 def torchrun_once(script: str, nproc: int, args: list[str]) -> float:
     start = time.perf_counter()
     proc = subprocess.run(
@@ -125,11 +168,14 @@ def torchrun_once(script: str, nproc: int, args: list[str]) -> float:
 def measure(script: str, nproc: int, args: list[str]) -> dict[str, float]:
     ours: list[dict[str, float]] = []
     theirs: list[float] = []
+    remote: list[dict[str, float]] = []
     for _ in range(RUNS):
         ours.append(monarch_once(script, nproc, args))
         theirs.append(torchrun_once(script, nproc, args))
+        remote.append(remote_once(script, nproc, args))
     med = {k: statistics.median(r[k] for r in ours) for k in ours[0]}
     med["torchrun"] = statistics.median(theirs)
+    med.update({f"remote {k}": statistics.median(r[k] for r in remote) for k in remote[0]})
     return med
 
 
@@ -154,7 +200,8 @@ def main() -> None:
         header = (
             f"{'script':<10}  {'mesh start':>10}  {'1st run':>8}  {'2nd run':>8}  "
             f"{'cold, end to end':>16}  {'torchrun':>8}  {'torchrun / 2nd run':>18}  "
-            f"{'torchrun / cold':>15}"
+            f"{'torchrun / cold':>15}  {'remote 1st':>10}  {'remote 2nd':>10}  "
+            f"{'torchrun / remote 2nd':>21}"
         )
         print(header)
         print("-" * len(header))
@@ -163,7 +210,9 @@ def main() -> None:
             print(
                 f"{name:<10}  {m['mesh']:>10.3f}  {m['first']:>8.3f}  {m['second']:>8.3f}  "
                 f"{m['cold']:>16.3f}  {m['torchrun']:>8.3f}  "
-                f"{m['torchrun'] / m['second']:>17.1f}x  {m['torchrun'] / m['cold']:>14.1f}x"
+                f"{m['torchrun'] / m['second']:>17.1f}x  {m['torchrun'] / m['cold']:>14.1f}x  "
+                f"{m['remote first']:>10.3f}  {m['remote second']:>10.3f}  "
+                f"{m['torchrun'] / m['remote second']:>20.1f}x"
             )
     print(
         textwrap.dedent(
@@ -171,7 +220,8 @@ def main() -> None:
             mesh start: spawn_procs in a controller that has imported torch; 1st/2nd run: one
             pm.run_spmd on that mesh (each rank forked from the fork server: no interpreter
             start, no import torch); cold: Popen of a controller to the end of its first run;
-            torchrun: Popen to exit of python -m torch.distributed.run --standalone."""
+            torchrun: Popen to exit of python -m torch.distributed.run --standalone; remote:
+            one pm.run_spmd on workers of md.remote_hosts (each rank a fresh interpreter)."""
         ).strip()
     )
 
