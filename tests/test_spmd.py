@@ -221,6 +221,9 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path,
     hosts = md.remote_hosts(2)
     address = hosts.listen({"gpu": 2})
     env = dict(os.environ, MONARCH_DSL_QUIET="1", PYTHONPATH=ROOT, **hosts.env())
+    # as torchrun leaves them in its workers' environment: a rank must not inherit the first
+    # (rank 0 would wait for an agent's store), and keeps the launcher's thread count
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="3")
     command = [sys.executable, "-m", "monarch_dsl", "worker", "--connect", address]
     workers = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(4)]
     try:
@@ -244,6 +247,7 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path,
                 and e["MASTER_PORT"] == seen[0]["env"]["MASTER_PORT"]
             )
             assert e["MONARCH_DSL_TOKEN"] is None  # the job's secret stays with the workers
+            assert e["TORCHELASTIC_USE_AGENT_STORE"] is None and e["OMP_NUM_THREADS"] == "3"
             assert not s["torch_preloaded"]  # a fresh interpreter
         out, err = capfd.readouterr()
         assert "[host=1,gpu=0] hello from rank 2 of 4" in out
@@ -257,9 +261,10 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path,
         assert "rank 1 gives up" in e.value.stderr
         assert_gone([s["pid"] for s in rank_files(failed, 4)])
 
-        again = tmp_path / "again"
-        again.mkdir()
-        assert pm.run_spmd(RANKS, "ok", str(again), timeout=60).values() == [0, 0, 0, 0]
+        # the mesh runs again: DDP training over gloo (a rendezvous at rank 0's address)
+        weights = tmp_path / "w.pt"
+        assert pm.run_spmd(DDP_TRAIN, str(weights), "2", timeout=120).values() == [0, 0, 0, 0]
+        assert weights.exists()
 
         sleeping = tmp_path / "sleep"
         sleeping.mkdir()

@@ -315,6 +315,11 @@ def test_a_snapshot_is_an_independent_copy_of_every_kind_of_tensor_and_travels_a
         payload, buffers = serialize.dumps(s)
         got = serialize.loads(payload, [bytearray(b) for b in buffers])
         assert got.dtype == s.dtype and got.shape == s.shape and torch.equal(got, s)
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    two = TwoTensor(torch.ones(3), torch.zeros(3))  # a subclass: copied by its own clone
+    s = snapshot(two)
+    assert type(s) is TwoTensor and torch.equal(s.a, two.a) and torch.equal(s.b, two.b)
     with md.Simulator(hosts=1, gpus=2).mesh.activate():  # factories make mesh tensors here
         s = snapshot(big)
     assert type(s) is torch.Tensor and torch.equal(s, big)

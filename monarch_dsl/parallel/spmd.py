@@ -98,7 +98,7 @@ from typing import Any
 
 from monarch_dsl.actor import Actor, ValueMesh, endpoint
 from monarch_dsl.errors import SpmdError, SupervisionError
-from monarch_dsl.runtime import controller, forkserver, logs
+from monarch_dsl.runtime import controller, forkserver, logs, memory
 from monarch_dsl.runtime.context import current_rank
 from monarch_dsl.runtime.messages import ForkScripts
 
@@ -409,13 +409,19 @@ class _Run:
 
 # ---------------------------------------------------------------------------- remote hosts
 TAIL_LINES = 40  # the end of a remote rank's stderr kept for the error
-BOOTSTRAP = (  # argv: the worker's pid, then the command to exec
-    "import ctypes, os, signal, sys\n"
+BOOTSTRAP = (  # argv: the worker's pid, the RLIMIT_DATA it was started with, the command
+    "import ctypes, os, resource, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]):  # the worker died before that\n"
     "    os._exit(128 + signal.SIGKILL)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
+    "hard = resource.getrlimit(resource.RLIMIT_DATA)[1]  # (not the worker's budget)\n"
+    "resource.setrlimit(resource.RLIMIT_DATA, (int(sys.argv[2]), hard))\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
 )
+# The launcher's variables a rank must not inherit from its worker: torchrun gives its workers
+# TORCHELASTIC_USE_AGENT_STORE=True (rank 0 would then wait for a store nobody serves) and
+# others of its own run; run_spmd sets its own.
+LAUNCHER_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
 def remote_rank_envs(
@@ -423,7 +429,8 @@ def remote_rank_envs(
     master: tuple[str, int],
 ) -> list[dict[str, str]]:  # fmt: skip
     """The variables each rank of a run on remote hosts gets on top of its worker's own
-    environment (see the module docstring)."""
+    environment (see the module docstring; ``OMP_NUM_THREADS`` is the agent's, from its
+    worker's environment)."""
     n = len(ranks)
     hosts: dict[Any, list[int]] = {}
     for i, r in enumerate(ranks):
@@ -436,9 +443,6 @@ def remote_rank_envs(
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
     }
-    per_host = max(len(v) for v in hosts.values())
-    if per_host > 1 and "OMP_NUM_THREADS" not in {**mesh_env, **env}:
-        defaults["OMP_NUM_THREADS"] = "1"  # as torchrun: a host's ranks share its cores
     common = {**mesh_env, **defaults, **env, "MONARCH_DSL_ROLE": "spmd"}
     out: list[dict[str, str]] = [{} for _ in ranks]
     for g, members in enumerate(hosts.values()):
@@ -482,10 +486,17 @@ class _Agent(Actor):
                 script,
             )
         command = [sys.executable, *(("-m",) if module else ()), script, *args]
-        full = {k: v for k, v in os.environ.items() if k != "MONARCH_DSL_TOKEN"}
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if k != "MONARCH_DSL_TOKEN" and not k.startswith(LAUNCHER_PREFIXES)
+        }
+        if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: a host's ranks share its cores
         full.update(env)
+        limit = memory.inherited_data_limit()
         proc = subprocess.Popen(
-            [sys.executable, "-c", BOOTSTRAP, str(os.getpid()), *command],
+            [sys.executable, "-c", BOOTSTRAP, str(os.getpid()), str(limit), *command],
             env=full,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -521,8 +532,10 @@ class _Agent(Actor):
         code = proc.poll()
         if code is None:
             return None, ""
-        for t in threads:
-            t.join(1.0)
+        if threads:  # (once: a descendant may hold the pipes open; not waited for again)
+            for t in threads:
+                t.join(0.2)
+            threads.clear()
         return code, "".join(tail)
 
     @endpoint
@@ -536,7 +549,13 @@ class _Agent(Actor):
 
     @endpoint
     def forget(self, run: str) -> None:
-        self.runs.pop(run, None)
+        entry = self.runs.pop(run, None)
+        if entry is not None:
+            try:
+                entry[0].wait(STOP_GRACE)  # (reaped: signalled or exited by now)
+            except subprocess.TimeoutExpired:
+                os.killpg(entry[0].pid, signal.SIGKILL)
+                entry[0].wait(KILL_WAIT)
 
     def _kill_all(self) -> None:
         for proc, _, _ in self.runs.values():
@@ -574,14 +593,21 @@ def _agent(pm: Any) -> Any:
         return agent
 
 
-def _master_addr(job: controller.Job, rank: int) -> str:
-    """The address rank ``rank``'s worker connected from (a TCP peer), else loopback."""
+def _master_addr(job: controller.Job, rank: int, ranks: list[int]) -> str:
+    """The address rank ``rank``'s worker connected from (a TCP peer), else loopback; where
+    that is a loopback address but the run's workers are on several hosts (rank 0's worker on
+    the controller's host), rank 0's host name as its worker reported it."""
     conn = job.conns.get(rank)
     try:
         host = conn.sock.getpeername()[0] if conn is not None else MASTER_ADDR
     except (OSError, AttributeError, IndexError, TypeError):
         host = MASTER_ADDR
-    return host if isinstance(host, str) and host else MASTER_ADDR
+    if not isinstance(host, str) or not host:
+        host = MASTER_ADDR
+    names = {job.hellos[r].hostname for r in ranks if r in job.hellos}
+    if host.startswith("127.") and len(names) > 1 and rank in job.hellos:
+        return job.hellos[rank].hostname
+    return host
 
 
 class _RemoteRun(_Run):
@@ -597,7 +623,7 @@ class _RemoteRun(_Run):
         port = env.get("MASTER_PORT")
         if port is None:
             port = self.agent.slice(**_first(pm)).master_port.call_one().get(FORK_TIMEOUT)
-        master = (env.get("MASTER_ADDR") or _master_addr(job, ranks[0]), int(port))
+        master = (env.get("MASTER_ADDR") or _master_addr(job, ranks[0], ranks), int(port))
         envs = remote_rank_envs(job, ranks, job.worker_env, env, master)
         self._done = threading.Event()
         try:
@@ -621,6 +647,10 @@ class _RemoteRun(_Run):
                 self.agent.signal.call(self.run_id, sig).get(FORK_TIMEOUT)
             except Exception:  # noqa: BLE001 - a worker gone: nothing of this run is left there
                 pass
+        try:
+            self.agent.forget.call(self.run_id).get(FORK_TIMEOUT)  # (and reap what started)
+        except Exception:  # noqa: BLE001
+            pass
 
     def _poll(self) -> None:
         """Every POLL s: each agent's rank's status, until all exited. A rank whose worker
@@ -654,7 +684,9 @@ class _RemoteRun(_Run):
             self._done.wait(POLL)
 
     def _gone(self, i: int) -> bool:
-        return self.ranks[i] in self.job.dead
+        """Its worker died, or the mesh is being stopped (which ends the ranks with it)."""
+        job = self.job
+        return job.stopping or job.stopped or self.ranks[i] in job.dead
 
     def _all_ended(self) -> bool:
         return all(i in self.status or self._gone(i) for i in range(len(self.pids)))

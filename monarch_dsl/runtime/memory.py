@@ -278,6 +278,15 @@ def _apply() -> None:
     _set = soft
 
 
+def inherited_data_limit() -> int:
+    """The RLIMIT_DATA soft limit this process started with (before any budget), for the
+    processes it starts (``pm.run_spmd``'s ranks on remote hosts): -1 for none."""
+    import resource
+
+    soft = _inherited[0] if _inherited is not None else resource.getrlimit(resource.RLIMIT_DATA)[0]
+    return -1 if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def budget() -> int:
     """This worker's budget in bytes (0: none)."""
     return _budget

@@ -15,6 +15,7 @@ import pickle
 import sys
 import threading
 import types
+from contextlib import nullcontext
 from typing import Any
 
 import cloudpickle
@@ -67,7 +68,8 @@ def _reduce_tensor(t):
         or t.is_neg()
     ):
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    with local_ops():
+    # (a plain tensor's own ops outside any mesh dispatch mode; a subclass's through its own)
+    with local_ops() if type(t) in (torch.Tensor, torch.nn.Parameter) else nullcontext():
         data = t.detach()
         if not data.is_contiguous():
             data = data.contiguous()
@@ -116,6 +118,8 @@ def snapshot(t: Any) -> Any:
     (a GPU's, sparse, quantized, a lazy conjugate) by ``clone()``."""
     import torch
 
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a subclass: its own ops and rules
+        return t.detach().clone(memory_format=torch.contiguous_format)
     with local_ops():
         t = t.detach()
         if not t.is_cpu or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():

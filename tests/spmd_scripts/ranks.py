@@ -31,6 +31,7 @@ VARS = (
     "SPMD_TEST_EXTRA",
     "GROUP_WORLD_SIZE",
     "MONARCH_DSL_TOKEN",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 action, out_dir = sys.argv[1], sys.argv[2]
