@@ -68,11 +68,16 @@ same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
 ``STOP_GRACE``). What differs:
 
 - the script (or module) must exist on every host at the same path (``pm.sync_files`` copies
-  it); a rank whose host lacks it fails the run with ``FileNotFoundError``, naming the rank;
-- each rank's environment is its worker's environment (the launcher's on that host) with the
-  variables above set; ``MASTER_ADDR`` is the address rank 0's worker connected from, and
-  ``MASTER_PORT`` a port free on rank 0's host; ``GROUP_RANK`` / ``LOCAL_RANK`` /
-  ``LOCAL_WORLD_SIZE`` count the run's ranks by host (the ``host`` coordinate), as torchrun's;
+  it); where a host lacks it, no rank runs: the agent's ``FileNotFoundError`` (in an
+  ``md.ActorError`` naming the worker) is raised and the ranks already started are stopped;
+- each rank's environment is its worker's environment (the launcher's on that host) less the
+  launcher's own ``TORCHELASTIC_*`` variables and the job's token, with the variables above
+  set (``OMP_NUM_THREADS=1`` only where the worker's has none); ``MASTER_ADDR`` is the
+  address rank 0's worker connected from (its host name where that is loopback and the run
+  spans hosts), and ``MASTER_PORT`` a port free on rank 0's host; ``GROUP_RANK`` /
+  ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` count the run's ranks by host (the ``host``
+  coordinate), as torchrun's; its memory limit is the one its worker started with, not the
+  worker's budget;
 - the output is prefixed with the worker's coordinates on its own host, where the workers of
   ``md.remote_hosts`` print (``pm.logging`` does not reach them);
 - each run starts a fresh interpreter, so it pays for ``import torch`` every time (a per-host
@@ -81,7 +86,6 @@ same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
 import os
@@ -467,8 +471,9 @@ class _Agent(Actor):
     prefixed with the worker's coordinates, to the worker's own stdout / stderr."""
 
     def __init__(self) -> None:
+        # (no cleanup at the worker's exit: workers end by os._exit; a rank dies with its
+        # worker through the bootstrap's PR_SET_PDEATHSIG)
         self.runs: dict[str, tuple[subprocess.Popen, Any, list[threading.Thread]]] = {}
-        atexit.register(self._kill_all)
 
     @endpoint
     def master_port(self) -> int:
@@ -554,16 +559,11 @@ class _Agent(Actor):
             try:
                 entry[0].wait(STOP_GRACE)  # (reaped: signalled or exited by now)
             except subprocess.TimeoutExpired:
-                os.killpg(entry[0].pid, signal.SIGKILL)
-                entry[0].wait(KILL_WAIT)
-
-    def _kill_all(self) -> None:
-        for proc, _, _ in self.runs.values():
-            if proc.poll() is None:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.killpg(entry[0].pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+                entry[0].wait(KILL_WAIT)
 
 
 def _copy_lines(pipe: Any, out: Any, label: str, keep: Any) -> None:
