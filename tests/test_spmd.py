@@ -211,11 +211,14 @@ def test_bad_inputs_are_refused_before_anything_starts(pm, monkeypatch, args, kw
         pm.run_spmd(*args, **kwargs)
 
 
-def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path, capfd):
+def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
+    tmp_path, capfd, monkeypatch
+):
     """Workers an external launcher started (md.remote_hosts: 2 "hosts" of 2 here, over TCP):
     each starts its rank's process (no fork server on this host). The torchrun variables
     count ranks by host; output is prefixed on the worker's host; a failing rank stops the
-    others and is named with the end of its stderr; the mesh runs again; a worker killed
+    others and is named with the end of its stderr; the mesh runs again; a script missing on
+    the workers' host is a FileNotFoundError naming the rank; a worker killed
     during a run is a SupervisionError, and no rank outlives it (the killed worker's own rank
     dies with it: PR_SET_PDEATHSIG)."""
     hosts = md.remote_hosts(2)
@@ -265,6 +268,13 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(tmp_path,
         weights = tmp_path / "w.pt"
         assert pm.run_spmd(DDP_TRAIN, str(weights), "2", timeout=120).values() == [0, 0, 0, 0]
         assert weights.exists()
+
+        # a script missing on the workers' host (found here: check_arguments passes it on)
+        missing = str(tmp_path / "elsewhere.py")
+        with monkeypatch.context() as m:
+            m.setattr(spmd, "check_arguments", lambda *a: (missing, (), {}))
+            with pytest.raises(FileNotFoundError, match=r"no such script file on host .*rank 0"):
+                pm.run_spmd(missing)
 
         sleeping = tmp_path / "sleep"
         sleeping.mkdir()

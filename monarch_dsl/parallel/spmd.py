@@ -68,8 +68,8 @@ same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
 ``STOP_GRACE``). What differs:
 
 - the script (or module) must exist on every host at the same path (``pm.sync_files`` copies
-  it); where a host lacks it, no rank runs: the agent's ``FileNotFoundError`` (in an
-  ``md.ActorError`` naming the worker) is raised and the ranks already started are stopped;
+  it); where a host lacks it, no rank runs: ``FileNotFoundError`` naming the rank and the host
+  is raised and the ranks already started are stopped;
 - each rank's environment is its worker's environment (the launcher's on that host) less the
   launcher's own ``TORCHELASTIC_*`` variables and the job's token, with the variables above
   set (``OMP_NUM_THREADS=1`` only where the worker's has none); ``MASTER_ADDR`` is the
@@ -101,7 +101,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from monarch_dsl.actor import Actor, ValueMesh, endpoint
-from monarch_dsl.errors import SpmdError, SupervisionError
+from monarch_dsl.errors import ActorError, SpmdError, SupervisionError
 from monarch_dsl.runtime import controller, forkserver, logs, memory
 from monarch_dsl.runtime.context import current_rank
 from monarch_dsl.runtime.messages import ForkScripts
@@ -633,7 +633,20 @@ class _RemoteRun(_Run):
                 )
                 for i in range(len(ranks))
             ]
-            self.pids = tuple(f.get(FORK_TIMEOUT) for f in started)
+            pids = []
+            for i, f in enumerate(started):
+                try:
+                    pids.append(f.get(FORK_TIMEOUT))
+                except ActorError as e:  # the agent's own error, naming the rank (a missing
+                    # script on its host): raised as itself, as a local run raises it
+                    if isinstance(e.exception, OSError):
+                        raise type(e.exception)(
+                            e.exception.errno,
+                            f"{e.exception.strerror} (rank {i}, {self.labels[i]})",
+                            e.exception.filename,
+                        ) from e
+                    raise
+            self.pids = tuple(pids)
         except BaseException:
             self._stop_started()
             raise
