@@ -666,35 +666,45 @@ class _RemoteRun(_Run):
             pass
 
     def _poll(self) -> None:
-        """Every POLL s: each agent's rank's status, until all exited. A rank whose worker
-        died is gone with it (its process was killed with the worker: the bootstrap's
+        """Every POLL s: each agent's rank's status (``_poll_once``), until all exited."""
+        while not self._done.is_set():
+            if self._poll_once():
+                return
+            self._done.wait(POLL)
+
+    def _poll_once(self) -> bool:
+        """Each agent's rank's status, recorded; whether all ranks have ended. A rank whose
+        worker died is gone with it (its process was killed with the worker: the bootstrap's
         PR_SET_PDEATHSIG), with no status (the run's error is the worker's); the others are
         asked one by one from then on."""
-        while not self._done.is_set():
-            dead = [i for i in range(len(self.ranks)) if self._gone(i)]
-            try:
-                if not dead:
-                    replies = list(self.agent.poll.call(self.run_id).get(FORK_TIMEOUT).values())
-                else:
-                    replies = [
-                        (None, "")
-                        if i in self.status or i in dead
-                        else self.agent.slice(**_point(self.pm, i))
-                        .poll.call_one(self.run_id)
-                        .get(FORK_TIMEOUT)
-                        for i in range(len(self.ranks))
-                    ]
-            except Exception:  # noqa: BLE001 - a worker died meanwhile: see it next round
-                replies = [(None, "")] * len(self.ranks)
-            for i, (code, tail) in enumerate(replies):
-                if code is not None and i not in self.status:
-                    self.tails[i] = tail
-                    # as a wait status: the exit code, or the signal that killed it
-                    self._on_exit(i, -code if code < 0 else code << 8)
-            with self._cond:
-                if self._all_ended():
-                    return
-            self._done.wait(POLL)
+        dead = [i for i in range(len(self.ranks)) if self._gone(i)]
+        try:
+            if not dead:
+                replies = list(self.agent.poll.call(self.run_id).get(FORK_TIMEOUT).values())
+            else:
+                replies = [
+                    (None, "")
+                    if i in self.status or i in dead
+                    else self.agent.slice(**_point(self.pm, i))
+                    .poll.call_one(self.run_id)
+                    .get(FORK_TIMEOUT)
+                    for i in range(len(self.ranks))
+                ]
+        except Exception:  # noqa: BLE001 - a worker died meanwhile: see it next round
+            replies = [(None, "")] * len(self.ranks)
+        for i, (code, tail) in enumerate(replies):
+            if code is not None and i not in self.status:
+                self.tails[i] = tail
+                # as a wait status: the exit code, or the signal that killed it
+                self._on_exit(i, -code if code < 0 else code << 8)
+        with self._cond:
+            return self._all_ended()
+
+    def stop(self) -> None:
+        """As a local run's, after one more poll: a rank that exited since the last one (a
+        second failure, moments after the first) is reported as it ended, not as stopped."""
+        self._poll_once()
+        super().stop()
 
     def _gone(self, i: int) -> bool:
         """Its worker died, or the mesh is being stopped (which ends the ranks with it)."""
