@@ -102,8 +102,8 @@ from typing import Any
 
 from monarch_dsl.actor import Actor, ValueMesh, endpoint
 from monarch_dsl.errors import ActorError, SpmdError, SupervisionError
+from monarch_dsl.mesh import coords_of_index
 from monarch_dsl.runtime import controller, forkserver, logs, memory
-from monarch_dsl.runtime.context import current_rank
 from monarch_dsl.runtime.messages import ForkScripts
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping ranks
@@ -211,31 +211,43 @@ def free_port(host: str = MASTER_ADDR) -> int:
 def rank_envs(mesh_env: Mapping[str, str], env: Mapping[str, str], n: int) -> list[dict[str, str]]:
     """The whole environment of each of ``n`` ranks (see the module docstring)."""
     base = {**os.environ, **mesh_env}
-    defaults = {
-        "MASTER_ADDR": MASTER_ADDR,
-        "MASTER_PORT": env.get("MASTER_PORT") or str(free_port()),
+    defaults = _launch_vars(MASTER_ADDR, env.get("MASTER_PORT") or str(free_port()))
+    if n > 1 and "OMP_NUM_THREADS" not in base:
+        defaults["OMP_NUM_THREADS"] = "1"  # as torchrun: n ranks share the cores
+    return _per_rank({**base, **defaults, **env, "MONARCH_DSL_ROLE": "spmd"}, [list(range(n))])
+
+
+def _launch_vars(addr: str, port: str) -> dict[str, str]:
+    """What torchrun sets for every rank of a run, rendezvous at ``addr:port``."""
+    return {
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
         "ROLE_NAME": "default",
         "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
     }
-    if n > 1 and "OMP_NUM_THREADS" not in base:
-        defaults["OMP_NUM_THREADS"] = "1"  # as torchrun: n ranks share the cores
-    common = {**base, **defaults, **env, "MONARCH_DSL_ROLE": "spmd"}
-    return [
-        dict(
-            common,
-            RANK=str(i),
-            LOCAL_RANK=str(i),
-            WORLD_SIZE=str(n),
-            LOCAL_WORLD_SIZE=str(n),
-            GROUP_RANK="0",
-            GROUP_WORLD_SIZE="1",
-            ROLE_RANK=str(i),
-            ROLE_WORLD_SIZE=str(n),
-        )
-        for i in range(n)
-    ]
+
+
+def _per_rank(common: dict[str, str], hosts: list[list[int]]) -> list[dict[str, str]]:
+    """``common`` with each rank's variables, ``hosts`` the run's ranks grouped by host (in
+    order): ``LOCAL_RANK`` and ``GROUP_RANK`` as torchrun numbers them."""
+    n = sum(len(members) for members in hosts)
+    out: list[dict[str, str]] = [{} for _ in range(n)]
+    for g, members in enumerate(hosts):
+        for local, i in enumerate(members):
+            out[i] = dict(
+                common,
+                RANK=str(i),
+                LOCAL_RANK=str(local),
+                WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(len(members)),
+                GROUP_RANK=str(g),
+                GROUP_WORLD_SIZE=str(len(hosts)),
+                ROLE_RANK=str(i),
+                ROLE_WORLD_SIZE=str(n),
+            )
+    return out
 
 
 def returncode(status: int | None) -> int | None:
@@ -435,40 +447,19 @@ def remote_rank_envs(
     """The variables each rank of a run on remote hosts gets on top of its worker's own
     environment (see the module docstring; ``OMP_NUM_THREADS`` is the agent's, from its
     worker's environment)."""
-    n = len(ranks)
     hosts: dict[Any, list[int]] = {}
     for i, r in enumerate(ranks):
         hosts.setdefault(job.coords(r).get("host", 0), []).append(i)
-    defaults = {
-        "MASTER_ADDR": master[0],
-        "MASTER_PORT": str(master[1]),
-        "ROLE_NAME": "default",
-        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-    }
+    defaults = _launch_vars(master[0], str(master[1]))
     common = {**mesh_env, **defaults, **env, "MONARCH_DSL_ROLE": "spmd"}
-    out: list[dict[str, str]] = [{} for _ in ranks]
-    for g, members in enumerate(hosts.values()):
-        for local, i in enumerate(members):
-            out[i] = dict(
-                common,
-                RANK=str(i),
-                LOCAL_RANK=str(local),
-                WORLD_SIZE=str(n),
-                LOCAL_WORLD_SIZE=str(len(members)),
-                GROUP_RANK=str(g),
-                GROUP_WORLD_SIZE=str(len(hosts)),
-                ROLE_RANK=str(i),
-                ROLE_WORLD_SIZE=str(n),
-            )
-    return out
+    return _per_rank(common, list(hosts.values()))
 
 
 class _Agent(Actor):
     """On each worker of a mesh of remote hosts: starts, watches and stops its rank's process
     of a ``run_spmd`` run (see the module docstring). Its output is copied, line by line and
-    prefixed with the worker's coordinates, to the worker's own stdout / stderr."""
+    prefixed with the worker's coordinates (``label``, as the controller prefixes a local
+    rank's), to the worker's own stdout / stderr."""
 
     def __init__(self) -> None:
         # (no cleanup at the worker's exit: workers end by os._exit; a rank dies with its
@@ -481,7 +472,13 @@ class _Agent(Actor):
 
     @endpoint
     def start(
-        self, run: str, script: str, args: tuple[str, ...], env: dict[str, str], module: bool
+        self,
+        run: str,
+        script: str,
+        args: tuple[str, ...],
+        env: dict[str, str],
+        module: bool,
+        label: str,
     ) -> int:
         if not module and not os.path.isfile(script):
             raise FileNotFoundError(
@@ -508,14 +505,12 @@ class _Agent(Actor):
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: stopped as a whole
         )
-        c = current_rank()
-        label = "[" + ",".join(f"{d}={v}" for d, v in c.items()) + "] " if c else ""
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         streams = ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, tail))
         threads = [
             threading.Thread(
                 target=_copy_lines,
-                args=(pipe, out, label, keep),
+                args=(pipe, out, f"[{label}] ", keep),
                 name="md-spmd-output",
                 daemon=True,
             )  # fmt: skip
@@ -622,14 +617,14 @@ class _RemoteRun(_Run):
         self.agent = _agent(pm)
         port = env.get("MASTER_PORT")
         if port is None:
-            port = self.agent.slice(**_first(pm)).master_port.call_one().get(FORK_TIMEOUT)
+            port = self.agent.slice(**_point(pm, 0)).master_port.call_one().get(FORK_TIMEOUT)
         master = (env.get("MASTER_ADDR") or _master_addr(job, ranks[0], ranks), int(port))
         envs = remote_rank_envs(job, ranks, job.worker_env, env, master)
         self._done = threading.Event()
         try:
             started = [
                 self.agent.slice(**_point(pm, i)).start.call_one(
-                    self.run_id, script, args, envs[i], module
+                    self.run_id, script, args, envs[i], module, self.labels[i]
                 )
                 for i in range(len(ranks))
             ]
@@ -750,13 +745,4 @@ class _RemoteRun(_Run):
 
 def _point(pm: Any, i: int) -> dict[str, int]:
     """The coordinates of ``pm``'s ``i``-th worker, row-major, as ``slice`` takes them."""
-    sizes = pm.sizes
-    out: dict[str, int] = {}
-    for d in reversed(list(sizes)):
-        out[d] = i % sizes[d]
-        i //= sizes[d]
-    return dict(reversed(list(out.items())))
-
-
-def _first(pm: Any) -> dict[str, int]:
-    return _point(pm, 0)
+    return dict(zip(pm.sizes, coords_of_index(i, tuple(pm.sizes.values()))))
