@@ -58,28 +58,49 @@ def _rebuild_tensor(buf, dtype_name, shape, requires_grad):
 
 
 def _reduce_tensor(t):
-    import torch
 
-    if (
-        t.device.type != "cpu"
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-    ):
+    if not _in_plain_memory(t):
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     # (a plain tensor's own ops outside any mesh dispatch mode; a subclass's through its own)
-    with local_ops() if type(t) in (torch.Tensor, torch.nn.Parameter) else nullcontext():
-        data = t.detach()
-        if not data.is_contiguous():
-            data = data.contiguous()
-        try:  # its bytes, straight from the tensor's memory
-            array = data.numpy()
-        except TypeError:  # a dtype numpy lacks (bfloat16): as bytes
-            array = data.reshape(-1).view(torch.uint8).numpy()
+    with local_ops() if _plain(t) else nullcontext():
+        array = _array_of(t.detach())  # its bytes, straight from the tensor's memory
     # (the dtype by name: a short string in the stream, not a pickled torch.dtype)
     name = dtype_name(t.dtype)
     return _rebuild_tensor, (pickle.PickleBuffer(array), name, tuple(t.shape), t.requires_grad)
+
+
+def _plain(t: Any) -> bool:
+    """A tensor of torch's own class (a Parameter too), not a subclass with its own rules."""
+    import torch
+
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _in_plain_memory(t: Any) -> bool:
+    """Its values are its CPU memory as it is: dense, not quantized, no lazy conjugate or
+    negation (then ``_array_of`` reads them)."""
+    import torch
+
+    return (
+        t.is_cpu
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _array_of(t: Any) -> Any:
+    """A numpy array on the memory of ``t`` (in plain memory, no autograd), contiguous first;
+    as bytes for a dtype numpy lacks (bfloat16)."""
+    import torch
+
+    if not t.is_contiguous():
+        t = t.contiguous()
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.reshape(-1).view(torch.uint8).numpy()
 
 
 _have_tensor_reducer = False
@@ -118,21 +139,15 @@ def snapshot(t: Any) -> Any:
     (a GPU's, sparse, quantized, a lazy conjugate) by ``clone()``."""
     import torch
 
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a subclass: its own ops and rules
+    if not _plain(t):  # a subclass: its own ops and rules
         return t.detach().clone(memory_format=torch.contiguous_format)
     with local_ops():
         t = t.detach()
-        if not t.is_cpu or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        if not _in_plain_memory(t):
             return t.clone(memory_format=torch.contiguous_format)
-        if not t.is_contiguous():
-            t = t.contiguous()
-        shape = tuple(t.shape)
-        try:
-            copy = t.numpy().copy()
-            out = torch.from_numpy(copy)
-        except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
-            copy = t.reshape(-1).view(torch.uint8).numpy().copy()
-            out = torch.from_numpy(copy).view(t.dtype).view(shape)
+        out = torch.from_numpy(_array_of(t).copy())
+        if out.dtype != t.dtype:  # (copied as bytes)
+            out = out.view(t.dtype).view(t.shape)
     return out
 
 
