@@ -107,7 +107,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
-from monarch_dsl.compiler.simulate import steady_step_time  # noqa: E402
+from monarch_dsl.compiler.simulate import sent_bytes, steady_step_time  # noqa: E402
 
 BLOCK_SECONDS = 0.5
 
@@ -467,8 +467,8 @@ def predict_compiled(
         # Called back to back: the controller's per-call work (its inputs, the local arguments
         # it sends) overlaps the workers' run of the call before.
         return steady_step_time(
-            report.step_time, profile, len(plan.inputs),
-            [a.numel() * a.element_size() for a in args], ranks=2, outputs=len(plan.outputs),
+            report.step_time, profile, len(plan.inputs), sent_bytes(plan, args), ranks=2,
+            outputs=len(plan.outputs),
         )  # fmt: skip
 
     report = plan.simulate(profile=profile)

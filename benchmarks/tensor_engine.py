@@ -13,11 +13,15 @@
 
 3. Local data sent to the workers: the controller's CPU (all its threads, ``process_time``) per
    ``md.to_mesh(t)`` of a local tensor and per call of a compiled step with a local argument
-   (the block's CPU, the 2 ms between calls and the last call's wait included, over its calls),
-   at 512 KiB and 4 MiB, on 2 worker processes. Each copies the tensor when it is called (the
-   caller may change it before the message leaves): with ``serialize.snapshot`` (one thread)
-   beside torch's ``clone()`` (the peer, on torch's intra-op threads), calls 2 ms apart as in
-   a loop that does other work between them, blocks alternating; median of 5 blocks.
+   sharded over the ranks (a batch; the block's CPU, the 2 ms between calls and the last
+   call's wait included, over its calls), at 512 KiB and 4 MiB, on 2 worker processes. Each
+   copies the tensor when it is called (the caller may change it before the message leaves):
+   with ``serialize.snapshot`` (one thread) beside torch's ``clone()`` (the peer, on torch's
+   intra-op threads; with it the call sends the whole batch to every rank, as before
+   ``PerRank``), calls 2 ms apart as in a loop that does other work between them, blocks
+   alternating; median of 5 blocks. ``whole to each rank``: the compiled call with the
+   snapshot, but the whole batch sent to every rank (each keeping its part), beside the same
+   call sending each rank its own rows (``serialize.PerRank``).
 
 Targets (issue 3): <= 30 us of controller time per eager op; reduce >= 90% of the raw
 all-reduce bandwidth at 64 MiB.
@@ -108,31 +112,47 @@ SEND_CALLS = 20
 
 
 def send_local(pm, kib: int) -> dict[str, tuple[float, float]]:
-    """(to_mesh, compiled call) controller CPU ms each, for snapshot and clone."""
+    """(to_mesh, compiled call) controller CPU ms each, for snapshot, clone and (the call
+    only) the snapshot sent whole to each rank."""
     from monarch_dsl.runtime.serialize import snapshot
     from monarch_dsl.tensor import movement
 
     mesh_fn_module = sys.modules["monarch_dsl.mesh_fn"]  # (md.mesh_fn is the function)
-    copies = {"snapshot": snapshot, "clone": lambda t: t.detach().clone()}
+    rows = mesh_fn_module._rows
+    variants = {  # name: (the copy, each rank's rows)
+        "snapshot": (snapshot, rows),
+        "clone": (lambda t: t.detach().clone(), rows),  # (no wire form: sent whole)
+        "whole": (snapshot, lambda *args: None),
+    }
     value = torch.randn(2, kib * 256 // 2)  # kib KiB of float32, outside pm.activate()
     out = {"x": {"gpu": md.Shard(0)}}
     step = md.mesh_fn(lambda x: x * 2, placements=out, out_placements={"out0": out["x"]})
-    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in copies}
-    with pm.activate():
-        md.inspect(step(value))
-        for _ in range(RUNS):
-            for name, copy in copies.items():
-                movement.snapshot = mesh_fn_module.snapshot = copy
-                for kind, send in enumerate((lambda: md.to_mesh(value, pm), lambda: step(value))):
-                    c0 = time.process_time()  # (sleeping takes none: what runs meanwhile)
-                    for _ in range(SEND_CALLS):
-                        result = send()
-                        time.sleep(0.002)  # (the loop's other work)
-                    md.inspect(result[:1])
-                    cpu = time.process_time() - c0
-                    times[name][kind].append(cpu / SEND_CALLS * 1e3)
-    movement.snapshot = mesh_fn_module.snapshot = snapshot
-    return {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in times.items()}
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in variants}
+    try:
+        with pm.activate():
+            md.inspect(step(value))
+            for _ in range(RUNS):
+                for name, (copy, rows_of) in variants.items():
+                    movement.snapshot = mesh_fn_module.snapshot = copy
+                    mesh_fn_module._rows = rows_of
+                    sends = (lambda: md.to_mesh(value, pm), lambda: step(value))
+                    for kind, send in enumerate(sends):
+                        if name == "whole" and kind == 0:
+                            continue
+                        c0 = time.process_time()  # (sleeping takes none: what runs meanwhile)
+                        for _ in range(SEND_CALLS):
+                            result = send()
+                            time.sleep(0.002)  # (the loop's other work)
+                        md.inspect(result[:1])
+                        cpu = time.process_time() - c0
+                        times[name][kind].append(cpu / SEND_CALLS * 1e3)
+    finally:
+        movement.snapshot = mesh_fn_module.snapshot = snapshot
+        mesh_fn_module._rows = rows
+    return {
+        k: (statistics.median(a) if a else float("nan"), statistics.median(b))
+        for k, (a, b) in times.items()
+    }
 
 
 def main() -> None:
@@ -179,6 +199,15 @@ def main() -> None:
                         None,
                     )
                 )
+            rows.append(
+                (
+                    f"  ... whole to each rank, {kib} KiB",
+                    sent["snapshot"][1],
+                    sent["whole"][1],
+                    "-",
+                    None,
+                )
+            )
     finally:
         pm.stop()
     print(
@@ -190,7 +219,9 @@ def main() -> None:
     print(
         "peer: local eager torch for ops; for reduce, a raw all_reduce on the same group "
         "(shared memory between processes of one host); for local data sent, the same with "
-        "the copy made by torch's clone() (intra-op threads) instead of serialize.snapshot."
+        "the copy made by torch's clone() (intra-op threads) instead of serialize.snapshot "
+        "(and the call's batch sent whole to each rank); 'whole to each rank': the call "
+        "with the snapshot, its batch sent whole to each rank instead of each its rows."
     )
     print(f"eager runs (controller CPU us/op): {', '.join(f'{c:.1f}' for c in cpu)}")
 

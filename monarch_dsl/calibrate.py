@@ -794,7 +794,7 @@ def _call_costs(
     (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
     its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs,
     ``plan_issue_per_output`` from 14 more results, the ``"controller"`` link from the local
-    arguments: latency + bytes x ranks / bandwidth). With ``in_plan_dispatch`` (CPU workers:
+    arguments: latency + the bytes sent in all / bandwidth). With ``in_plan_dispatch`` (CPU workers:
     a step's time is CPU), ``dispatch_overhead``: the busiest worker's CPU in the steps of
     the ``"plan steps"`` case over its steps, where more than the loop of one op. The
     workers: where their cores are shared with the controller, their CPU per call beyond the
@@ -812,9 +812,10 @@ def _call_costs(
         dispatch = max(dispatch, calls["plan steps"][4] / PLAN_STEPS)
     cost = {b: cpu[f"local {_size(b)}"] - cpu["base"] for b in LOCAL_ARG_BYTES}
     small, large = LOCAL_ARG_BYTES
-    slope = (cost[large] - cost[small]) / (n * (large - small))
+    # (each rank is sent its own row of z: the bytes sent in all are z's)
+    slope = (cost[large] - cost[small]) / (large - small)
     bandwidth = 1 / slope if slope > 0 else 1e12
-    latency = max(0.0, cost[small] - n * small / bandwidth)
+    latency = max(0.0, cost[small] - small / bandwidth)
     w = 2 * t["base"] - t["double"]
     cores = os.cpu_count() or 1
     if n + 1 > cores and any(workers.values()):
@@ -980,8 +981,8 @@ def _calls(
     ``z`` (its sum: an all-reduce of one number); ``"double"``: twice the chain;
     ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"+14 results"``: 14 more
     results (``z * i``: a handle each, deleted when the next call replaces it, as a step's
-    gradients are); ``"local N"``: ``z`` a local tensor of N bytes (sent whole to every
-    worker with each call, as a batch passed to a data-parallel step is, and split there);
+    gradients are); ``"local N"``: ``z`` a local tensor of N bytes, sent with each call as
+    a batch passed to a data-parallel step is (each worker its own row);
     ``"plan steps"``: no chain, ``PLAN_STEPS`` additions to ``z`` (a step's CPU)."""
     from monarch_dsl.compiler.plan import Shard
     from monarch_dsl.mesh import Mesh
@@ -1546,7 +1547,7 @@ def table(cal: Calibration) -> str:
     c = p.links.get("controller")
     if c is not None:
         out.append(
-            f"  a local tensor argument: {_us(c.latency)} + bytes x ranks at "
+            f"  a local tensor argument: {_us(c.latency)} + the bytes sent in all at "
             f"{c.bandwidth / 1e9:.2f} GB/s"
         )
     out.append("")

@@ -22,6 +22,7 @@ on the workers (each rank its shard), from the first call on a mesh until ``pull
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 import weakref
@@ -35,6 +36,7 @@ from monarch_dsl import isa
 from monarch_dsl.compiler.capture import used_objects
 from monarch_dsl.compiler.compile import compile_step
 from monarch_dsl.compiler.hyper import Hyper, current, is_setting, liftable_now, sign_of
+from monarch_dsl.compiler.interpret import sent_rows
 from monarch_dsl.compiler.lower import Program, lower
 from monarch_dsl.compiler.ops import ALIASING, base_name
 from monarch_dsl.compiler.plan import (
@@ -49,7 +51,7 @@ from monarch_dsl.compiler.plan import (
 from monarch_dsl.compiler.simulate import SimReport
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh, all_coords
-from monarch_dsl.runtime.serialize import snapshot
+from monarch_dsl.runtime.serialize import PerRank, snapshot
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 from monarch_dsl.tensor.handle import contiguous_desc
 
@@ -97,6 +99,8 @@ class _Compiled:
             for i in plan.inputs
         ]
         self.placements = tuple(i.type.placements for i in plan.inputs)
+        # (input index, mesh id) -> its ranks' rows, where a local argument is sent by parts
+        self.rows: dict[tuple[int, int], dict[int, tuple[int, int]] | None] = {}
         # per output: (name, kind, whole type, md.Tensor description, stage, in place); in
         # place: state the step updated in place (a momentum buffer): its input's ref stays.
         roots = _roots(plan)
@@ -617,7 +621,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             pid = next(_plan_ids)
         compiled.ids[id(engine)] = pid
         engine.append(mesh_id, isa.DefinePlan(pid, compiled.program, compiled.placements))
-    inputs, split, sent, keep = [], [], [], []
+    inputs, split, sent, parts, keep = [], [], [], [], []
     if _plain(args, kwargs):
         flat_args = list(args)
     else:
@@ -668,7 +672,12 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             keep.append(value)
             continue
         if kind == "arg":  # sent with the call (a copy: the caller may change it after)
-            sent.append((k, snapshot(value)))
+            copy = snapshot(value)
+            rows = _rows(compiled, k, pm, mesh_id)
+            if rows is not None and hasattr(copy, "_md_wire"):
+                parts.append((k, PerRank(copy, rows)))  # each rank its own rows
+            else:
+                sent.append((k, copy))
             inputs.append(-1)
             continue
         whole = lift(value, pm)
@@ -724,9 +733,23 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             "main",
             line,
             tuple(sent),
+            tuple(parts),
         ),
     )
     return pytree.tree_unflatten(results, plan.out_spec)
+
+
+def _rows(compiled: _Compiled, k: int, pm, mesh_id: int) -> dict[int, tuple[int, int]] | None:
+    """Each rank's rows of local argument ``k`` where they are runs of its rows (the batch of
+    a data-parallel step), by rank; None where it is sent whole."""
+    key = (k, mesh_id)
+    if key not in compiled.rows:
+        sizes = compiled.program.sizes
+        ranges = None
+        if math.prod(sizes) == len(pm.ranks):
+            ranges = sent_rows(compiled.inputs[k][2], sizes)
+        compiled.rows[key] = None if ranges is None else dict(zip(pm.ranks, ranges, strict=True))
+    return compiled.rows[key]
 
 
 def _homes(plan: Plan) -> dict[str, tuple]:

@@ -380,8 +380,15 @@ def test_plan_is_sent_once_then_only_run(pm, monkeypatch):
     assert {i.op for i in copies} == {"aten::_to_copy.default"} and len(copies) == 2
     # ... while the batch travels inside every run, with no ref of its own on the workers.
     for run in (i for i in sent if isinstance(i, isa.RunPlan)):
-        assert [k for k, _ in run.sent] == [0, 1] and run.inputs[:2] == (-1, -1), run
-        torch.testing.assert_close([v for _, v in run.sent], [x, y], atol=0, rtol=0)
+        # Each rank is sent its own rows only: its dp coordinate's half, whatever its tp.
+        assert not run.sent and [k for k, _ in run.parts] == [0, 1], run
+        assert run.inputs[:2] == (-1, -1)
+        torch.testing.assert_close([v.whole for _, v in run.parts], [x, y], atol=0, rtol=0)
+        for _, v in run.parts:
+            half = {
+                r: (0, 4) if pm.coords_of(i)["dp"] == 0 else (4, 8) for i, r in enumerate(pm.ranks)
+            }
+            assert v.rows == half
 
 
 def test_a_local_argument_is_sent_as_it_was_when_the_step_was_called(pm):

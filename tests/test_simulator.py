@@ -301,9 +301,10 @@ def test_a_compiled_call_costs_the_controller_what_steady_step_time_counts():
         before = sim.job.sim.issued
         md.inspect(step(x))
         spent = sim.job.sim.issued - before
-    # x, the weight and the bias in; the sum out; x (512 bytes) sent to 2 ranks
-    want = call_issue(profile, 3, 1, [x.numel() * 4], ranks=2)
-    assert want == pytest.approx(1e-3 + 3e-4 + 2e-4 + 5e-5 + 1024 / 1e9)
+    # x, the weight and the bias in; the sum out; x (512 bytes) sent to 2 ranks, each its
+    # own 4 rows
+    want = call_issue(profile, 3, 1, [x.numel() * 4 / 2], ranks=2)
+    assert want == pytest.approx(1e-3 + 3e-4 + 2e-4 + 5e-5 + 512 / 1e9)
     fetch = profile.controller_overhead  # (the inspect's Fetch: an op)
     assert spent == pytest.approx(want + fetch)
 
@@ -508,6 +509,8 @@ def test_local_data_sent_costs_the_controller_per_rank_and_each_rank_the_bytes()
     def run(profile):
         model = nn.Linear(16, 16)
         step = md.mesh_fn(lambda x: model(x).sum(), data_parallel="dp")
+        other = nn.Linear(16, 16)
+        whole = md.mesh_fn(lambda x: other(x).sum())  # (x replicated: sent whole)
         sim = md.Simulator(gpus=2, profile=profile)
         with sim.mesh.activate():
             sim.summary()  # (everything issued so far has reached the simulator)
@@ -522,16 +525,23 @@ def test_local_data_sent_costs_the_controller_per_rank_and_each_rank_the_bytes()
                 start = sim.summary().step_time
                 md.inspect(step(x))
                 call = sim.summary().step_time - start
-        return issued, copies, call
+                for _ in range(2):
+                    start = sim.summary().step_time
+                    md.inspect(whole(x))  # (the first compiles)
+                call_whole = sim.summary().step_time - start
+        return issued, copies, call, call_whole
 
-    issued, copies, call = run(with_link)
-    base_issued, base_copies, base_call = run(without)
+    issued, copies, call, call_whole = run(with_link)
+    base_issued, base_copies, base_call, base_whole = run(without)
     assert issued - base_issued == pytest.approx(5e-5 + 2 * 1e6 / 1e9)
     assert len(copies) == len(base_copies) == 2  # (one _to_copy per rank)
     assert all(a - b == pytest.approx(1e6 / 1e9) for a, b in zip(copies, base_copies))
-    # x (512 bytes) sent with the second call: each rank takes it in before its program (the
-    # controller's sending of it is off the path: the ranks are still busy with the first)
-    assert call - base_call == pytest.approx(512 / 1e9, rel=1e-3)
+    # x (512 bytes) sent with the second call, each rank its own 4 rows (256 bytes): each
+    # takes them in before its program (the controller's sending of it is off the path: the
+    # ranks are still busy with the first)
+    assert call - base_call == pytest.approx(256 / 1e9, rel=1e-3)
+    # replicated, each rank is sent the whole
+    assert call_whole - base_whole == pytest.approx(512 / 1e9, rel=1e-3)
 
 
 def test_ranks_and_controller_sharing_cores_bound_the_step_time():

@@ -330,6 +330,61 @@ def test_a_snapshot_is_an_independent_copy_of_every_kind_of_tensor_and_travels_a
     assert type(s) is torch.Tensor and torch.equal(s, big)
 
 
+def test_a_per_rank_value_sends_each_rank_its_own_rows_in_one_encoding():
+    """serialize.PerRank in a message (a data-parallel batch in a RunPlan): the message is
+    pickled once; transport.for_rank gives each rank a frame holding only its rows, which
+    arrive as a tensor of its own (rows 0 for a rank it lacks). Two threads encoding such
+    messages at once each get their own ranks' rows."""
+    from monarch_dsl import isa
+    from monarch_dsl.runtime.messages import RunBatch
+    from monarch_dsl.runtime.serialize import PerRank, snapshot
+
+    def message(whole: torch.Tensor, rows: dict) -> tuple[Any, Any]:
+        per_rank = PerRank(snapshot(whole), rows)
+        scalar = snapshot(torch.tensor(3.0))  # (sent whole beside it)
+        ins = isa.RunPlan(1, 0, (-1, -1), (5,), (), "main", "t.py:1", ((1, scalar),))
+        return RunBatch(((0, ins._replace(parts=((0, per_rank),))),)), per_rank
+
+    whole = torch.arange(64 * 256, dtype=torch.float32).view(64, 256)  # 1 KiB rows
+    msg, per_rank = message(whole, {0: (0, 48), 1: (48, 64), 2: (0, 48)})
+    parts = transport.encode(msg)
+    sizes = {}
+    for rank, want in ((0, whole[:48]), (1, whole[48:]), (2, whole[:48]), (3, whole[:0])):
+        frame = transport.for_rank(parts, rank)
+        sizes[rank] = sum(memoryview(p).nbytes for p in frame)
+        with _pair() as (a, b):
+            sender = _Background(lambda a=a, frame=frame: transport.send_parts(a, frame))
+            [got] = _read_messages(transport.FrameReader(b), 1)
+            sender.result()
+        ins = got.items[0][1]
+        (k, part), (j, scalar) = ins.parts[0], ins.sent[0]
+        assert (k, j) == (0, 1) and torch.equal(scalar, torch.tensor(3.0))
+        assert part.shape == want.shape and torch.equal(part, want), rank
+        if len(part):
+            part.add_(1)  # its own memory: writable
+    assert sizes[0] - sizes[1] == 32 * 1024 and sizes[0] == sizes[2]
+    assert sizes[3] < 1024  # no rows: the frame is the message alone
+    assert torch.equal(per_rank.whole, whole)  # the sender's copy is untouched
+
+    # Two threads at once, each its own PerRank values (the slot is the thread's own).
+    def encode_many(offset: float) -> list:
+        out = []
+        for _ in range(200):
+            m, _ = message(whole + offset, {0: (0, 32), 1: (32, 64)})
+            frame = transport.for_rank(transport.encode(m), 1)
+            out.append(b"".join(bytes(memoryview(p).cast("B")) for p in frame))
+        return out
+
+    threads = [_Background(lambda o=o: encode_many(o)) for o in (0.0, 0.5)]
+    for o, t in zip((0.0, 0.5), threads):
+        for wire in t.result():
+            reader_sock, writer_sock = socket.socketpair()
+            with reader_sock, writer_sock:
+                writer_sock.sendall(wire)
+                [got] = _read_messages(transport.FrameReader(reader_sock), 1)
+            assert torch.equal(got.items[0][1].parts[0][1], whole[32:] + o)
+
+
 def test_big_frames_interleaved_with_small_ones():
     big = torch.arange(3 * 1024 * 1024, dtype=torch.int32)  # 12 MiB
     blob_msg = {"blob": os.urandom(300_000)}  # no out-of-band buffer, bigger than the buffer

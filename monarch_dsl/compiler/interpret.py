@@ -7,6 +7,7 @@ computes on one device; the multi-process runtime runs the very same ``Program``
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from typing import Any
 
@@ -16,7 +17,7 @@ from monarch_dsl import isa
 from monarch_dsl.compiler.lower import core_steps, resolve, run_step, shard_local, shard_view
 from monarch_dsl.compiler.plan import Partial, Placement, Plan, Replicate, Shard, TensorType
 from monarch_dsl.isa import Program, Slot, collectives
-from monarch_dsl.mesh import all_coords
+from monarch_dsl.mesh import all_coords, coords_of_index
 
 
 def local_value(
@@ -39,6 +40,28 @@ def local_part(
     if not isinstance(out, torch.Tensor):
         return out
     return out.clone(memory_format=torch.contiguous_format)
+
+
+def sent_rows(t: TensorType, sizes: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """For a local argument of whole type ``t`` on a mesh of ``sizes``, where each rank is
+    sent its own part: that part as a range of whole rows ``(start, stop)``, ranks in index
+    order (``coords_of_index``). None where it is sent whole: some rank's part is not a run
+    of rows (a shard of another dim, a ``Partial``'s zeros), every rank's is the whole
+    (nothing sharded), or its rows are empty."""
+    if not t.shape or not math.prod(t.shape[1:]):
+        return None
+    index = torch.arange(t.shape[0])
+    out = []
+    for i in range(math.prod(sizes)):
+        cuts, zeros = shard_cuts(t.placements, coords_of_index(i, sizes), sizes)
+        if zeros or not cuts or any(dim != 0 for dim, _, _ in cuts):
+            return None
+        part = index
+        for dim, k, n in cuts:
+            part = shard_view(part, dim, k, n)
+        start = int(part[0]) if len(part) else 0
+        out.append((start, start + len(part)))
+    return out
 
 
 def shard_cuts(

@@ -54,7 +54,7 @@ import torch
 
 from monarch_dsl import isa
 from monarch_dsl.compiler import timeline
-from monarch_dsl.compiler.interpret import groups
+from monarch_dsl.compiler.interpret import groups, sent_rows
 from monarch_dsl.compiler.lower import lower, slot_numbers
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
 from monarch_dsl.compiler.plan import IMPLEMENTATIONS, Plan, PlanError, itemsize
@@ -270,7 +270,7 @@ def steady_step_time(
     step_time: float,
     profile: DeviceProfile,
     inputs: int,
-    local_bytes: Sequence[int] = (),
+    local_bytes: Sequence[float] = (),
     ranks: int = 1,
     outputs: int = 0,
 ) -> float:
@@ -280,8 +280,10 @@ def steady_step_time(
     (``plan_issue``, ``plan_issue_per_input`` per tensor input of the plan, parameters and
     state included, ``plan_issue_per_output`` per result of the plan (``len(plan.outputs)``:
     gradients kept as state included), and each argument passed as a local torch tensor,
-    ``local_bytes``, sent to every one of ``ranks`` workers over the ``"controller"`` link)
-    or a rank's (``step_time + plan_overhead``, and ``receiving`` the local arguments).
+    ``local_bytes`` of it sent to each of ``ranks`` workers over the ``"controller"`` link:
+    the whole, or a rank's rows where each is sent its own (a data-parallel batch,
+    ``sent_bytes``)) or a rank's (``step_time + plan_overhead``, and ``receiving`` its
+    bytes of the local arguments).
     Where the controller and the ``ranks`` ranks of a host share fewer cores
     (``host_cores``), CPU time sets it too: the time their CPU takes with the cores shared
     fairly (``cpu_bound``)."""
@@ -294,7 +296,7 @@ def call_issue(
     profile: DeviceProfile,
     inputs: int,
     outputs: int = 0,
-    local_bytes: Sequence[int] = (),
+    local_bytes: Sequence[float] = (),
     ranks: int = 1,
 ) -> float:
     """The controller's CPU seconds for one call of a compiled step (see ``steady_step_time``;
@@ -307,10 +309,26 @@ def call_issue(
     return seconds + sending(profile, local_bytes, ranks)
 
 
-def sending(profile: DeviceProfile, local_bytes: Sequence[int], ranks: int) -> float:
-    """The controller's CPU seconds for sending local tensors of ``local_bytes`` each (a
-    compiled call's local arguments, ``md.to_mesh``'s value) whole to each of ``ranks``
-    workers: the ``"controller"`` link's time for the bytes, per tensor (copying it, encoding
+def sent_bytes(plan: Plan, args: Sequence[torch.Tensor]) -> list[float]:
+    """For a call of ``plan`` with local tensor arguments ``args``: per argument, the bytes
+    each rank is sent (on average): its own rows where the ranks' parts are runs of rows
+    (``sent_rows``: a data-parallel batch), else the whole (``steady_step_time``'s
+    ``local_bytes``)."""
+    out: list[float] = []
+    for i, a in zip([i for i in plan.inputs if i.kind == "arg"], args, strict=True):
+        rows = sent_rows(i.type, plan.sizes)
+        nbytes: float = a.numel() * a.element_size()
+        if rows is not None:
+            nbytes = nbytes * sum(stop - start for start, stop in rows) / len(rows) / a.shape[0]
+        out.append(nbytes)
+    return out
+
+
+def sending(profile: DeviceProfile, local_bytes: Sequence[float], ranks: int) -> float:
+    """The controller's CPU seconds for sending local tensors (a compiled call's local
+    arguments, ``md.to_mesh``'s value) of which each of ``ranks`` workers is sent
+    ``local_bytes`` (on average: a rank's rows of a batch; the whole otherwise): the
+    ``"controller"`` link's time for the bytes sent in all, per tensor (copying it, encoding
     the message, the socket writes; measured by ``monarch-dsl calibrate``)."""
     link = profile.links.get("controller")
     if link is None:
@@ -318,8 +336,8 @@ def sending(profile: DeviceProfile, local_bytes: Sequence[int], ranks: int) -> f
     return sum(link.time(b * ranks, 1) for b in local_bytes)
 
 
-def receiving(profile: DeviceProfile, local_bytes: Sequence[int]) -> float:
-    """A worker's seconds for taking in local tensors of ``local_bytes`` the controller sent:
+def receiving(profile: DeviceProfile, local_bytes: Sequence[float]) -> float:
+    """A worker's seconds for taking in ``local_bytes`` of local tensors the controller sent:
     the bytes at the ``"controller"`` link's bandwidth (the socket reads; the per-message part
     is the worker's overhead per instruction or call, ``eager_op_overhead`` /
     ``plan_overhead``)."""

@@ -278,8 +278,11 @@ class EagerSimulator:
             term, cost = "borrow", p.controller_borrow or p.controller_overhead
         elif isinstance(ins, isa.RunPlan) and p.plan_issue:  # (calibrated: as a compiled call)
             term = "plan"
-            sent = [v.numel() * v.element_size() for _, v in ins.sent]
             ranks = len(self.meshes[ins.mesh].ranks) if ins.mesh in self.meshes else 1
+            sent = [v.numel() * v.element_size() for _, v in ins.sent]
+            if ins.parts:  # each rank its own rows: what a rank is sent, on average
+                mesh_ranks = self.meshes[ins.mesh].ranks if ins.mesh in self.meshes else []
+                sent += [sum(v.nbytes(r) for r in mesh_ranks) / ranks for _, v in ins.parts]
             outputs = sum(1 for o in ins.outputs if o >= 0)
             cost = call_issue(p, len(ins.inputs), outputs, sent, ranks)
         else:
@@ -571,6 +574,7 @@ class EagerSimulator:
                     v = local_value(v, t, c, sizes)
                 self._set(r, local, v)
         sent = dict(ins.sent)  # local arguments sent with the call
+        by_parts = dict(ins.parts)  # (each rank its own rows)
         failed = [
             v
             for r in where.values()
@@ -584,7 +588,12 @@ class EagerSimulator:
         c0 = next(iter(where), None)
         parts = 0  # the bytes of a rank's parts of the local arguments (for this run only)
         for k, ref in enumerate(ins.inputs):
-            if k in sent and c0 is not None:  # (each rank's part has the same type)
+            if k in by_parts and c0 is not None:  # (each rank's part has the same type)
+                part = by_parts[k].part(where[c0])
+                parts += part.numel() * part.element_size()
+                inputs.append(_type(part))
+                continue
+            if k in sent and c0 is not None:
                 v = torch.empty_strided(
                     sent[k].shape, sent[k].stride(), dtype=sent[k].dtype, device="meta"
                 )
@@ -599,9 +608,14 @@ class EagerSimulator:
         types = self.plan_types.get(key)
         if types is None:
             types = self.plan_types[key] = program_types(program, inputs)
-        # each rank takes in the whole of the local arguments first (and keeps its part)
-        received = receiving(self.prof, [v.numel() * v.element_size() for v in sent.values()])
-        begin = {c: self._begin(r, ins.stream) + received for c, r in where.items()}
+        # each rank takes in the local arguments first: the whole (and keeps its part), or
+        # its own rows
+        wholes = [v.numel() * v.element_size() for v in sent.values()]
+        begin = {
+            c: self._begin(r, ins.stream)
+            + receiving(self.prof, wholes + [v.nbytes(r) for v in by_parts.values()])
+            for c, r in where.items()
+        }
         mem = {c: _Memory() for c in where}
         hosts = {c: self.host[r] for c, r in where.items()}
         placed = (key, tuple(hosts.items()))

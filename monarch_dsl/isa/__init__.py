@@ -205,7 +205,10 @@ class RunPlan(NamedTuple):
     input's placements, from the plan's ``DefinePlan``) as the local ref before the run.
     ``sent``: (input index, whole value) — a local tensor argument sent with the call: this
     rank's part of it (by that input's placements) is the input for this run only (its entry
-    of ``inputs`` is -1; no ref is made, so nothing is deleted after)."""
+    of ``inputs`` is -1; no ref is made, so nothing is deleted after). ``parts``: (input
+    index, part) — a local tensor argument whose ranks' parts are runs of its rows: each
+    worker is sent its own part only, the input for this run (on the controller the value is
+    a ``serialize.PerRank``)."""
 
     plan: int
     mesh: int
@@ -215,6 +218,7 @@ class RunPlan(NamedTuple):
     stream: str
     loc: str
     sent: tuple[tuple[int, Any], ...] = ()
+    parts: tuple[tuple[int, Any], ...] = ()
 
 
 INSTRUCTIONS: tuple[type, ...] = (

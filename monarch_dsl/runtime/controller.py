@@ -822,7 +822,7 @@ class Job:
                 self.check_alive([r])
                 raise SupervisionError(f"worker {self.describe(r)} is not connected")
             try:
-                conn.send_batched(parts, _flusher.hold)
+                conn.send_batched(transport.for_rank(parts, r), _flusher.hold)
             except OSError as e:
                 self._await_verdict(r)
                 self.check_alive([r])

@@ -199,6 +199,10 @@ class PlanRunner:
                 env[program.inputs[k]] = local_part(whole, call.placements[k], coords, sizes)
             else:
                 env.set_part(program.inputs[k], whole, cuts)
+        for k, part in ins.parts:  # this rank's rows of a local argument: a tensor of its own
+            if not (self.on_cpu and part.is_cpu):
+                part = part.to(ex.device)
+            env[program.inputs[k]] = part
         own = False
         try:
             self.runs += 1

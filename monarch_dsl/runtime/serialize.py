@@ -11,10 +11,12 @@ from __future__ import annotations
 import copyreg
 import io
 import marshal
+import math
 import pickle
 import sys
 import threading
 import types
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -44,6 +46,9 @@ def _rebuild_tensor(buf, dtype_name, shape, requires_grad):
     import torch
 
     dtype = getattr(torch, dtype_name)
+    if shape and shape[0] == -1:  # this rank's rows of a PerRank (maybe none)
+        row = math.prod(shape[1:]) * dtype.itemsize
+        shape = (len(buf) // row, *shape[1:])
     if len(buf):
         t = torch.frombuffer(buf, dtype=dtype)
         t = t.view(*shape) if shape else t.view(())
@@ -162,6 +167,86 @@ def snapshot(t: Any) -> Any:
     return out
 
 
+class PerRank:
+    """A local tensor whose rows are split among ranks: each worker is sent its own rows
+    only (a data-parallel step's batch: the controller sends the batch once in all, not once
+    per rank). ``whole`` is a ``snapshot``; ``rows[rank]`` is that rank's ``(start, stop)``
+    (ranks it lacks get no rows). Pickled, it is a placeholder for one out-of-band buffer
+    that the sender fills per rank (``transport.for_rank``); it arrives as that rank's part,
+    a tensor of its own."""
+
+    __slots__ = ("whole", "rows", "_row_bytes")
+
+    def __init__(self, whole: Any, rows: dict[int, tuple[int, int]]):
+        # (shapes only: no torch op, which would go through a mesh's dispatch mode)
+        row = math.prod(whole.shape[1:]) * whole.element_size() if whole.dim() else 0
+        if not (hasattr(whole, "_md_wire") and row):
+            raise ValueError("PerRank: the whole must be a snapshot with rows of some size")
+        self.whole, self.rows, self._row_bytes = whole, rows, row
+
+    def part(self, rank: int) -> Any:
+        """Rank ``rank``'s rows (a view of the whole)."""
+        start, stop = self.rows.get(rank, (0, 0))
+        with local_ops():
+            return self.whole[start:stop]
+
+    def nbytes(self, rank: int) -> int:
+        start, stop = self.rows.get(rank, (0, 0))
+        return (stop - start) * self._row_bytes
+
+    def buffer(self, rank: int) -> memoryview:
+        """The bytes rank ``rank`` is sent."""
+        start, stop = self.rows.get(rank, (0, 0))
+        flat = memoryview(self.whole._md_wire[0]).cast("B")
+        return flat[start * self._row_bytes : stop * self._row_bytes]
+
+
+class _PerRankSlot:
+    """Where a ``PerRank`` is in a message's out-of-band buffers (see ``dumps``)."""
+
+    __slots__ = ("per_rank",)
+
+    def __init__(self, per_rank: PerRank):
+        self.per_rank = per_rank
+
+
+_slot_marker: Any = None
+
+
+def _reduce_per_rank(p: PerRank):
+    global _slot_marker
+    import numpy
+
+    if _slot_marker is None:
+        _slot_marker = numpy.empty(0, dtype=numpy.uint8)
+    # The pickler hands this buffer to the buffer callback next (the first item of the
+    # arguments, saved right after this returns): the callback takes the PerRank instead.
+    _pending.per_rank = p
+    wire = p.whole._md_wire
+    return _rebuild_tensor, (pickle.PickleBuffer(_slot_marker), wire[1], (-1, *wire[2][1:]), False)
+
+
+class _Pending(threading.local):
+    per_rank: PerRank | None = None
+
+
+_pending = _Pending()
+
+
+def _out_of_band(buffers: list) -> Callable[[pickle.PickleBuffer], None]:
+    """The pickler's buffer callback: a buffer's memory, or a PerRank's slot."""
+
+    def callback(b: pickle.PickleBuffer) -> None:
+        p = _pending.per_rank
+        if p is not None:
+            _pending.per_rank = None
+            buffers.append(_PerRankSlot(p))
+        else:
+            buffers.append(b.raw())
+
+    return callback
+
+
 def _ensure_tensor_reducer() -> None:
     global _have_tensor_reducer
     torch = sys.modules.get("torch")
@@ -169,6 +254,9 @@ def _ensure_tensor_reducer() -> None:
         _fast_table[torch.Tensor] = _reduce_tensor
         _cloud_table[torch.Tensor] = _reduce_tensor
         _have_tensor_reducer = True
+
+
+_fast_table[PerRank] = _cloud_table[PerRank] = _reduce_per_rank
 
 
 class _CloudPickler(cloudpickle.Pickler):
@@ -193,9 +281,12 @@ class _Sink:
 
 
 def _dump(pickler_cls, obj) -> tuple[bytes, list[memoryview]]:
-    buffers: list[memoryview] = []
+    buffers: list[Any] = []
     sink = _Sink()
-    pickler_cls(sink, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+    try:
+        pickler_cls(sink, protocol=5, buffer_callback=_out_of_band(buffers)).dump(obj)
+    finally:
+        _pending.per_rank = None
     payload = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
     return payload, buffers
 
@@ -204,26 +295,32 @@ class _Reusable(threading.local):
     """One C pickler per thread, reset between messages (saves building one per message)."""
 
     def __init__(self) -> None:
-        self.buffers: list[memoryview] = []
+        self.buffers: list[Any] = []
         self.file = io.BytesIO()
         self.pickler = _FastPickler(
-            self.file, protocol=5, buffer_callback=lambda b: self.buffers.append(b.raw())
+            self.file, protocol=5, buffer_callback=_out_of_band(self.buffers)
         )
 
-    def dump(self, obj: Any) -> tuple[bytes, list[memoryview]]:
+    def dump(self, obj: Any) -> tuple[bytes, list[Any]]:
         self.file.seek(0)
         self.file.truncate()
         self.pickler.clear_memo()
-        self.buffers = []
-        self.pickler.dump(obj)
-        return self.file.getvalue(), self.buffers
+        self.buffers.clear()
+        try:
+            self.pickler.dump(obj)
+        finally:
+            _pending.per_rank = None
+        out = list(self.buffers)
+        self.buffers.clear()
+        return self.file.getvalue(), out
 
 
 _reusable = _Reusable()
 
 
-def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
-    """Serialize ``obj``; returns the pickle bytes and the out-of-band buffers.
+def dumps(obj: Any) -> tuple[bytes, list[Any]]:
+    """Serialize ``obj``; returns the pickle bytes and the out-of-band buffers (memoryviews,
+    and a ``_PerRankSlot`` for each ``PerRank``: ``transport.for_rank`` fills it).
 
     The C pickler is tried first (about 4x faster than cloudpickle for a small message). It
     pickles classes and functions by reference, which the receiver cannot resolve for objects

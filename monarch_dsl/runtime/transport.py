@@ -194,13 +194,35 @@ def handshake_dialer(sock: socket.socket, token: bytes, timeout: float = HANDSHA
 
 
 def encode(msg: Any) -> list:
-    """The parts of one frame, ready for ``sendmsg``. ``msg`` is one of ``WIRE_TYPES``."""
+    """The parts of one frame, ready for ``sendmsg``. ``msg`` is one of ``WIRE_TYPES``. A
+    message holding ``serialize.PerRank`` values gives a ``PerRankParts``: the same for
+    every rank but those buffers (``for_rank``)."""
     payload, buffers = serialize.dumps((WIRE_INDEX[type(msg)], *msg))
     header = _HEADER.pack(_MAGIC, len(buffers), len(payload))
     if not buffers:
         return [header + payload] if len(payload) < _SMALL else [header, payload]
-    lens = b"".join(_LEN.pack(b.nbytes) for b in buffers)
+    try:
+        lens = b"".join(_LEN.pack(b.nbytes) for b in buffers)
+    except AttributeError:  # a PerRank's slot among them
+        return PerRankParts([header, payload, *buffers])
     return [header + lens, payload, *buffers]
+
+
+class PerRankParts(list):
+    """A frame's parts in which some buffers (``serialize._PerRankSlot``) are each rank's
+    own: ``[header (no lengths), payload, *buffers]`` until ``for_rank`` makes a frame."""
+
+
+def for_rank(parts: list, rank: int) -> list:
+    """The frame ``parts`` (from ``encode``) as rank ``rank`` is sent it."""
+    if type(parts) is not PerRankParts:
+        return parts
+    header, payload, *buffers = parts
+    mine = [
+        b.per_rank.buffer(rank) if isinstance(b, serialize._PerRankSlot) else b for b in buffers
+    ]
+    lens = b"".join(_LEN.pack(b.nbytes) for b in mine)
+    return [header + lens, payload, *mine]
 
 
 def send_parts(sock: socket.socket, parts: list) -> None:
