@@ -41,10 +41,13 @@ copied; started through ``@md.remote`` functions before the case's state is on t
 only blocks allocated since then count). Measured: the peak over 3 calls in a steady state
 (after 3 calls; each call's result fetched before the next: calls issued back to back also
 hold the next call's argument copies briefly beside the last call's) above the bytes live
-when a call starts; predicted: ``plan.simulate()``'s ``peak_memory - resident_memory`` (a
-local tensor argument's part on a rank is one of the plan's inputs, copied out of the whole
-value that came inside the call's message; that message buffer is the transport's, not a
-tensor allocation, and counted on neither side). Also printed: what
+when a call starts, plus each rank's rows of the local arguments sent to it by rows (a
+data-parallel batch): they arrive in the buffers of the call's message, not allocations of
+torch's, which the profiler does not see; the worker holds them for the whole call, and the
+bytes are known exactly (``rows_bytes``). Predicted: ``plan.simulate()``'s ``peak_memory -
+resident_memory`` (such a part is one of the plan's inputs, live for the whole call; a local
+argument sent whole is copied to the rank's part out of the message, whose buffer is the
+transport's and counted on neither side). Also printed: what
 stays between calls, predicted (``resident_memory``) and measured (live at the calls' start);
 the measured one also holds the buffers of the first call's plan (compiled from the local
 modules, then replaced by the plan for the state on the workers; the runtime keeps a plan's
@@ -107,6 +110,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
+from monarch_dsl.compiler.interpret import sent_rows  # noqa: E402
 from monarch_dsl.compiler.simulate import sent_bytes, steady_step_time  # noqa: E402
 
 BLOCK_SECONDS = 0.5
@@ -474,12 +478,31 @@ def predict_compiled(
     report = plan.simulate(profile=profile)
     ranks = sorted(report.peak_memory)
     in_call = [report.peak_memory[r] - report.resident_memory[r] for r in ranks]
+    parts[case.name] = rows_bytes(plan, args, len(ranks))
     uncached = None
     if profile.has_warm:  # compute as if every operand came from memory (see the docstring)
         cold = dataclasses.replace(profile, cache_bytes=0)
         uncached = per_call(plan.simulate(profile=cold), cold)
     resident = [report.resident_memory[r] for r in ranks]
     return (per_call(report, profile), in_call, resident), uncached, kinds(report)
+
+
+parts: dict[str, list[int]] = {}  # case: each rank's bytes of its rows of the local arguments
+
+
+def rows_bytes(plan, args, ranks: int) -> list[int]:
+    """Each rank's bytes of the local arguments sent to it by rows (a data-parallel batch:
+    ``interpret.sent_rows``). They arrive in the buffers of the call's message, which the
+    profiler does not see (not an allocation of torch's): the measured peak adds them, as
+    the worker holds them for the whole call."""
+    out = [0] * ranks
+    for i, a in zip([i for i in plan.inputs if i.kind == "arg"], args, strict=True):
+        rows = sent_rows(i.type, plan.sizes)
+        if rows is not None:
+            row = a[0].numel() * a.element_size()
+            for r, (start, stop) in enumerate(rows):
+                out[r] += (stop - start) * row
+    return out
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -543,7 +566,9 @@ def main() -> None:
                 m_time, m_mem, m_res, m_kinds = measure_compiled(pm, case, opts.blocks)
                 times[case.name].append(m_time)
                 where[case.name][1].append(m_kinds)
-                memory.setdefault(case.name, (m_mem, m_res))  # (byte exact: once)
+                # (byte exact: once; with the rows each rank was sent, see rows_bytes)
+                m_mem = [m + b for m, b in zip(m_mem, parts[case.name], strict=True)]
+                memory.setdefault(case.name, (m_mem, m_res))
             for name, got in times.items():
                 print(f"  run {run + 1}: {name}: predicted {predicted[name][0] * 1e3:.3f} ms, "
                       f"measured {got[-1] * 1e3:.3f} ms", file=sys.stderr, flush=True)  # fmt: skip
