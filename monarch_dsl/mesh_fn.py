@@ -99,8 +99,9 @@ class _Compiled:
             for i in plan.inputs
         ]
         self.placements = tuple(i.type.placements for i in plan.inputs)
-        # (input index, mesh id) -> its ranks' rows, where a local argument is sent by parts
-        self.rows: dict[tuple[int, int], dict[int, tuple[int, int]] | None] = {}
+        # (input index, the mesh's ranks) -> its ranks' rows, where a local argument is sent
+        # by parts
+        self.rows: dict[tuple[int, tuple], dict[int, tuple[int, int]] | None] = {}
         # per output: (name, kind, whole type, md.Tensor description, stage, in place); in
         # place: state the step updated in place (a momentum buffer): its input's ref stays.
         roots = _roots(plan)
@@ -673,7 +674,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
             continue
         if kind == "arg":  # sent with the call (a copy: the caller may change it after)
             copy = snapshot(value)
-            rows = _rows(compiled, k, pm, mesh_id)
+            rows = _rows(compiled, k, pm)
             if rows is not None and hasattr(copy, "_md_wire"):
                 parts.append((k, PerRank(copy, rows)))  # each rank its own rows
             else:
@@ -739,10 +740,11 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     return pytree.tree_unflatten(results, plan.out_spec)
 
 
-def _rows(compiled: _Compiled, k: int, pm, mesh_id: int) -> dict[int, tuple[int, int]] | None:
+def _rows(compiled: _Compiled, k: int, pm) -> dict[int, tuple[int, int]] | None:
     """Each rank's rows of local argument ``k`` where they are runs of its rows (the batch of
-    a data-parallel step), by rank; None where it is sent whole."""
-    key = (k, mesh_id)
+    a data-parallel step), by rank; None where it is sent whole. (Cached by the mesh's ranks
+    in order: a plan serves the meshes of any job of its shape.)"""
+    key = (k, tuple(pm.ranks))
     if key not in compiled.rows:
         sizes = compiled.program.sizes
         ranges = None

@@ -580,3 +580,33 @@ def test_a_one_rank_group_agrees_without_a_collective():
     assert exchange.any_failed(one, True, "cpu") and not exchange.any_failed(one, False, "cpu")
     assert one.calls == 0
     assert exchange.any_failed(two, False, "cpu") and two.calls == 1
+
+
+def test_a_batch_sent_by_rows_follows_each_meshs_ranks_and_may_be_empty(pm):
+    """A data-parallel step's batch goes to each rank as its rows (serialize.PerRank): on a
+    mesh of another job whose ranks differ (the plan is shared: its rows are by the mesh's
+    ranks, not by a mesh id each job counts on its own), and with no rows at all, sent as
+    any tensor, along with what was issued before it."""
+    step = md.mesh_fn(lambda x: (x * 2.0).sum(), data_parallel="dp")
+    x = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)
+    first, second = (md.this_host().spawn_procs(s) for s in ({"dp": 2}, {"pp": 2, "dp": 2}))
+    try:
+        with first.activate():
+            assert md.inspect(step(x)).item() == 992.0
+        step.pull()
+        stage = second.slice(pp=1)  # ranks 2 and 3, the first mesh of its job
+        with stage.activate():
+            assert md.inspect(step(x)).item() == 992.0
+        step.pull()
+    finally:
+        first.stop()
+        second.stop()
+    rows = md.mesh_fn(lambda x: x * 2.0, data_parallel="dp")
+    # (local tensors: made before the activation, under which a factory makes mesh tensors)
+    none, four, ones = torch.zeros(0, 3), torch.arange(12.0).view(4, 3), torch.ones(3)
+    with pm.slice(tp=0).activate():
+        w = md.to_mesh(ones, pm.slice(tp=0))  # (in the same batch as the call)
+        empty = md.inspect(rows(none))
+        got_w, doubled = md.inspect(w), md.inspect(rows(four))
+    assert empty.shape == (0, 3)
+    assert torch.equal(got_w, ones) and torch.equal(doubled, four * 2)

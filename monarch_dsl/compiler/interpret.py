@@ -48,7 +48,7 @@ def sent_rows(t: TensorType, sizes: tuple[int, ...]) -> list[tuple[int, int]] | 
     order (``coords_of_index``). None where it is sent whole: some rank's part is not a run
     of rows (a shard of another dim, a ``Partial``'s zeros), every rank's is the whole
     (nothing sharded), or its rows are empty."""
-    if not t.shape or not math.prod(t.shape[1:]):
+    if not t.shape or not math.prod(t.shape):
         return None
     index = torch.arange(t.shape[0])
     out = []

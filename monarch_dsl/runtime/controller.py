@@ -816,13 +816,15 @@ class Job:
             return self._cond.wait_for(lambda: rank in self.dead, EXIT_STATUS_WAIT + 1)
 
     def _send_all(self, ranks: Sequence[int], parts: list) -> None:
-        for r in ranks:
+        # Every rank's frame is made before any is sent: all ranks get a message or none.
+        frames = [transport.for_rank(parts, r) for r in ranks]
+        for r, frame in zip(ranks, frames):
             conn = self.conns.get(r)
             if conn is None:
                 self.check_alive([r])
                 raise SupervisionError(f"worker {self.describe(r)} is not connected")
             try:
-                conn.send_batched(transport.for_rank(parts, r), _flusher.hold)
+                conn.send_batched(frame, _flusher.hold)
             except OSError as e:
                 self._await_verdict(r)
                 self.check_alive([r])

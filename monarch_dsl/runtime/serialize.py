@@ -197,8 +197,8 @@ class PerRank:
     def buffer(self, rank: int) -> memoryview:
         """The bytes rank ``rank`` is sent."""
         start, stop = self.rows.get(rank, (0, 0))
-        flat = memoryview(self.whole._md_wire[0]).cast("B")
-        return flat[start * self._row_bytes : stop * self._row_bytes]
+        flat = self.whole._md_wire[0].reshape(-1).view("uint8")  # (a view: no copy)
+        return memoryview(flat)[start * self._row_bytes : stop * self._row_bytes]
 
 
 class _PerRankSlot:

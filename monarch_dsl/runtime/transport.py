@@ -210,7 +210,9 @@ def encode(msg: Any) -> list:
 
 class PerRankParts(list):
     """A frame's parts in which some buffers (``serialize._PerRankSlot``) are each rank's
-    own: ``[header (no lengths), payload, *buffers]`` until ``for_rank`` makes a frame."""
+    own: ``[header (no lengths), payload, *buffers]`` until ``for_rank`` makes a frame. Not
+    sendable as it is: only the controller's ``Job._send_all`` sends these (tensor batches),
+    through ``for_rank``."""
 
 
 def for_rank(parts: list, rank: int) -> list:
