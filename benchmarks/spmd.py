@@ -29,8 +29,8 @@ from ``Popen`` to exit (its agent and each rank start an interpreter and import 
 
 ``remote``: the same first and second run on a mesh of ``md.remote_hosts(1)`` whose N workers
 were started as an external launcher starts them (``python -m monarch_dsl worker --connect``;
-not timed): there each worker starts its rank as a fresh ``python script`` (no fork server on
-that host), so every run pays interpreter start and ``import torch`` as torchrun's ranks do.
+not timed): there each worker has its rank forked by a fork server of its own, which the
+first run starts (an interpreter and ``import torch``); later runs fork from it.
 
 Measurements of monarch_dsl and torchrun alternate run by run, so noise on a busy machine hits
 both alike. "torchrun / this" is how many times faster a monarch_dsl run is than torchrun
@@ -221,7 +221,8 @@ def main() -> None:
             pm.run_spmd on that mesh (each rank forked from the fork server: no interpreter
             start, no import torch); cold: Popen of a controller to the end of its first run;
             torchrun: Popen to exit of python -m torch.distributed.run --standalone; remote:
-            one pm.run_spmd on workers of md.remote_hosts (each rank a fresh interpreter)."""
+            one pm.run_spmd on workers of md.remote_hosts (each rank forked by its worker's
+            fork server, which the 1st run starts)."""
         ).strip()
     )
 

@@ -215,7 +215,7 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
     tmp_path, capfd, monkeypatch
 ):
     """Workers an external launcher started (md.remote_hosts: 2 "hosts" of 2 here, over TCP):
-    each starts its rank's process (no fork server on this host). The torchrun variables
+    each has its rank forked by a fork server of its own (not this host's). The variables
     count ranks by host; output is prefixed on the worker's host; a failing rank stops the
     others and is named with the end of its stderr; the mesh runs again; a script missing on
     the workers' host is a FileNotFoundError naming the rank; a worker killed
@@ -251,7 +251,7 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
             )
             assert e["MONARCH_DSL_TOKEN"] is None  # the job's secret stays with the workers
             assert e["TORCHELASTIC_USE_AGENT_STORE"] is None and e["OMP_NUM_THREADS"] == "3"
-            assert not s["torch_preloaded"]  # a fresh interpreter
+            assert s["torch_preloaded"]  # forked from the worker's fork server
         out, err = capfd.readouterr()
         assert "[host=1,gpu=0] hello from rank 2 of 4" in out
         assert "[host=0,gpu=1] to stderr from rank 1" in err
@@ -276,6 +276,25 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
             with pytest.raises(FileNotFoundError, match=r"no such script file on host .*rank 0"):
                 pm.run_spmd(missing)
 
+        # a worker's fork server killed during a run: its rank dies with it (an error naming
+        # the rank; the others stopped); the next run starts a new one
+        servers = _fork_servers([w.pid for w in workers])
+        assert len(servers) == 4
+        napping = tmp_path / "nap"
+        napping.mkdir()
+        killer = threading.Thread(
+            target=lambda: (
+                wait_until(lambda: len(list(napping.glob("*.json"))) == 4, 60, "4 ranks up"),
+                os.kill(servers[workers[3].pid], signal.SIGKILL),
+            )
+        )
+        killer.start()
+        with pytest.raises(SpmdError, match=r"rank 3 .*SIGKILL"):
+            pm.run_spmd(RANKS, "sleep", str(napping), timeout=60)
+        killer.join()
+        assert_gone([s["pid"] for s in rank_files(napping, 4)])
+        assert pm.run_spmd(RANKS, "ok", str(ok), timeout=60).values() == [0, 0, 0, 0]
+
         sleeping = tmp_path / "sleep"
         sleeping.mkdir()
         killer = threading.Thread(
@@ -289,12 +308,32 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
             pm.run_spmd(RANKS, "sleep", str(sleeping), timeout=60)
         killer.join()
         assert_gone([s["pid"] for s in rank_files(sleeping, 4)])
+        servers = _fork_servers([w.pid for w in workers])
         pm.stop()
+        assert_gone(list(servers.values()))  # the workers' fork servers end with them
     finally:
         for w in workers:
             if w.poll() is None:
                 w.kill()
             w.wait(timeout=30)
+
+
+def _fork_servers(parents: list[int]) -> dict[int, int]:
+    """The fork servers run_spmd's agents started: worker pid -> its fork server's pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in parents and b"forkserver import main" in command:
+            out[ppid] = int(entry)
+    return out
 
 
 def test_a_stopped_mesh_refuses_to_run(tmp_path):

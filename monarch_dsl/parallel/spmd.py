@@ -58,14 +58,17 @@ starts.
 Meshes of remote hosts
 ----------------------
 Workers an external launcher started (``md.remote_hosts``) have no fork server on this host.
-There each worker starts its own rank's process, as torchrun's agent does: ``python script ARGS``
-(``-m`` for a module), a fresh interpreter in a session of its own, through a small bootstrap
-that first asks the kernel to kill it when the worker dies (``PR_SET_PDEATHSIG``) and then execs
-the real command -- so a worker killed mid-run leaves no rank behind. An ``_Agent`` actor on each
-worker starts it, reports its exit status and the end of its stderr, and signals its process
-group when the run is stopped; the controller polls the agents every ``POLL`` s and applies the
-same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
-``STOP_GRACE``). What differs:
+There each worker starts its own rank's process, as torchrun's agent does, from a fork server
+of its own: an ``_Agent`` actor on each worker starts one at the first run (a fresh
+interpreter, through a small bootstrap that first asks the kernel to kill it when the worker
+dies, ``PR_SET_PDEATHSIG``, and then execs it; it imports torch once, and kills its children
+when its worker is gone), and has it fork the rank as the controller's fork server forks a
+local one (``forkserver.run_script``: as ``python script ARGS``, ``-m`` for a module) -- so a
+worker killed mid-run leaves no rank behind, and a second run starts its ranks in
+milliseconds. The agent reports the rank's exit status and the end of its stderr, and
+signals its process group when the run is stopped; the controller polls the agents every
+``POLL`` s and applies the same rules as above (the first failure stops the others: SIGTERM,
+SIGKILL after ``STOP_GRACE``). What differs:
 
 - the script (or module) must exist on every host at the same path (``pm.sync_files`` copies
   it); where a host lacks it, no rank runs: ``FileNotFoundError`` naming the rank and the host
@@ -80,8 +83,8 @@ same rules as above (the first failure stops the others: SIGTERM, SIGKILL after
   worker's budget;
 - the output is prefixed with the worker's coordinates on its own host, where the workers of
   ``md.remote_hosts`` print (``pm.logging`` does not reach them);
-- each run starts a fresh interpreter, so it pays for ``import torch`` every time (a per-host
-  fork server started by ``monarch-dsl worker`` would spare it; not built).
+- the first run on a mesh pays for each worker's fork server (a fresh interpreter and
+  ``import torch``); one per worker, not per host.
 """
 
 from __future__ import annotations
@@ -91,7 +94,6 @@ import errno
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -457,14 +459,25 @@ def remote_rank_envs(
 
 class _Agent(Actor):
     """On each worker of a mesh of remote hosts: starts, watches and stops its rank's process
-    of a ``run_spmd`` run (see the module docstring). Its output is copied, line by line and
-    prefixed with the worker's coordinates (``label``, as the controller prefixes a local
-    rank's), to the worker's own stdout / stderr."""
+    of a ``run_spmd`` run (see the module docstring), forked by a fork server of its own
+    (started at the first run, a fresh interpreter through ``BOOTSTRAP``: it imports torch
+    once). Its output is copied, line by line and prefixed with the worker's coordinates
+    (``label``, as the controller prefixes a local rank's), to the worker's own stdout /
+    stderr."""
 
     def __init__(self) -> None:
-        # (no cleanup at the worker's exit: workers end by os._exit; a rank dies with its
-        # worker through the bootstrap's PR_SET_PDEATHSIG)
-        self.runs: dict[str, tuple[subprocess.Popen, Any, list[threading.Thread]]] = {}
+        # (no cleanup at the worker's exit: workers end by os._exit; the fork server then
+        # loses its channel and kills the ranks, and dies with the worker anyway: the
+        # bootstrap's PR_SET_PDEATHSIG)
+        self.server: forkserver.ForkServerClient | None = None
+        self.runs: dict[str, _Rank] = {}
+
+    def _fork_server(self) -> forkserver.ForkServerClient:
+        if self.server is None or not self.server.alive:
+            limit = memory.inherited_data_limit()  # (the ranks': not the worker's budget)
+            prefix = (sys.executable, "-c", BOOTSTRAP, str(os.getpid()), str(limit))
+            self.server = forkserver.ForkServerClient.start_fresh(prefix, FORK_TIMEOUT)
+        return self.server
 
     @endpoint
     def master_port(self) -> int:
@@ -487,7 +500,6 @@ class _Agent(Actor):
                 f"with pm.sync_files)",
                 script,
             )
-        command = [sys.executable, *(("-m",) if module else ()), script, *args]
         full = {
             k: v
             for k, v in os.environ.items()
@@ -496,69 +508,84 @@ class _Agent(Actor):
         if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
             full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: a host's ranks share its cores
         full.update(env)
-        limit = memory.inherited_data_limit()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", BOOTSTRAP, str(os.getpid()), str(limit), *command],
-            env=full,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: stopped as a whole
-        )
-        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        streams = ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, tail))
-        threads = [
+        server = self._fork_server()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            request = ForkScripts(0, script, args, (full,), tuple(sys.path), os.getcwd(), module)
+            (pid,) = server.fork(request, [out_w, err_w], FORK_TIMEOUT)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)  # the rank holds them now; ours would hide its EOF
+            os.close(err_w)
+        rank = _Rank(pid)
+        server.watch_exit(pid, rank.exited)
+        streams = ((out_r, sys.stdout, None), (err_r, sys.stderr, rank.tail))
+        rank.threads = [
             threading.Thread(
                 target=_copy_lines,
-                args=(pipe, out, f"[{label}] ", keep),
+                args=(os.fdopen(fd, "rb"), out, f"[{label}] ", keep),
                 name="md-spmd-output",
                 daemon=True,
             )  # fmt: skip
-            for pipe, out, keep in streams
+            for fd, out, keep in streams
         ]
-        for t in threads:
+        for t in rank.threads:
             t.start()
-        self.runs[run] = (proc, tail, threads)
-        return proc.pid
+        self.runs[run] = rank
+        return pid
 
     @endpoint
     def poll(self, run: str) -> tuple[int | None, str]:
         """The rank's ``returncode`` (None while it runs) and, once it exited, its stderr's
         end (all of its output read first)."""
-        entry = self.runs.get(run)
-        if entry is None:
+        rank = self.runs.get(run)
+        if rank is None or not rank.done.is_set():
             return None, ""
-        proc, tail, threads = entry
-        code = proc.poll()
-        if code is None:
-            return None, ""
-        if threads:  # (once: a descendant may hold the pipes open; not waited for again)
-            for t in threads:
+        if rank.threads:  # (once: a descendant may hold the pipes open; not waited for again)
+            for t in rank.threads:
                 t.join(0.2)
-            threads.clear()
-        return code, "".join(tail)
+            rank.threads.clear()
+        # (-1: the fork server died, and the rank with it)
+        code = returncode(rank.status) if rank.status >= 0 else -signal.SIGKILL
+        return code, "".join(rank.tail)
 
     @endpoint
     def signal(self, run: str, sig: int) -> None:
-        entry = self.runs.get(run)
-        if entry is not None and entry[0].poll() is None:
+        rank = self.runs.get(run)
+        if rank is not None and not rank.done.is_set():
             try:
-                os.killpg(entry[0].pid, sig)
+                os.killpg(rank.pid, sig)  # (it leads its process group: forkserver.py)
             except (ProcessLookupError, PermissionError):
                 pass
 
     @endpoint
     def forget(self, run: str) -> None:
-        entry = self.runs.pop(run, None)
-        if entry is not None:
+        rank = self.runs.pop(run, None)
+        if rank is not None and not rank.done.wait(STOP_GRACE):  # (signalled or exited by now)
             try:
-                entry[0].wait(STOP_GRACE)  # (reaped: signalled or exited by now)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(entry[0].pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                entry[0].wait(KILL_WAIT)
+                os.killpg(rank.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _Rank:
+    """A rank's process on an agent's worker: its exit status (from the fork server, which
+    reaps it), its stderr's end and the threads copying its output."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.status = -1
+        self.done = threading.Event()
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.threads: list[threading.Thread] = []
+
+    def exited(self, status: int) -> None:
+        self.status = status
+        self.done.set()
 
 
 def _copy_lines(pipe: Any, out: Any, label: str, keep: Any) -> None:

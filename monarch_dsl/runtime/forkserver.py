@@ -837,14 +837,32 @@ class ForkServerClient:
         self._chan, self._pid = parent, pid
         return msg
 
-    def _start_fresh(self, timeout: float, keeper: KeeperConfig | None = None) -> None:
+    @classmethod
+    def start_fresh(cls, prefix: Sequence[str] = (), timeout: float = 120.0) -> ForkServerClient:
+        """A fork server of a fresh interpreter started through ``prefix`` (a command that
+        execs the rest of its argv: a remote worker's bootstrap), and our channel to it; its
+        own, not this process's ``fork_server()``."""
+        client = cls()
+        client._start_fresh(timeout, prefix=prefix)
+        client.mode = "fresh interpreter"
+        client._start_reader()
+        return client
+
+    @property
+    def alive(self) -> bool:
+        """Whether our channel to the fork server is open (it has not died)."""
+        return self._chan is not None
+
+    def _start_fresh(
+        self, timeout: float, keeper: KeeperConfig | None = None, prefix: Sequence[str] = ()
+    ) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd, self._stderr_path = tempfile.mkstemp(prefix="monarch_dsl-forkserver-", suffix=".err")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         if keeper is not None:
             _send(parent, keeper)  # (read first thing, before torch is imported)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _KEEPER if keeper else _FRESH, str(child.fileno())],
+            [*prefix, sys.executable, "-c", _KEEPER if keeper else _FRESH, str(child.fileno())],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             stderr=fd,
