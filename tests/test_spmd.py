@@ -250,6 +250,7 @@ def test_a_mesh_of_remote_hosts_runs_scripts_and_stops_them_on_failure(
                 and e["MASTER_PORT"] == seen[0]["env"]["MASTER_PORT"]
             )
             assert e["MONARCH_DSL_TOKEN"] is None  # the job's secret stays with the workers
+            assert not s["token_in_proc_environ"]  # (nor was their fork server given it)
             assert e["TORCHELASTIC_USE_AGENT_STORE"] is None and e["OMP_NUM_THREADS"] == "3"
             assert s["torch_preloaded"]  # forked from the worker's fork server
         out, err = capfd.readouterr()
@@ -465,3 +466,34 @@ def test_cli_runs_a_module_on_n_ranks(tmp_path):
         capture_output=True, text=True, timeout=120, env=cli_env(), cwd=src,
     )  # fmt: skip
     assert missing.returncode == 2 and "no module named 'spmdpkg.nope'" in missing.stderr
+
+
+def test_a_fork_server_of_its_own_that_died_reports_its_ranks_gone_and_forks_no_more():
+    """ForkServerClient.start_fresh (a remote worker's, for run_spmd): after the fork server
+    dies, a rank watched from then on is reported gone at once (status -1: no run waits for
+    an exit that will not come), and fork raises instead of starting another server."""
+    from monarch_dsl.errors import SpawnError
+    from monarch_dsl.runtime import forkserver
+    from monarch_dsl.runtime.messages import ForkScripts
+
+    client = forkserver.ForkServerClient.start_fresh((), 120.0, env=dict(os.environ))
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        request = ForkScripts(0, RANKS, ("sleep", "/nonexistent"), (dict(os.environ, RANK="0"),),
+                              tuple(sys.path), os.getcwd())  # fmt: skip
+        (pid,) = client.fork(request, [out_w, err_w], 60)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    os.kill(client._pid, signal.SIGKILL)  # the fork server dies (and its rank with it)
+    wait_until(lambda: not client.alive, what="the channel's loss")
+    statuses = []
+    client.watch_exit(pid, statuses.append)
+    assert statuses == [-1]
+    with pytest.raises(SpawnError, match="fork server died"):
+        client.fork(request, [], 5)
+    assert_gone([pid])
+    client._proc.wait(10)
+    for fd in (out_r, err_r):
+        os.close(fd)

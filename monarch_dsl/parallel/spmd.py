@@ -84,7 +84,11 @@ SIGKILL after ``STOP_GRACE``). What differs:
 - the output is prefixed with the worker's coordinates on its own host, where the workers of
   ``md.remote_hosts`` print (``pm.logging`` does not reach them);
 - the first run on a mesh pays for each worker's fork server (a fresh interpreter and
-  ``import torch``); one per worker, not per host.
+  ``import torch``); one per worker process, not per host.
+
+On both, a rank is a fork of an interpreter that has started: variables that Python or torch
+read only at start-up (``PYTHONHASHSEED``, ``LD_PRELOAD``, ``PYTHONMALLOC``, ...) given in
+``env=`` do not take effect, as they would in torchrun's fresh ranks.
 """
 
 from __future__ import annotations
@@ -466,18 +470,7 @@ class _Agent(Actor):
     stderr."""
 
     def __init__(self) -> None:
-        # (no cleanup at the worker's exit: workers end by os._exit; the fork server then
-        # loses its channel and kills the ranks, and dies with the worker anyway: the
-        # bootstrap's PR_SET_PDEATHSIG)
-        self.server: forkserver.ForkServerClient | None = None
         self.runs: dict[str, _Rank] = {}
-
-    def _fork_server(self) -> forkserver.ForkServerClient:
-        if self.server is None or not self.server.alive:
-            limit = memory.inherited_data_limit()  # (the ranks': not the worker's budget)
-            prefix = (sys.executable, "-c", BOOTSTRAP, str(os.getpid()), str(limit))
-            self.server = forkserver.ForkServerClient.start_fresh(prefix, FORK_TIMEOUT)
-        return self.server
 
     @endpoint
     def master_port(self) -> int:
@@ -500,15 +493,11 @@ class _Agent(Actor):
                 f"with pm.sync_files)",
                 script,
             )
-        full = {
-            k: v
-            for k, v in os.environ.items()
-            if k != "MONARCH_DSL_TOKEN" and not k.startswith(LAUNCHER_PREFIXES)
-        }
+        full = _rank_base_env()
         if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
             full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: a host's ranks share its cores
         full.update(env)
-        server = self._fork_server()
+        server = _worker_fork_server()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -570,6 +559,36 @@ class _Agent(Actor):
                 os.killpg(rank.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+_server: forkserver.ForkServerClient | None = None  # this worker's (one for all its agents)
+_server_lock = threading.Lock()
+SERVER_START_TIMEOUT = 120.0  # a fresh interpreter importing torch, on a busy host
+
+
+def _rank_base_env() -> dict[str, str]:
+    """The worker's environment less the job's token and the launcher's own variables."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "MONARCH_DSL_TOKEN" and not k.startswith(LAUNCHER_PREFIXES)
+    }
+
+
+def _worker_fork_server() -> forkserver.ForkServerClient:
+    """This worker's fork server for ``run_spmd`` ranks, started (again, if it died) here.
+    (No cleanup at the worker's exit: workers end by ``os._exit``; the fork server then
+    loses its channel and kills the ranks, and dies with the worker anyway: the bootstrap's
+    ``PR_SET_PDEATHSIG``.)"""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive:
+            limit = memory.inherited_data_limit()  # (the ranks': not the worker's budget)
+            prefix = (sys.executable, "-c", BOOTSTRAP, str(os.getpid()), str(limit))
+            _server = forkserver.ForkServerClient.start_fresh(
+                prefix, SERVER_START_TIMEOUT, env=_rank_base_env()
+            )
+        return _server
 
 
 class _Rank:
@@ -658,10 +677,11 @@ class _RemoteRun(_Run):
             pids = []
             for i, f in enumerate(started):
                 try:
-                    pids.append(f.get(FORK_TIMEOUT))
+                    # (the first run also starts each worker's fork server)
+                    pids.append(f.get(SERVER_START_TIMEOUT + FORK_TIMEOUT))
                 except ActorError as e:  # the agent's own error, naming the rank (a missing
                     # script on its host): raised as itself, as a local run raises it
-                    if isinstance(e.exception, OSError):
+                    if isinstance(e.exception, OSError) and e.exception.errno is not None:
                         raise type(e.exception)(
                             e.exception.errno,
                             f"{e.exception.strerror} (rank {i}, {self.labels[i]})",

@@ -775,6 +775,8 @@ class ForkServerClient:
         self.mode = ""
         self._stderr_path = ""
         self._closed = False
+        self._lost = False  # the fork server died (its exits will not come)
+        self._restartable = True  # fork() starts the fork server again (fork_server()'s)
 
     # ------------------------------------------------------------------ start
     def ensure_started(self, timeout: float = 120.0) -> None:
@@ -838,12 +840,19 @@ class ForkServerClient:
         return msg
 
     @classmethod
-    def start_fresh(cls, prefix: Sequence[str] = (), timeout: float = 120.0) -> ForkServerClient:
+    def start_fresh(
+        cls,
+        prefix: Sequence[str] = (),
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> ForkServerClient:
         """A fork server of a fresh interpreter started through ``prefix`` (a command that
-        execs the rest of its argv: a remote worker's bootstrap), and our channel to it; its
-        own, not this process's ``fork_server()``."""
+        execs the rest of its argv: a remote worker's bootstrap), with environment ``env``
+        (default: this process's), and our channel to it; its own, not this process's
+        ``fork_server()``, and not started again when it dies (``fork`` raises)."""
         client = cls()
-        client._start_fresh(timeout, prefix=prefix)
+        client._restartable = False
+        client._start_fresh(timeout, prefix=prefix, env=env)
         client.mode = "fresh interpreter"
         client._start_reader()
         return client
@@ -854,11 +863,18 @@ class ForkServerClient:
         return self._chan is not None
 
     def _start_fresh(
-        self, timeout: float, keeper: KeeperConfig | None = None, prefix: Sequence[str] = ()
+        self,
+        timeout: float,
+        keeper: KeeperConfig | None = None,
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd, self._stderr_path = tempfile.mkstemp(prefix="monarch_dsl-forkserver-", suffix=".err")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(
+            os.environ if env is None else env,
+            PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        )
         if keeper is not None:
             _send(parent, keeper)  # (read first thing, before torch is imported)
         self._proc = subprocess.Popen(
@@ -899,16 +915,21 @@ class ForkServerClient:
         return pickle.loads(data)
 
     def _start_reader(self) -> None:
+        self._lost = False  # (a new channel: its children's exits will come)
         threading.Thread(target=self._read_loop, name="md-forkserver", daemon=True).start()
 
     # ------------------------------------------------------------------ use
     def fork(self, request: ForkWorkers, fds: Sequence[int], timeout: float) -> tuple[int, ...]:
-        self.ensure_started()
+        if self._restartable:
+            self.ensure_started()
         fut: Future = Future()
         request = request._replace(request_id=next(self._ids))
-        self._requests[request.request_id] = fut
-        assert self._chan is not None
-        socket.send_fds(self._chan, [pickle.dumps(request)], list(fds))
+        with self._lock:
+            chan = self._chan
+            if chan is None:
+                raise SpawnError("the monarch_dsl fork server died")
+            self._requests[request.request_id] = fut
+        socket.send_fds(chan, [pickle.dumps(request)], list(fds))
         return fut.get(timeout)
 
     # ------------------------------------------------------------------ keepers
@@ -990,6 +1011,8 @@ class ForkServerClient:
         """Call ``callback(status)`` (from the reader thread) when ``pid`` exits."""
         with self._lock:
             status = self._exited.pop(pid, None)
+            if status is None and self._lost:  # (it died: no exit will be reported)
+                status = -1
             if status is None:
                 self._exit_watchers[pid] = callback
                 return
@@ -1029,6 +1052,7 @@ class ForkServerClient:
     def _on_lost(self) -> None:
         with self._lock:
             self._chan = None
+            self._lost = not self._closed
             watchers, self._exit_watchers = self._exit_watchers, {}
             requests, self._requests = self._requests, {}
         if self._closed:  # we closed it (a controller detaching from a keeper)

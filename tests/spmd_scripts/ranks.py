@@ -38,6 +38,14 @@ action, out_dir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 
 
+def _proc_environ() -> bytes:
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def wait_for_rank_0() -> None:
     deadline = time.monotonic() + 30
     while not os.path.exists(os.path.join(out_dir, "0.json")) and time.monotonic() < deadline:
@@ -54,6 +62,8 @@ with open(os.path.join(out_dir, f"{rank}.tmp"), "w") as f:
             "torch_preloaded": TORCH_PRELOADED,
             "argv": sys.argv[1:],
             "cwd": os.getcwd(),
+            # (what the process was started with: a fork server's environment shows here)
+            "token_in_proc_environ": b"MONARCH_DSL_TOKEN=" in _proc_environ(),
         },
         f,
     )
