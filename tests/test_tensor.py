@@ -586,3 +586,42 @@ def test_python_values_of_mesh_tensors_need_a_fetch(pm):
         with pytest.raises(TypeError, match="output shape is not known"):
             torch.ones(2).nonzero()
         assert md.inspect(s).item() == 2.0
+
+
+def test_a_batch_that_cannot_be_sent_fails_its_fetches_instead_of_hanging(pm, monkeypatch):
+    """An internal error encoding a tensor batch (nothing a user's value can cause: those are
+    refused when issued): the fetch in it fails with the cause, in the caller's flush and in
+    the flusher thread's, which goes on; the mesh runs later batches."""
+    import threading
+
+    from monarch_dsl.runtime import controller
+    from monarch_dsl.runtime.messages import RunBatch
+
+    real = controller._encode_call
+
+    def broken(msg):
+        if isinstance(msg, RunBatch):
+            raise TypeError("made-up encoding failure")
+        return real(msg)
+
+    with pm.activate():
+        x = torch.ones(3) * 2
+        md.inspect(x)
+        monkeypatch.setattr(controller, "_encode_call", broken)
+        with pytest.raises(TypeError, match="made-up encoding failure"):
+            md.inspect(x + 1)  # (flushed by the caller: raised there)
+        # flushed by the flusher thread (a fetch as md.fetch issues it, less its own flush):
+        # the fetch's future fails with the cause
+        from monarch_dsl import isa
+        from monarch_dsl.tensor import Engine
+
+        engine = Engine.of(pm)
+        y = x + 3
+        call_id, fut = engine.job.expect((pm.ranks[0],), lambda values: values[0])
+        engine.append(engine.mesh_id(pm), isa.Fetch(call_id, y._md_ref, "main", "test"))
+        with pytest.raises(RuntimeError, match="could not be sent.*made-up"):
+            fut.get(timeout=30)
+        assert all(t.is_alive() for t in threading.enumerate() if t.name == "md-flusher")
+        monkeypatch.setattr(controller, "_encode_call", real)
+        later = md.inspect(x * 5)
+    assert torch.equal(later, torch.full((3,), 10.0))

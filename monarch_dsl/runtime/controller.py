@@ -88,6 +88,10 @@ class Flusher:
                     # thread runs this too and must not die of it: every later batch of the
                     # process would then wait for a caller to block.
                     pass
+                except Exception:  # noqa: BLE001 - an internal error sending a batch (its
+                    # waiters were failed with it, see Engine.flush): said, and the flusher
+                    # goes on for the other connections
+                    log.exception("monarch_dsl: a batch could not be sent")
 
     def _run(self) -> None:
         while True:
@@ -803,6 +807,18 @@ class Job:
                 waiting.add(call_id)
         self._send_all(ranks, parts)
         return p.future
+
+    def fail_calls(self, call_ids: Sequence[int], err: BaseException) -> None:
+        """Fail the pending calls ``call_ids`` with ``err`` (their messages were never sent)."""
+        failed = []
+        with self._lock:
+            for call_id in call_ids:
+                p = self.pending.get(call_id)
+                if p is not None:
+                    self._forget(call_id, p)
+                    failed.append(p)
+        for p in failed:
+            p.future.set_exception(err)
 
     def post(self, ranks: Sequence[int], msg: Any) -> None:
         """Send without expecting a reply."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from monarch_dsl import isa
+from monarch_dsl.errors import SupervisionError
 from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime import controller
@@ -102,7 +103,20 @@ class Engine:
             if self.job.stopped or self.job.stopping:
                 return
             self.batches_sent += 1
-            self.job.post(self.ranks, RunBatch(items))
+            try:
+                self.job.post(self.ranks, RunBatch(items))
+            except SupervisionError:
+                raise  # (a dead worker: its pending calls fail with its death)
+            except Exception as e:
+                # The batch could not be encoded or sent (an internal error): the fetches it
+                # held are never answered; fail them with the cause, not a wait forever.
+                fetches = [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
+                lost = RuntimeError(
+                    f"internal: a batch of {len(items)} instructions could not be sent to the "
+                    f"workers ({type(e).__name__}: {e}); the values it computed are lost"
+                )
+                self.job.fail_calls(fetches, lost)
+                raise
 
     def mesh_id(self, mesh: Mesh) -> int:
         mid = mesh.__dict__.get("_md_mesh_id")
