@@ -529,7 +529,7 @@ class _Agent(Actor):
 
     @endpoint
     def poll(self, run: str) -> tuple[int | None, str]:
-        """The rank's ``returncode`` (None while it runs) and, once it exited, its stderr's
+        """The rank's wait status (None while it runs) and, once it exited, its stderr's
         end (all of its output read first)."""
         rank = self.runs.get(run)
         if rank is None or not rank.done.is_set():
@@ -538,9 +538,8 @@ class _Agent(Actor):
             for t in rank.threads:
                 t.join(0.2)
             rank.threads.clear()
-        # (-1: the fork server died, and the rank with it)
-        code = returncode(rank.status) if rank.status >= 0 else -signal.SIGKILL
-        return code, "".join(rank.tail)
+        # (-1: the fork server died, and the rank with it: killed by its PR_SET_PDEATHSIG)
+        return rank.status if rank.status >= 0 else signal.SIGKILL, "".join(rank.tail)
 
     @endpoint
     def signal(self, run: str, sig: int) -> None:
@@ -734,11 +733,10 @@ class _RemoteRun(_Run):
                 ]
         except Exception:  # noqa: BLE001 - a worker died meanwhile: see it next round
             replies = [(None, "")] * len(self.ranks)
-        for i, (code, tail) in enumerate(replies):
-            if code is not None and i not in self.status:
+        for i, (status, tail) in enumerate(replies):
+            if status is not None and i not in self.status:
                 self.tails[i] = tail
-                # as a wait status: the exit code, or the signal that killed it
-                self._on_exit(i, -code if code < 0 else code << 8)
+                self._on_exit(i, status)
         with self._cond:
             return self._all_ended()
 

@@ -809,7 +809,8 @@ class Job:
         return p.future
 
     def fail_calls(self, call_ids: Sequence[int], err: BaseException) -> None:
-        """Fail the pending calls ``call_ids`` with ``err`` (their messages were never sent)."""
+        """Fail the pending calls ``call_ids`` with ``err`` (their messages were never sent,
+        or the mesh was stopped)."""
         failed = []
         with self._lock:
             for call_id in call_ids:
@@ -901,11 +902,8 @@ class Job:
             shutil.rmtree(self._dir, ignore_errors=True)
         os.close(self._wake_r)
         os.close(self._wake_w)
-        err = SupervisionError("the process mesh was stopped")
         self._held.clear()
-        for call_id, p in list(self.pending.items()):
-            self._forget(call_id, p)
-            p.future.set_exception(err)
+        self.fail_calls(list(self.pending), SupervisionError("the process mesh was stopped"))
         _jobs.discard(self)
 
 
