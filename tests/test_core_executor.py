@@ -165,6 +165,39 @@ def test_streams_run_concurrently_and_borrows_wait():
     assert len(ex) == 0
 
 
+def test_a_streams_python_steps_share_one_python_thread_state_until_it_closes():
+    """The Python steps of a stream (a compiled call's, a remote function's, a fetch) run in
+    one Python thread state, as on a Python thread: what one leaves in a thread-local the next
+    finds there (each had a new one, made and deleted around it); closing lets go of it."""
+    import gc
+    import weakref
+
+    ex = core.Executor(0, isa.Ref, D, torch.device("cpu"), Failure, lambda f: None)
+    local = threading.local()
+    seen, done = [], threading.Event()
+
+    class Kept:  # held by the stream's thread-local: alive while its thread state is
+        pass
+
+    def first():
+        local.kept = Kept()
+        seen.append(weakref.ref(local.kept))
+
+    def later():
+        seen.append(getattr(local, "kept", None) is not None)
+
+    ex.python("s", first)
+    for _ in range(3):
+        ex.python("s", later)
+    ex.barrier(done.set)
+    assert done.wait(30)
+    assert seen[1:] == [True, True, True]
+    assert seen[0]() is not None
+    ex.close()
+    gc.collect()
+    assert seen[0]() is None  # the thread state (and its thread-locals) went with the stream
+
+
 def test_a_python_step_that_let_a_memory_error_out_runs_once_more_with_room(capfd):
     """At a worker's budget's last pages a Python step (a fetch: its caller waits for the
     answer) can fail before its own code runs: it runs once more with 16 MiB more under

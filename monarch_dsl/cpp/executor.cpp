@@ -391,6 +391,7 @@ class Executor {
         break;
       case Kind::Python: {
         py::gil_scoped_acquire gil;
+        md::exec::keep_python_thread_state();
         auto fn = py::reinterpret_steal<py::object>(item.fn);
         item.fn = nullptr;
         run_python_step(fn, "monarch_dsl executor: internal error in a Python step:\n");
@@ -399,6 +400,7 @@ class Executor {
       case Kind::Barrier: {
         bool last = item.counter->fetch_sub(1) == 1;
         py::gil_scoped_acquire gil;
+        md::exec::keep_python_thread_state();
         auto fn = py::reinterpret_steal<py::object>(item.fn);
         item.fn = nullptr;
         if (last) run_python_step(fn, "");

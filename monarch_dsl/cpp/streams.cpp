@@ -28,6 +28,30 @@ void start_stream_thread(const c10::Device& device) {
   }
 }
 
+namespace {
+thread_local bool kept_thread_state = false;  // (keep_python_thread_state)
+}  // namespace
+
+void keep_python_thread_state() {
+  if (kept_thread_state) return;
+  pybind11::gil_scoped_acquire again;  // the same thread state, one count more...
+  again.inc_ref();                     // ...and one more, which its end does not take back
+  kept_thread_state = true;
+}
+
+void end_stream_thread() {
+  if (!kept_thread_state) return;
+  kept_thread_state = false;
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (!Py_IsInitialized() || finalizing) return;  // (the interpreter frees thread states)
+  pybind11::gil_scoped_acquire gil;
+  gil.dec_ref();  // the kept count: the thread state is deleted when this acquire ends
+}
+
 std::optional<rlim_t> grow_data_limit(size_t room) {
   struct rlimit limit;
   if (getrlimit(RLIMIT_DATA, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return std::nullopt;

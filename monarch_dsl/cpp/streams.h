@@ -31,6 +31,18 @@ void start_stream_thread(const c10::Device& device);
 // An exception that running an item let out (a bug of ours): said on stderr, under the GIL.
 void report_internal_error(const std::exception& e);
 
+// Called under a pybind11::gil_scoped_acquire on a stream thread: keeps that acquire's Python
+// thread state for the thread's next ones, until end_stream_thread. pybind11 makes a thread
+// state for an acquire on a thread that has none and deletes it when the acquire ends: every
+// Python step (each compiled call's) paid for a new one (its allocation, its frame stack's
+// first chunk) and lost its Python thread-locals.
+void keep_python_thread_state();
+
+// What a stream thread does after its last item: lets go of the Python thread state kept by
+// keep_python_thread_state (takes the GIL: called without it), unless the interpreter is
+// finalizing.
+void end_stream_thread();
+
 // Grows a worker's memory budget (RLIMIT_DATA, runtime/memory.py; which counts the growth
 // as the runtime's own) by `room` bytes; returns the soft limit before, or nothing where there
 // is no budget or no room under its hard limit. `set_data_limit` puts a soft limit back.
@@ -136,7 +148,7 @@ class Streams {
       {
         std::unique_lock<std::mutex> g(s.lock);
         s.cv.wait(g, [&] { return s.stop || !s.queue.empty(); });
-        if (s.queue.empty()) return;  // stopped, and nothing left
+        if (s.queue.empty()) break;  // stopped, and nothing left
         item = std::move(s.queue.front());
         s.queue.pop_front();
       }
@@ -146,6 +158,7 @@ class Streams {
         report_internal_error(e);
       }
     }
+    end_stream_thread();
   }
 
   c10::Device device_;
