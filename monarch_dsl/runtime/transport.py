@@ -201,11 +201,15 @@ def encode(msg: Any) -> list:
     header = _HEADER.pack(_MAGIC, len(buffers), len(payload))
     if not buffers:
         return [header + payload] if len(payload) < _SMALL else [header, payload]
-    try:
-        lens = b"".join(_LEN.pack(b.nbytes) for b in buffers)
-    except AttributeError:  # a PerRank's slot among them
+    if any(isinstance(b, serialize._PerRankSlot) for b in buffers):
         return PerRankParts([header, payload, *buffers])
-    return [header + lens, payload, *buffers]
+    return _frame(header, payload, buffers)
+
+
+def _frame(header: bytes, payload: bytes, buffers: list) -> list:
+    """A frame with out-of-band buffers: the header and the buffers' lengths, the payload,
+    the buffers."""
+    return [header + b"".join(_LEN.pack(b.nbytes) for b in buffers), payload, *buffers]
 
 
 class PerRankParts(list):
@@ -223,8 +227,7 @@ def for_rank(parts: list, rank: int) -> list:
     mine = [
         b.per_rank.buffer(rank) if isinstance(b, serialize._PerRankSlot) else b for b in buffers
     ]
-    lens = b"".join(_LEN.pack(b.nbytes) for b in mine)
-    return [header + lens, payload, *mine]
+    return _frame(header, payload, mine)
 
 
 def send_parts(sock: socket.socket, parts: list) -> None:
