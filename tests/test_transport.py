@@ -385,6 +385,37 @@ def test_a_per_rank_value_sends_each_rank_its_own_rows_in_one_encoding():
             assert torch.equal(got.items[0][1].parts[0][1], whole[32:] + o)
 
 
+class _Held:
+    """A message's object, which a test watches through a weak reference."""
+
+    def __reduce__(self):
+        return (_Held, ())
+
+
+def test_nothing_of_a_sent_message_stays_alive_in_the_pickler():
+    """Once encoded and dropped, a message's objects (its tensors, its snapshots) are freed at
+    once, by the thread that drops it. A pickler kept per thread held them in its memo until
+    the next message, whose ``clear_memo()`` freed them: a tensor's dealloc releases the GIL,
+    and another thread's garbage collection then walked the half-cleared memo into freed
+    objects (the controller died of SIGSEGV now and then while issuing compiled calls)."""
+    import weakref
+
+    from monarch_dsl import isa
+    from monarch_dsl.runtime.messages import RunBatch
+
+    for make in (
+        lambda: _Held(),
+        lambda: serialize.snapshot(torch.randn(64, 64)),  # (from numpy: its dealloc's GIL)
+        lambda: torch.randn(4, 4),
+    ):
+        held = make()
+        gone = weakref.ref(held)
+        msg = RunBatch(((0, isa.Fetch(1, 2, "main", "x.py:1")), (0, (held, [held]))))
+        transport.encode(msg)
+        del msg, held
+        assert gone() is None, "an object of the sent message outlived it"
+
+
 def test_big_frames_interleaved_with_small_ones():
     big = torch.arange(3 * 1024 * 1024, dtype=torch.int32)  # 12 MiB
     blob_msg = {"blob": os.urandom(300_000)}  # no out-of-band buffer, bigger than the buffer

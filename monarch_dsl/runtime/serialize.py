@@ -9,7 +9,6 @@ their own on the other side.
 from __future__ import annotations
 
 import copyreg
-import io
 import marshal
 import math
 import pickle
@@ -281,6 +280,17 @@ class _Sink:
 
 
 def _dump(pickler_cls, obj) -> tuple[bytes, list[memoryview]]:
+    """``obj`` pickled by a new pickler of ``pickler_cls``: (the stream, its out-of-band
+    buffers).
+
+    A new pickler per message (about 1 us), not one kept per thread and reset with
+    ``clear_memo()``: a kept pickler's memo holds every object of the last message until the
+    next one, often the last reference to its tensors, and ``clear_memo()`` then frees them.
+    Freeing a tensor releases the GIL (torch's tensor dealloc), so another thread runs while
+    the memo is half cleared, and its garbage collection walks that pickler's memo (which it
+    traverses) into the objects just freed: the controller died of SIGSEGV, now and then,
+    while issuing compiled calls (CPython 3.11's ``PyMemoTable_Clear`` zeroes the table only
+    after its loop). A pickler that is dropped is untracked before its memo is freed."""
     buffers: list[Any] = []
     sink = _Sink()
     try:
@@ -289,33 +299,6 @@ def _dump(pickler_cls, obj) -> tuple[bytes, list[memoryview]]:
         _pending.per_rank = None
     payload = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
     return payload, buffers
-
-
-class _Reusable(threading.local):
-    """One C pickler per thread, reset between messages (saves building one per message)."""
-
-    def __init__(self) -> None:
-        self.buffers: list[Any] = []
-        self.file = io.BytesIO()
-        self.pickler = _FastPickler(
-            self.file, protocol=5, buffer_callback=_out_of_band(self.buffers)
-        )
-
-    def dump(self, obj: Any) -> tuple[bytes, list[Any]]:
-        self.file.seek(0)
-        self.file.truncate()
-        self.pickler.clear_memo()
-        self.buffers.clear()
-        try:
-            self.pickler.dump(obj)
-        finally:
-            _pending.per_rank = None
-        out = list(self.buffers)
-        self.buffers.clear()
-        return self.file.getvalue(), out
-
-
-_reusable = _Reusable()
 
 
 def dumps(obj: Any) -> tuple[bytes, list[Any]]:
@@ -330,7 +313,7 @@ def dumps(obj: Any) -> tuple[bytes, list[Any]]:
     if not _have_tensor_reducer:
         _ensure_tensor_reducer()
     try:
-        payload, buffers = _reusable.dump(obj)
+        payload, buffers = _dump(_FastPickler, obj)
         if b"__main__" not in payload:
             return payload, buffers
     except (pickle.PicklingError, AttributeError, TypeError):
