@@ -256,6 +256,32 @@ def _per_rank(common: dict[str, str], hosts: list[list[int]]) -> list[dict[str, 
     return out
 
 
+def _fork_with_pipes(
+    server: forkserver.ForkServerClient, request: ForkScripts, n: int
+) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """Fork the ``n`` ranks of ``request`` from ``server``, each with a pipe for its stdout
+    and one for its stderr: (their pids, each rank's (stdout, stderr) read ends, the
+    caller's to close). The write ends are closed here once the ranks hold them (ours would
+    hide their EOF), and the read ends too where the fork fails. The one start of local
+    runs (``_Run``) and a remote worker's rank (``_Agent.start``)."""
+    reads: list[int] = []
+    writes: list[int] = []
+    try:
+        for _ in range(2 * n):
+            r, w = os.pipe()
+            reads.append(r)
+            writes.append(w)
+        pids = server.fork(request, writes, FORK_TIMEOUT)
+    except BaseException:
+        for fd in reads:
+            os.close(fd)
+        raise
+    finally:
+        for fd in writes:
+            os.close(fd)
+    return pids, list(zip(reads[::2], reads[1::2]))
+
+
 def returncode(status: int | None) -> int | None:
     """``subprocess``'s convention: the exit code, or minus the signal that killed it."""
     return None if status is None else os.waitstatus_to_exitcode(status)
@@ -290,22 +316,11 @@ class _Run:
         self.err: list[Any] = []
         envs = rank_envs(job.worker_env, env, len(ranks))
         server = forkserver.fork_server()
-        fds: list[int] = []
-        try:
-            for rank in ranks:
-                out_r, out_w = os.pipe()
-                fds.append(out_w)
-                self.out.append(logs.forwarder().add(out_r, job.log_group, rank, is_err=False))
-                err_r, err_w = os.pipe()
-                fds.append(err_w)
-                self.err.append(logs.forwarder().add(err_r, job.log_group, rank, is_err=True))
-            request = ForkScripts(
-                0, script, args, tuple(envs), tuple(sys.path), os.getcwd(), module
-            )
-            self.pids: tuple[int, ...] = server.fork(request, fds, FORK_TIMEOUT)
-        finally:
-            for fd in fds:  # the children hold them now; our copies would hide their EOF
-                os.close(fd)
+        request = ForkScripts(0, script, args, tuple(envs), tuple(sys.path), os.getcwd(), module)
+        self.pids, pipes = _fork_with_pipes(server, request, len(ranks))
+        for rank, (out_r, err_r) in zip(ranks, pipes):
+            self.out.append(logs.forwarder().add(out_r, job.log_group, rank, is_err=False))
+            self.err.append(logs.forwarder().add(err_r, job.log_group, rank, is_err=True))
         for i, pid in enumerate(self.pids):
             server.watch_exit(pid, lambda status, i=i: self._on_exit(i, status))
 
@@ -498,18 +513,8 @@ class _Agent(Actor):
             full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: a host's ranks share its cores
         full.update(env)
         server = _worker_fork_server()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            request = ForkScripts(0, script, args, (full,), tuple(sys.path), os.getcwd(), module)
-            (pid,) = server.fork(request, [out_w, err_w], FORK_TIMEOUT)
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            os.close(out_w)  # the rank holds them now; ours would hide its EOF
-            os.close(err_w)
+        request = ForkScripts(0, script, args, (full,), tuple(sys.path), os.getcwd(), module)
+        (pid,), [(out_r, err_r)] = _fork_with_pipes(server, request, 1)
         rank = _Rank(pid)
         server.watch_exit(pid, rank.exited)
         streams = ((out_r, sys.stdout, None), (err_r, sys.stderr, rank.tail))
