@@ -55,6 +55,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from monarch_dsl.errors import SpawnError
 from monarch_dsl.mesh import coords_of_index
@@ -850,10 +851,16 @@ class ForkServerClient:
         execs the rest of its argv: a remote worker's bootstrap), with environment ``env``
         (default: this process's), and our channel to it; its own, not this process's
         ``fork_server()``, and not started again when it dies (``fork`` raises)."""
+        return cls._started("fresh interpreter", timeout, prefix=prefix, env=env)
+
+    @classmethod
+    def _started(cls, mode: str, timeout: float, **how: Any) -> ForkServerClient:
+        """A client of a new fork server started by ``_start_fresh(timeout, **how)``; not
+        restarted when it dies."""
         client = cls()
         client._restartable = False
-        client._start_fresh(timeout, prefix=prefix, env=env)
-        client.mode = "fresh interpreter"
+        client._start_fresh(timeout, **how)
+        client.mode = mode
         client._start_reader()
         return client
 
@@ -936,11 +943,7 @@ class ForkServerClient:
     @classmethod
     def start_keeper(cls, config: KeeperConfig, timeout: float) -> ForkServerClient:
         """A new keeper (a persistent mesh's fork server, see ``Keeper``) and our channel."""
-        client = cls()
-        client._start_fresh(timeout, keeper=config)
-        client.mode = "keeper"
-        client._start_reader()
-        return client
+        return cls._started("keeper", timeout, keeper=config)
 
     def fork_keeper(
         self, request: ForkWorkers, timeout: float
