@@ -497,3 +497,47 @@ def test_a_fork_server_of_its_own_that_died_reports_its_ranks_gone_and_forks_no_
     client._proc.wait(10)
     for fd in (out_r, err_r):
         os.close(fd)
+
+
+def test_ranks_forked_but_not_set_up_are_killed_and_their_pipes_closed(monkeypatch):
+    """A local run whose output could not be taken over after its ranks were forked (the log
+    forwarder failing on a rank's stderr): the error comes out, the forked ranks are killed
+    and no pipe end is left open here."""
+    import types
+
+    children: list[subprocess.Popen] = []
+
+    class Server:
+        def fork(self, request, fds, timeout):  # ranks that lead their process group
+            for _ in range(len(fds) // 2):
+                children.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+            return tuple(c.pid for c in children)
+
+    taken: list[int] = []
+
+    class Forwarder:
+        def add(self, fd, group, rank, is_err):
+            if len(taken) == 3:
+                raise RuntimeError("can't start new thread")
+            taken.append(fd)
+            return fd
+
+    monkeypatch.setattr(spmd.forkserver, "fork_server", lambda: Server())
+    monkeypatch.setattr(spmd.logs, "forwarder", lambda: Forwarder())
+    job = types.SimpleNamespace(
+        worker_env={}, log_group=types.SimpleNamespace(label=lambda ranks: str(ranks))
+    )
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            spmd._Run(job, None, [0, 1], "script.py", (), {})
+        for c in children:
+            assert c.wait(10) == -signal.SIGKILL
+        for fd in taken:  # (the forwarder's: it closes them at the ranks' EOF)
+            os.close(fd)
+        assert set(os.listdir("/proc/self/fd")) == before
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()

@@ -282,6 +282,19 @@ def _fork_with_pipes(
     return pids, list(zip(reads[::2], reads[1::2]))
 
 
+def _abandon(pids: Sequence[int], fds: list[int]) -> None:
+    """After ranks were forked but could not be set up: kill them (each leads its process
+    group, see forkserver.py; the fork server reaps them) and close the pipe ends ``fds``
+    nobody took."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for fd in fds:
+        os.close(fd)
+
+
 def returncode(status: int | None) -> int | None:
     """``subprocess``'s convention: the exit code, or minus the signal that killed it."""
     return None if status is None else os.waitstatus_to_exitcode(status)
@@ -318,9 +331,16 @@ class _Run:
         server = forkserver.fork_server()
         request = ForkScripts(0, script, args, tuple(envs), tuple(sys.path), os.getcwd(), module)
         self.pids, pipes = _fork_with_pipes(server, request, len(ranks))
-        for rank, (out_r, err_r) in zip(ranks, pipes):
-            self.out.append(logs.forwarder().add(out_r, job.log_group, rank, is_err=False))
-            self.err.append(logs.forwarder().add(err_r, job.log_group, rank, is_err=True))
+        left = [fd for pair in pipes for fd in pair]  # (not yet the forwarder's)
+        try:
+            for rank, (out_r, err_r) in zip(ranks, pipes):
+                self.out.append(logs.forwarder().add(out_r, job.log_group, rank, is_err=False))
+                left.remove(out_r)
+                self.err.append(logs.forwarder().add(err_r, job.log_group, rank, is_err=True))
+                left.remove(err_r)
+        except BaseException:
+            _abandon(self.pids, left)
+            raise
         for i, pid in enumerate(self.pids):
             server.watch_exit(pid, lambda status, i=i: self._on_exit(i, status))
 
@@ -516,19 +536,23 @@ class _Agent(Actor):
         request = ForkScripts(0, script, args, (full,), tuple(sys.path), os.getcwd(), module)
         (pid,), [(out_r, err_r)] = _fork_with_pipes(server, request, 1)
         rank = _Rank(pid)
-        server.watch_exit(pid, rank.exited)
-        streams = ((out_r, sys.stdout, None), (err_r, sys.stderr, rank.tail))
-        rank.threads = [
-            threading.Thread(
-                target=_copy_lines,
-                args=(os.fdopen(fd, "rb"), out, f"[{label}] ", keep),
-                name="md-spmd-output",
-                daemon=True,
-            )  # fmt: skip
-            for fd, out, keep in streams
-        ]
-        for t in rank.threads:
-            t.start()
+        pipes = [os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")]  # each closed by its copier
+        try:
+            server.watch_exit(pid, rank.exited)
+            for pipe, out, keep in zip(pipes, (sys.stdout, sys.stderr), (None, rank.tail)):
+                t = threading.Thread(
+                    target=_copy_lines,
+                    args=(pipe, out, f"[{label}] ", keep),
+                    name="md-spmd-output",
+                    daemon=True,
+                )
+                t.start()
+                rank.threads.append(t)
+        except BaseException:
+            _abandon((pid,), [])
+            for pipe in pipes[len(rank.threads) :]:  # (a started copier closes its own at EOF)
+                pipe.close()
+            raise
         self.runs[run] = rank
         return pid
 
