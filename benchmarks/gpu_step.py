@@ -129,7 +129,7 @@ def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
     bytes in a call above those allocated when it starts. (``plan.simulate`` counts the
     arguments as coming with the call, as local tensors do; here they are mesh tensors,
     allocated before it: their bytes are not the call's.)"""
-    from monarch_dsl.compiler.simulate import steady_step_time
+    from monarch_dsl.compiler.simulate import call_results, steady_step_time
 
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -142,7 +142,7 @@ def predicted_compiled(name: str, profile: str) -> tuple[float, int]:
     p = md.DeviceProfile.get(profile)
     report = plan.simulate(profile=p)
     per_call = steady_step_time(
-        report.step_time, p, len(plan.inputs), [], ranks=1, outputs=len(plan.outputs)
+        report.step_time, p, len(plan.inputs), [], ranks=1, outputs=call_results(plan)
     )
     args = sum(t.numel() * t.element_size() for t in batch(name))  # (dp=1: whole)
     return per_call, report.peak_memory[0] - report.resident_memory[0] - args

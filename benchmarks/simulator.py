@@ -111,7 +111,7 @@ from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
 from monarch_dsl.compiler.interpret import sent_rows  # noqa: E402
-from monarch_dsl.compiler.simulate import sent_bytes, steady_step_time  # noqa: E402
+from monarch_dsl.compiler.simulate import call_results, sent_bytes, steady_step_time  # noqa: E402
 
 BLOCK_SECONDS = 0.5
 
@@ -472,7 +472,7 @@ def predict_compiled(
         # it sends) overlaps the workers' run of the call before.
         return steady_step_time(
             report.step_time, profile, len(plan.inputs), sent_bytes(plan, args), ranks=2,
-            outputs=len(plan.outputs),
+            outputs=call_results(plan),
         )  # fmt: skip
 
     report = plan.simulate(profile=profile)

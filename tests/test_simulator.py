@@ -309,6 +309,45 @@ def test_a_compiled_call_costs_the_controller_what_steady_step_time_counts():
     assert spent == pytest.approx(want + fetch)
 
 
+def test_a_training_steps_kept_gradients_cost_the_controller_no_handle_per_call():
+    """A compiled training step returns its loss (a new handle every call) and keeps each
+    parameter's gradient, which takes over the handle of the call before: a call is charged
+    one result (``call_results``), as ``steady_step_time`` counts it, not one per output."""
+    import dataclasses
+
+    from monarch_dsl.compiler.simulate import call_issue, call_results, sent_bytes
+
+    base = md.DeviceProfile.get("cpu-local")
+    profile = dataclasses.replace(
+        base, controller_overhead=1e-6, plan_issue=1e-3, plan_issue_per_output=2e-4
+    )
+    sim = md.Simulator(gpus=2, profile=profile)
+    mesh = sim.mesh.flatten("dp")
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x, y):  # (zero_grad first: the gradients stay after the step, as in a DDP loop)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.rand(8, 16), torch.rand(8, 16)
+    with mesh.activate():
+        md.inspect(step(x, y))  # (compiles; the gradients' handles are made)
+        before = sim.job.sim.issued
+        md.inspect(step(x, y))
+        spent = sim.job.sim.issued - before
+    plan = list(step.cache.values())[-1].plan
+    assert [o.kind for o in plan.outputs].count("grad") == 2  # (the weight's and the bias's)
+    assert call_results(plan) == 1
+    want = call_issue(profile, len(plan.inputs), 1, sent_bytes(plan, [x, y]), ranks=2)
+    assert spent == pytest.approx(want + profile.controller_overhead)  # (+ the inspect)
+
+
 def test_a_local_argument_of_a_compiled_step_counts_its_part_in_the_peak():
     """A batch passed as a local tensor arrives with the call; each rank's part of it is
     memory during the run, as much as the same batch passed as mesh tensors (whose parts

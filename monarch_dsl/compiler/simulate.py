@@ -278,8 +278,8 @@ def steady_step_time(
     ``step_time`` (``plan.simulate()``, the steps alone). The controller issues a call while
     the workers run the one before, so the slower sets the pace: the controller's CPU per call
     (``plan_issue``, ``plan_issue_per_input`` per tensor input of the plan, parameters and
-    state included, ``plan_issue_per_output`` per result of the plan (``len(plan.outputs)``:
-    gradients kept as state included), and each argument passed as a local torch tensor,
+    state included, ``plan_issue_per_output`` per result the call hands the caller
+    (``call_results``), and each argument passed as a local torch tensor,
     ``local_bytes`` of it sent to each of ``ranks`` workers over the ``"controller"`` link:
     the whole, or a rank's rows where each is sent its own (a data-parallel batch,
     ``sent_bytes``)) or a rank's (``step_time + plan_overhead``, and ``receiving`` its
@@ -307,6 +307,15 @@ def call_issue(
         + profile.plan_issue_per_output * outputs
     )
     return seconds + sending(profile, local_bytes, ranks)
+
+
+def call_results(plan: Plan) -> int:
+    """The results of a call of ``plan`` that cost the controller a new handle every call (and
+    its delete when the next call replaces it): its outputs of kind ``out`` (the function's
+    result). A gradient or optimizer state the step keeps takes over the handle of the call
+    before (``mesh_fn``'s run: the workers bind the new value to the old ref), so it costs no
+    handle after the first call (``steady_step_time``'s ``outputs``)."""
+    return sum(1 for o in plan.outputs if o.kind == "out")
 
 
 def sent_bytes(plan: Plan, args: Sequence[torch.Tensor]) -> list[float]:
@@ -1020,6 +1029,7 @@ __all__ = [
     "compute_time",
     "comm_time",
     "steady_step_time",
+    "call_results",
     "kept_buffers",
     "writes_out",
     "runs_in_place",

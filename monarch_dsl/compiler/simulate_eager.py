@@ -278,12 +278,15 @@ class EagerSimulator:
             term, cost = "borrow", p.controller_borrow or p.controller_overhead
         elif isinstance(ins, isa.RunPlan) and p.plan_issue:  # (calibrated: as a compiled call)
             term = "plan"
-            ranks = len(self.meshes[ins.mesh].ranks) if ins.mesh in self.meshes else 1
+            mesh_ranks = self.meshes[ins.mesh].ranks if ins.mesh in self.meshes else []
+            ranks = len(mesh_ranks) or 1
             sent = [v.numel() * v.element_size() for _, v in ins.sent]
             if ins.parts:  # each rank its own rows: what a rank is sent, on average
-                mesh_ranks = self.meshes[ins.mesh].ranks if ins.mesh in self.meshes else []
                 sent += [sum(v.nbytes(r) for r in mesh_ranks) / ranks for _, v in ins.parts]
-            outputs = sum(1 for o in ins.outputs if o >= 0)
+            # (a new handle per result; a ref the ranks hold already -- a gradient kept --
+            # is bound to the new value: no handle, as simulate.call_results counts)
+            held = [self.refs[r] for r in mesh_ranks]
+            outputs = sum(1 for o in ins.outputs if o >= 0 and not any(o in h for h in held))
             cost = call_issue(p, len(ins.inputs), outputs, sent, ranks)
         else:
             term, cost = "op", p.controller_overhead
