@@ -31,7 +31,10 @@ Everything is measured on real local workers, through the runtime the steps use:
   term), give the controller's CPU per instruction (``controller_overhead``,
   ``controller_reduce``, ``controller_borrow``, ``controller_backward``,
   ``controller_switch``: each program's CPU less what the terms before it explain) and the
-  workers' per eager op beyond its compute (``eager_op_overhead``); what a
+  workers' per eager op beyond its compute (``eager_op_overhead``); where the ranks and the
+  controller share the cores, ``WAIT_OPS`` ops then a ``reduce_``, its workers' CPU against
+  the simulator's, gives the workers' wait in an eager collective (``collective_wait``:
+  their CPU beyond the model's over their work in the batch before it); what a
   call of a compiled step costs beyond its steps, called back to back while the ranks are
   busy (``_calls``, ``_call_costs``): the controller's CPU per call, per input and per result,
   a local argument's sending, the workers' ``plan_overhead``
@@ -108,6 +111,10 @@ class Settings:
     plan_calls: int  # compiled-step calls in a row (plan_overhead, ...)
     elementwise: tuple[str, ...] = ()  # pointwise ops timed per element (ELEMENTWISE_NUMEL)
     dtype_size: int = 256  # the matmul size at which other dtypes are compared with float32
+    # turns of the eager programs, each running every program once (medians): on a shared
+    # host the CPU an op takes drifts by tens of percent within minutes, and every program
+    # sees the same drift
+    eager_rounds: int = 9
 
 
 FULL = Settings(
@@ -141,6 +148,7 @@ QUICK = Settings(
     eager_ops=300,
     plan_calls=30,
     elementwise=("tanh",),
+    eager_rounds=3,
 )
 # --device cuda: one GPU. Larger sizes (a GPU reaches its rates only there: a 1024^3 matmul is
 # still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy.
@@ -167,6 +175,7 @@ CUDA_QUICK = dataclasses.replace(
     dtypes=False,
     eager_ops=300,
     plan_calls=30,
+    eager_rounds=3,
 )
 DEVICES = ("cpu", "cuda")
 OPERAND_SETS = 16  # distinct inputs a compute measurement cycles through (operand_sets)
@@ -676,7 +685,7 @@ def _measure(
     warm: dict[str, float] = {}  # (WARM_KINDS) label -> seconds, operands in the cache
     comm: dict[tuple[str, int, str, int], float] = {}
     eager: dict[str, float] = {}
-    worker_op = eager_wall = 0.0
+    worker_op = eager_wall = wait_cpu = 0.0
     calls: dict[str, tuple[Any, float, float, float, float]] = {}
     try:
         for i, n in enumerate(sizes):
@@ -691,7 +700,7 @@ def _measure(
                     info = probe.device_info.call().get().values()[0]
                     span = info.get("span", span)
                 if i == 0:
-                    eager, worker_op, eager_wall = _eager_costs(pm, probe, s)
+                    eager, worker_op, eager_wall, wait_cpu = _eager_costs(pm, probe, s)
                     bar.step("eager ops")
                     calls = _calls(pm, s.plan_calls, s.reps, probe)
                     bar.step("compiled step calls")
@@ -745,6 +754,9 @@ def _measure(
     cal.profile = _replace(
         cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
     )
+    if cal.profile.host_cores and sizes[0] + 1 > cal.profile.host_cores:
+        wait = fit_collective_wait(cal.profile, sizes[0], wait_cpu, max(4, s.eager_ops // 64))
+        cal.profile = _replace(cal.profile, collective_wait=wait)
     cal.seconds = time.monotonic() - started
     busy1 = _busy_seconds()
     if busy0 is not None and busy1 is not None:
@@ -916,49 +928,104 @@ def _eager_body(name: str, state: Any, dim: str, n: int) -> Any:
     raise ValueError(f"unknown eager program {name!r}")
 
 
-def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], float, float]:
+def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], float, float, float]:
     """The controller's CPU seconds for each term of ``EAGER_TERMS``, the workers' CPU
-    seconds per eager op (``y = x + 1``), and the wall seconds per op until all ran.
+    seconds per eager op (``y = x + 1``), the wall seconds per op until all ran, and the
+    workers' CPU seconds (their mean) per repetition of ``_wait_body`` (``WAIT_OPS`` ops,
+    then a ``reduce_``; ``fit_collective_wait``).
 
     Each program of ``EAGER_TERMS`` is run on ``pm`` (the controller's CPU, all its threads,
-    and the workers' over ``n`` repetitions, median of ``reps``) and on an ``md.Simulator``
-    (how many times it charges each term for the same repetitions); each program's CPU less
-    what the terms solved before it explain, over the times it charges its own term, is that
-    term."""
+    and the workers' over ``n`` repetitions) and on an ``md.Simulator`` (how many times it
+    charges each term for the same repetitions); each program's CPU less what the terms
+    solved before it explain, over the times it charges its own term, is that term. The
+    programs take turns (``Settings.eager_rounds`` rounds; medians)."""
     from monarch_dsl.simulator import Simulator
     from monarch_dsl.tensor import inspect
 
     n = pm.sizes["r"]
     sim = Simulator(hosts=1, gpus=n, profile=BUILTIN["cpu-local"])  # (counts only)
-    terms: dict[str, float] = {}
-    worker_op = wall_op = 0.0
+    counts: dict[str, dict[str, int]] = {}
+    reps_n = {term: max(4, s.eager_ops // EAGER_DIVISOR[term]) for _, term in EAGER_TERMS}
+    reps_n["wait"] = max(4, s.eager_ops // 64)
     for name, term in EAGER_TERMS:
-        reps_n = max(4, s.eager_ops // EAGER_DIVISOR[term])
         with sim.mesh.activate():
             state = _eager_setup(name, sim.mesh)
             inspect(_eager_body(name, state, "gpu", 2))
             before = dict(sim.job.sim.charged)
-            inspect(_eager_body(name, state, "gpu", reps_n))
-            counts = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
-        cpu, workers, wall = [], [], []
-        with pm.activate():
-            state = _eager_setup(name, pm)
-            inspect(_eager_body(name, state, "r", 2))
-            for _ in range(min(s.reps, 5)):
+            inspect(_eager_body(name, state, "gpu", reps_n[term]))
+            counts[term] = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
+    sim.mesh.stop()
+
+    def body(name: str, state: Any, reps: int) -> Any:
+        return (
+            _wait_body(state, "r", reps) if name == "wait" else _eager_body(name, state, "r", reps)
+        )
+
+    programs = [*EAGER_TERMS, ("wait", "wait")]
+    cpu: dict[str, list[float]] = {term: [] for _, term in programs}
+    workers: dict[str, list[float]] = {term: [] for _, term in programs}
+    wall: dict[str, list[float]] = {term: [] for _, term in programs}
+    with pm.activate():
+        states = {}
+        for name, term in programs:
+            states[term] = _eager_setup("reduce_" if term == "wait" else name, pm)
+            inspect(body(name, states[term], 2))
+        for _ in range(s.eager_rounds):
+            for name, term in programs:
                 w0 = probe.cpu_seconds.call().get().values()
                 start, c0 = time.perf_counter(), time.process_time()
-                inspect(_eager_body(name, state, "r", reps_n))
-                cpu.append(time.process_time() - c0)
-                wall.append(time.perf_counter() - start)
+                inspect(body(name, states[term], reps_n[term]))
+                cpu[term].append(time.process_time() - c0)
+                wall[term].append(time.perf_counter() - start)
                 w1 = probe.cpu_seconds.call().get().values()
-                workers.append(max(b - a for a, b in zip(w0, w1)))
-        explained = sum(terms[k] * counts[k] for k in terms)
-        terms[term] = max(0.0, (statistics.median(cpu) - explained) / max(1, counts[term]))
-        if term == "op":
-            worker_op = statistics.median(workers) / reps_n
-            wall_op = statistics.median(wall) / reps_n
-    sim.mesh.stop()
-    return terms, worker_op, wall_op
+                used = [b - a for a, b in zip(w0, w1)]
+                # (an op: the busier worker's; the wait: the workers' mean, as the model's)
+                workers[term].append(statistics.mean(used) if term == "wait" else max(used))
+    terms: dict[str, float] = {}
+    for _, term in EAGER_TERMS:
+        explained = sum(terms[k] * counts[term][k] for k in terms)
+        got = statistics.median(cpu[term])
+        terms[term] = max(0.0, (got - explained) / max(1, counts[term][term]))
+    worker_op = statistics.median(workers["op"]) / reps_n["op"]
+    wall_op = statistics.median(wall["op"]) / reps_n["op"]
+    wait_cpu = statistics.median(workers["wait"]) / reps_n["wait"]
+    return terms, worker_op, wall_op, wait_cpu
+
+
+WAIT_OPS = 32  # eager ops before each reduce of the program that measures collective_wait
+
+
+def _wait_body(state: Any, dim: str, n: int) -> Any:
+    """``n`` times ``WAIT_OPS`` eager ops, then ``reduce_`` over ``dim``."""
+    for _ in range(n):
+        for _ in range(WAIT_OPS):
+            state = state * 1.0
+        state.reduce_(dim, "avg")
+    return state
+
+
+def fit_collective_wait(p: DeviceProfile, ranks: int, measured: float, n: int) -> float:
+    """``collective_wait`` (``compiler/simulate_eager.py``) from ``measured``, the workers' CPU
+    seconds (their mean) per repetition of ``_wait_body`` on ``ranks`` ranks sharing the
+    host's cores with the controller: what it is beyond the busy time the simulator gives the
+    same program with profile ``p`` (its ``collective_wait`` taken as 0), over the work in
+    the batch window before each collective (``window_work``); ``n`` repetitions simulated."""
+    from monarch_dsl.simulator import Simulator
+    from monarch_dsl.tensor import inspect
+
+    sim = Simulator(hosts=1, gpus=ranks, profile=_replace(p, collective_wait=0.0))
+    try:
+        with sim.mesh.activate():
+            state = _eager_setup("reduce_", sim.mesh)
+            inspect(_wait_body(state, "gpu", 2))
+            job = sim.job.sim
+            busy0, window0 = job.busy(), list(job.window_work)
+            inspect(_wait_body(state, "gpu", n))
+            busy = statistics.mean(b - a for a, b in zip(busy0, job.busy())) / n
+            window = statistics.mean(b - a for a, b in zip(window0, job.window_work)) / n
+    finally:
+        sim.mesh.stop()
+    return max(0.0, (measured - busy) / window) if window > 0 else 0.0
 
 
 LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the controller link)
@@ -1536,6 +1603,11 @@ def table(cal: Calibration) -> str:
         out.append(f"    {label:<48s} {_us(value):>10s}")
     out.append(f"  a worker, per eager op beyond its compute    {_us(p.eager_op_overhead):>10s}")
     out.append(f"  eager op, wall per op until the workers ran {_us(cal.eager_wall):>10s}")
+    if p.collective_wait:
+        out.append(
+            f"  a worker's wait in an eager collective: {p.collective_wait:.2f} x its work in "
+            "the batch before it (collective_wait)"
+        )
     out.append("  compiled steps, called back to back: per call, the controller's CPU, the steps")
     for key, (t, c, steps) in cal.calls.items():
         out.append(f"    {key:<14s} {_us(t):>10s} {_us(c):>10s} {_us(steps):>10s}")

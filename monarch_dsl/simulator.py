@@ -94,6 +94,7 @@ class SimJob:
             self.failures.append,
             _function_shapes,
             trace_controller=trace == "everything",
+            batch_window=controller.FLUSH_DELAY,
         )
 
     coords = controller.Job.coords

@@ -238,7 +238,7 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in rates), rates
     latencies = [link.latency for link in p.links.values()]
     eager = [p.controller_reduce, p.controller_borrow, p.controller_backward]
-    eager += [p.controller_switch, p.eager_op_overhead]
+    eager += [p.controller_switch, p.eager_op_overhead, p.collective_wait]
     others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, p.plan_issue_per_output]
     others += [*latencies, *eager]
     assert all(math.isfinite(v) and v >= 0 for v in others), others
@@ -431,6 +431,25 @@ def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_shor
 
 
 # ---- --device cuda: "cuda-local", one GPU worker ---------------------------------------------
+
+
+def test_fit_collective_wait_recovers_the_wait_from_the_workers_cpu():
+    """The workers' CPU per repetition of the wait program, made of the simulator's busy time
+    plus 0.7 x its window work, gives collective_wait 0.7; no more than the busy time, 0."""
+    p = dataclasses.replace(BUILTIN["cpu-local"], host_cores=2, controller_overhead=2e-6)
+    sim = md.Simulator(hosts=1, gpus=2, profile=p)
+    n = 6
+    with sim.mesh.activate():
+        state = calibrate._eager_setup("reduce_", sim.mesh)
+        md.inspect(calibrate._wait_body(state, "gpu", 2))
+        job = sim.job.sim
+        busy0, window0 = job.busy()[0], job.window_work[0]
+        md.inspect(calibrate._wait_body(state, "gpu", n))
+        busy = (job.busy()[0] - busy0) / n
+        window = (job.window_work[0] - window0) / n
+    assert window > 0.5 * busy  # (the ops before each reduce, issued within the window)
+    assert calibrate.fit_collective_wait(p, 2, busy + 0.7 * window, 4) == pytest.approx(0.7)
+    assert calibrate.fit_collective_wait(p, 2, 0.5 * busy, 4) == 0.0
 
 
 def test_cuda_local_is_an_error_naming_the_command_until_calibrated(tmp_path, monkeypatch):

@@ -611,6 +611,45 @@ def test_ranks_and_controller_sharing_cores_bound_the_step_time():
     assert shared.step_time > 1.2 * own.step_time
 
 
+def test_a_rank_waits_in_an_eager_collective_for_its_work_in_the_batch_before_it():
+    """On shared cores each rank's CPU in an eager collective grows by ``collective_wait``
+    times its work issued in the batch window before it (since its previous collective):
+    all of it where the controller issues fast; none where the window holds no op; and
+    nothing where each process has a core."""
+    from monarch_dsl.runtime.controller import FLUSH_DELAY
+
+    def program(mesh):
+        x = torch.ones(64, 64)  # (a mesh tensor: made on the ranks)
+        for _ in range(3):
+            for _ in range(8):
+                x = x @ x
+            x = x.reduce("gpu", "avg")
+
+    def run(wait, overhead, cores=2):
+        sim = md.Simulator(gpus=2, profile=_costed(
+            controller_overhead=overhead, host_cores=cores, collective_wait=wait))  # fmt: skip
+        with sim.mesh.activate():
+            program(sim.mesh)
+        report = sim.summary()
+        ops = [e for e in report.events if e.kind == "compute"]
+        compute = [sum(e.end - e.start for e in ops if e.rank == r) for r in (0, 1)]
+        return report, sim.job.sim, compute, sim.job.sim.issued
+
+    fast = 1e-6  # the whole program is issued within one batch window
+    report, job, compute, controller = run(0.5, fast)
+    assert job.batch_window == FLUSH_DELAY
+    assert compute[0] > 0 and job.window_work == pytest.approx(compute)  # (not the reduces)
+    busy = job.busy()
+    want = processor_sharing([controller, *(b + 0.5 * w for b, w in zip(busy, compute))], 2)
+    assert report.step_time == pytest.approx(max(want, run(0.0, fast)[0].step_time))
+    assert report.step_time > run(0.0, fast)[0].step_time
+    # an op issued every 2 batch windows: none is in the window before a collective
+    _, slow, _, _ = run(0.5, 2 * FLUSH_DELAY)
+    assert slow.window_work == [0.0, 0.0]
+    # a core each: the bound does not apply, the wait costs nothing
+    assert run(0.5, fast, cores=4)[0].step_time == run(0.0, fast, cores=4)[0].step_time
+
+
 def test_a_failure_of_the_simulator_itself_is_an_error_for_the_caller_not_a_dead_thread(
     monkeypatch,
 ):

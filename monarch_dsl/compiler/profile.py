@@ -145,7 +145,12 @@ class DeviceProfile:
     changes (``md.grad_generator``'s helper thread handing a gradient over and taking it back:
     a condition variable, the GIL). ``eager_op_overhead``: a worker's seconds per eager
     instruction beyond the op's compute (receiving and decoding it, the executor's
-    bookkeeping, its stream's queue).
+    bookkeeping, its stream's queue). ``collective_wait``: where a host's ranks and its
+    controller share its cores (``host_cores``), the fraction of a rank's work in the batch
+    before an eager collective (the instructions the controller issued in the batch window
+    before it, since the rank's previous collective) that the rank spends waiting in the
+    collective, its CPU spinning, for a peer the OS runs later: the workers take in a batch
+    at once, and one runs its part while the other waits for a core the controller holds.
 
     ``matmul_passes``: 0 for the roofline; else a matmul's memory traffic adds to its
     arithmetic instead of hiding under it, and its inputs cross memory this many times (a
@@ -203,6 +208,7 @@ class DeviceProfile:
     controller_backward: float = 0.0
     controller_switch: float = 0.0
     eager_op_overhead: float = 0.0
+    collective_wait: float = 0.0
     matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     elementwise: tuple[tuple[str, float], ...] = ()
     cache_bytes: int = 0

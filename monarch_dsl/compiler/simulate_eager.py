@@ -49,6 +49,12 @@ inputs are the same meta tensors share one run). The model, per rank:
   controller's on the first host: a controller busier than its ranks finishes alone). A bound on
   the report's ``step_time`` rather than a stretched timeline: which process the OS runs
   when is not something the model knows, and the timeline keeps each instruction's own cost.
+  On such a host a rank also waits in each eager collective for a peer the OS runs later,
+  its CPU spinning: the workers take in a batch of instructions at once (the controller
+  sends what it issued in ``batch_window``), and one runs its part while the other waits for
+  a core. That CPU, ``collective_wait`` times the rank's work in the batch before the
+  collective (issued in the ``batch_window`` before it, since the rank's previous
+  collective: ``window_work``), counts in the bound too, not in the timeline.
 - ``Fetch`` replies zeros of the value's shape and dtype (a barrier replies None); a failing
   op (a bad shape) fails its outputs as on the workers, and fetching them raises.
 """
@@ -57,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -185,7 +191,9 @@ class _Storages(_Memory):
 class EagerSimulator:
     """Every rank of an allocation of ``sizes`` (dims ``dims``) executing instructions with
     the costs of ``prof``; ``events`` is the timeline. ``reply`` / ``reply_failure`` answer
-    fetches; ``function_shapes`` runs a remote function on meta tensors (its propagator)."""
+    fetches; ``function_shapes`` runs a remote function on meta tensors (its propagator).
+    ``batch_window``: the longest the controller holds issued instructions before it sends
+    them (``runtime/controller.py``'s ``FLUSH_DELAY``; see ``collective_wait``)."""
 
     def __init__(
         self,
@@ -197,6 +205,7 @@ class EagerSimulator:
         report: Callable[[Failure], None],
         function_shapes: FunctionShapes,
         trace_controller: bool = False,
+        batch_window: float = 0.0,
     ):
         self.world = math.prod(sizes)
         self.prof = prof
@@ -218,6 +227,11 @@ class EagerSimulator:
         self.clock: dict[tuple[int, str], float] = defaultdict(float)
         self.floor: dict[tuple[int, str], tuple[float, str]] = {}  # wait for this first
         self.events: list[SimEvent] = []
+        self.batch_window = batch_window
+        # Per rank: (when issued, seconds) of its work since its previous collective, within
+        # the batch window; and the sum, over its collectives, of that work at each.
+        self.recent: list[deque[tuple[float, float]]] = [deque() for _ in range(self.world)]
+        self.window_work = [0.0] * self.world
         self.issued = 0.0  # when the controller issued the latest instruction
         self.thread: int | None = None  # the thread that issued it
         # How many times each of CONTROLLER_TERMS was charged (calibration attributes measured
@@ -309,10 +323,8 @@ class EagerSimulator:
         out = summarize(list(self.events), peak, peak, self.prof.name)
         # Shared cores: the CPU of each host's ranks (and of the controller, on the first
         # host) over its cores bounds the step time.
-        busy = [0.0] * self.world
-        for e in self.events:
-            if e.kind != "wait" and e.rank >= 0:
-                busy[e.rank] += e.end - e.start
+        wait = self.prof.collective_wait
+        busy = [b + wait * w for b, w in zip(self.busy(), self.window_work)]
         first = min(self.host, default=0)
         bound = 0.0
         for h in set(self.host):
@@ -322,6 +334,14 @@ class EagerSimulator:
         if bound > out.step_time:
             out = dataclasses.replace(out, step_time=bound)
         return out
+
+    def busy(self) -> list[float]:
+        """Each rank's busy seconds so far: its events', waits not counted."""
+        busy = [0.0] * self.world
+        for e in self.events:
+            if e.kind != "wait" and e.rank >= 0:
+                busy[e.rank] += e.end - e.start
+        return busy
 
     # ---- time --------------------------------------------------------------------------------
     def _begin(self, r: int, stream: str) -> float:
@@ -338,6 +358,17 @@ class EagerSimulator:
     def _busy(self, r: int, stream: str, name: str, start: float, end: float, kind: str) -> None:
         self.events.append(SimEvent(r, stream, name, start, end, kind))
         self.clock[(r, stream)] = end
+        recent = self.recent[r]
+        recent.append((self.issued, end - start))
+        while recent[0][0] < self.issued - self.batch_window:
+            recent.popleft()
+
+    def _collective(self, r: int) -> None:
+        """Rank ``r`` reaches a collective: its work in the batch window before it, since its
+        previous one, is what a peer run later makes it wait for (``collective_wait``)."""
+        recent = self.recent[r]
+        since = self.issued - self.batch_window
+        self.window_work[r] += sum(t for at, t in recent if at >= since)
 
     def _wait_for(self, r: int, stream: str, until: float, why: str) -> None:
         old = self.floor.get((r, stream))
@@ -495,7 +526,9 @@ class EagerSimulator:
             cost = comm_time(step, types, n, self.prof, cross) + self.prof.eager_op_overhead
             start = max(self._begin(r, ins.stream) for r in members)
             for r in members:
+                self._collective(r)
                 self._busy(r, ins.stream, step.kind, start, start + cost, "comm")
+                self.recent[r].clear()  # (the next one counts the work after this one)
                 if ins.out != ins.src:
                     self._set(r, ins.out, torch.empty(out_shape, dtype=src.dtype, device="meta"))
 
