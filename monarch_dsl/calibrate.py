@@ -806,7 +806,8 @@ def _call_costs(
     (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
     its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs,
     ``plan_issue_per_output`` from 14 more results, the ``"controller"`` link from the local
-    arguments: latency + the bytes sent in all / bandwidth). With ``in_plan_dispatch`` (CPU workers:
+    arguments: latency + the bytes sent in all / bandwidth), each against the median of the
+    cases issued alike (``BASE_LIKE``). With ``in_plan_dispatch`` (CPU workers:
     a step's time is CPU), ``dispatch_overhead``: the busiest worker's CPU in the steps of
     the ``"plan steps"`` case over its steps, where more than the loop of one op. The
     workers: where their cores are shared with the controller, their CPU per call beyond the
@@ -816,13 +817,16 @@ def _call_costs(
     t = {k: v for k, (_, v, _, _, _) in calls.items()}
     cpu = {k: c for k, (_, _, c, _, _) in calls.items()}
     workers = {k: w for k, (_, _, _, w, _) in calls.items()}
-    per_input = max(0.0, (cpu[f"+{MORE} inputs"] - cpu["base"]) / MORE)
-    per_output = max(0.0, (cpu[f"+{MORE} results"] - cpu["base"]) / MORE)
-    issue = max(0.0, cpu["base"] - 3 * per_input - per_output)
+    # The base case's CPU: the median of the cases the controller issues alike (3 inputs, 1
+    # result, nothing local; their steps differ), each a median of noisy runs.
+    base = statistics.median(cpu[k] for k in BASE_LIKE)
+    per_input = max(0.0, (cpu[f"+{MORE} inputs"] - base) / MORE)
+    per_output = max(0.0, (cpu[f"+{MORE} results"] - base) / MORE)
+    issue = max(0.0, base - 3 * per_input - per_output)
     dispatch = p.dispatch_overhead
     if in_plan_dispatch and calls["plan steps"][4] > 0:
         dispatch = max(dispatch, calls["plan steps"][4] / PLAN_STEPS)
-    cost = {b: cpu[f"local {_size(b)}"] - cpu["base"] for b in LOCAL_ARG_BYTES}
+    cost = {b: cpu[f"local {_size(b)}"] - base for b in LOCAL_ARG_BYTES}
     small, large = LOCAL_ARG_BYTES
     # (each rank is sent its own row of z: the bytes sent in all are z's)
     slope = (cost[large] - cost[small]) / (large - small)
@@ -1032,6 +1036,7 @@ LOCAL_ARG_BYTES = (8 << 10, 512 << 10)  # local tensor arguments' sizes (the con
 BUSY_MATMULS = 16  # 128^3 matmuls that keep the ranks busy in a measured call (about 1 ms)
 MORE = 14  # the inputs and results a call's case adds to the base case
 PLAN_STEPS = 200  # tiny steps of the plan whose steps' CPU gives a step's dispatch overhead
+BASE_LIKE = ("base", "double", "plan steps")  # cases the controller issues alike
 
 
 def _calls(

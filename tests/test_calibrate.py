@@ -389,7 +389,8 @@ def test_a_compute_measurement_cycles_its_results_through_as_many_buffers_as_inp
 
 
 def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a_plan():
-    """``_call_costs`` on made-up measurements: each term is the difference it was given."""
+    """``_call_costs`` on made-up measurements: each term is the difference it was given,
+    against the median of the cases the controller issues alike."""
     loop = dataclasses.replace(BUILTIN["cpu-local"], dispatch_overhead=2e-6)
 
     def case(cpu: float, in_steps: float = 1e-3) -> tuple:
@@ -398,7 +399,7 @@ def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a
     small, large = calibrate.LOCAL_ARG_BYTES
     more = calibrate.MORE
     calls = {
-        "base": case(2e-4),
+        "base": case(2.5e-4),  # (an outlier: the median of the 3 cases issued alike counts)
         "double": case(2e-4, 2e-3),
         f"+{more} inputs": case(2e-4 + more * 5e-6),
         f"+{more} results": case(2e-4 + more * 1e-5),
