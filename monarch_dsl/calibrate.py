@@ -755,7 +755,7 @@ def _measure(
         cal.profile, eager_op_overhead=max(0.0, worker_op - cal.profile.dispatch_overhead)
     )
     if cal.profile.host_cores and sizes[0] + 1 > cal.profile.host_cores:
-        wait = fit_collective_wait(cal.profile, sizes[0], wait_cpu, max(4, s.eager_ops // 64))
+        wait = fit_collective_wait(cal.profile, sizes[0], wait_cpu, _wait_reps(s))
         cal.profile = _replace(cal.profile, collective_wait=wait)
     cal.seconds = time.monotonic() - started
     busy1 = _busy_seconds()
@@ -936,7 +936,8 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     """The controller's CPU seconds for each term of ``EAGER_TERMS``, the workers' CPU
     seconds per eager op (``y = x + 1``), the wall seconds per op until all ran, and the
     workers' CPU seconds (their mean) per repetition of ``_wait_body`` (``WAIT_OPS`` ops,
-    then a ``reduce_``; ``fit_collective_wait``).
+    then a ``reduce_``; ``fit_collective_wait``), measured where the ranks and the
+    controller are more processes than the cores (0 otherwise).
 
     Each program of ``EAGER_TERMS`` is run on ``pm`` (the controller's CPU, all its threads,
     and the workers' over ``n`` repetitions) and on an ``md.Simulator`` (how many times it
@@ -950,22 +951,26 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     sim = Simulator(hosts=1, gpus=n, profile=BUILTIN["cpu-local"])  # (counts only)
     counts: dict[str, dict[str, int]] = {}
     reps_n = {term: max(4, s.eager_ops // EAGER_DIVISOR[term]) for _, term in EAGER_TERMS}
-    reps_n["wait"] = max(4, s.eager_ops // 64)
-    for name, term in EAGER_TERMS:
-        with sim.mesh.activate():
-            state = _eager_setup(name, sim.mesh)
-            inspect(_eager_body(name, state, "gpu", 2))
-            before = dict(sim.job.sim.charged)
-            inspect(_eager_body(name, state, "gpu", reps_n[term]))
-            counts[term] = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
-    sim.mesh.stop()
+    reps_n["wait"] = _wait_reps(s)
+    try:
+        for name, term in EAGER_TERMS:
+            with sim.mesh.activate():
+                state = _eager_setup(name, sim.mesh)
+                inspect(_eager_body(name, state, "gpu", 2))
+                before = dict(sim.job.sim.charged)
+                inspect(_eager_body(name, state, "gpu", reps_n[term]))
+                counts[term] = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
+    finally:
+        sim.mesh.stop()
 
     def body(name: str, state: Any, reps: int) -> Any:
         return (
             _wait_body(state, "r", reps) if name == "wait" else _eager_body(name, state, "r", reps)
         )
 
-    programs = [*EAGER_TERMS, ("wait", "wait")]
+    programs = list(EAGER_TERMS)
+    if n + 1 > (os.cpu_count() or 1):  # (collective_wait: only where the cores are shared)
+        programs.append(("wait", "wait"))
     cpu: dict[str, list[float]] = {term: [] for _, term in programs}
     workers: dict[str, list[float]] = {term: [] for _, term in programs}
     wall: dict[str, list[float]] = {term: [] for _, term in programs}
@@ -992,11 +997,17 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
         terms[term] = max(0.0, (got - explained) / max(1, counts[term][term]))
     worker_op = statistics.median(workers["op"]) / reps_n["op"]
     wall_op = statistics.median(wall["op"]) / reps_n["op"]
-    wait_cpu = statistics.median(workers["wait"]) / reps_n["wait"]
+    wait = workers.get("wait")
+    wait_cpu = statistics.median(wait) / reps_n["wait"] if wait else 0.0
     return terms, worker_op, wall_op, wait_cpu
 
 
 WAIT_OPS = 32  # eager ops before each reduce of the program that measures collective_wait
+
+
+def _wait_reps(s: Settings) -> int:
+    """Repetitions of ``_wait_body`` in a measurement (as long as the other programs')."""
+    return max(4, s.eager_ops // 64)
 
 
 def _wait_body(state: Any, dim: str, n: int) -> Any:
@@ -1053,8 +1064,9 @@ def _calls(
     ``z`` (its sum: an all-reduce of one number); ``"double"``: twice the chain;
     ``"+14 inputs"``: 14 more (replicated) mesh tensors added in; ``"+14 results"``: 14 more
     results (``z * i``: a handle each, deleted when the next call replaces it, as a step's
-    gradients are); ``"local N"``: ``z`` a local tensor of N bytes, sent with each call as
-    a batch passed to a data-parallel step is (each worker its own row);
+    results are; ``simulate.call_results``); ``"local N"``: ``z`` a local tensor of N
+    bytes, sent with each call as a batch passed to a data-parallel step is (each worker its
+    own row);
     ``"plan steps"``: no chain, ``PLAN_STEPS`` additions to ``z`` (a step's CPU)."""
     from monarch_dsl.compiler.plan import Shard
     from monarch_dsl.mesh import Mesh

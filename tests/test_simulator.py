@@ -650,6 +650,48 @@ def test_a_rank_waits_in_an_eager_collective_for_its_work_in_the_batch_before_it
     assert run(0.5, fast, cores=4)[0].step_time == run(0.0, fast, cores=4)[0].step_time
 
 
+def test_the_collective_wait_counts_only_on_a_host_short_of_cores():
+    """2 hosts of 2 ranks on 2 cores each: the controller's host is short of a core, the
+    other is not, and its ranks' collectives cost no wait."""
+
+    def step_time(host, wait):
+        sim = md.Simulator(hosts=2, gpus=2, profile=_costed(
+            controller_overhead=1e-6, host_cores=2, collective_wait=wait))  # fmt: skip
+        with sim.mesh.slice(host=host).activate():
+            x = torch.ones(64, 64)
+            for _ in range(3):
+                for _ in range(8):
+                    x = x @ x
+                x = x.reduce("gpu", "avg")
+        return sim.summary().step_time
+
+    assert step_time(1, 0.5) == step_time(1, 0.0)
+    assert step_time(0, 0.5) > step_time(0, 0.0)
+
+
+def test_a_fetch_and_a_compiled_call_end_the_window_before_a_collective():
+    """The controller sends all it holds when the caller waits for a fetch, and a compiled
+    call on several ranks ends with a collective of its own: the work before either is not
+    what the next eager collective waits for."""
+    model = nn.Linear(64, 64)
+    step = md.mesh_fn(lambda x: model(x).sum(), data_parallel="gpu")
+
+    def window(between):
+        sim = md.Simulator(gpus=2, profile=_costed(controller_overhead=1e-6, host_cores=2))
+        with sim.mesh.activate():
+            x = torch.ones(64, 64)
+            for _ in range(8):
+                x = x @ x
+            between(x)
+            x.reduce("gpu", "avg")
+            sim.summary()
+        return sim.job.sim.window_work
+
+    assert all(w > 0 for w in window(lambda x: None))
+    assert window(md.inspect) == [0.0, 0.0]
+    assert window(lambda x: step(torch.ones(8, 64))) == [0.0, 0.0]
+
+
 def test_a_failure_of_the_simulator_itself_is_an_error_for_the_caller_not_a_dead_thread(
     monkeypatch,
 ):

@@ -10,7 +10,8 @@ inputs are the same meta tensors share one run). The model, per rank:
   ``Reduce`` and ``controller_borrow`` for a ``BorrowBegin`` / ``BorrowEnd`` (they build more:
   a reduce's output description, a borrow's bookkeeping), and for a ``RunPlan`` (a compiled
   step's call) ``simulate.call_issue``, as ``steady_step_time`` counts it, where the profile
-  measured it (``plan_issue``: per call, input and result, and the local arguments sent);
+  measured it (``plan_issue``: per call, input, and result handle made (``call_results``),
+  and the local arguments sent);
   ``controller_backward`` more for an
   instruction autograd's backward pass issued (``Issued.backward``: its graph walk and the
   backward formulas run on the controller too), and ``controller_switch`` more when the
@@ -51,10 +52,12 @@ inputs are the same meta tensors share one run). The model, per rank:
   when is not something the model knows, and the timeline keeps each instruction's own cost.
   On such a host a rank also waits in each eager collective for a peer the OS runs later,
   its CPU spinning: the workers take in a batch of instructions at once (the controller
-  sends what it issued in ``batch_window``), and one runs its part while the other waits for
-  a core. That CPU, ``collective_wait`` times the rank's work in the batch before the
-  collective (issued in the ``batch_window`` before it, since the rank's previous
-  collective: ``window_work``), counts in the bound too, not in the timeline.
+  sends what it issued in ``batch_window``, or all it holds when the caller waits for a
+  fetch), and one runs its part while the other waits for a core. That CPU,
+  ``collective_wait`` times the rank's work in the batch before the collective
+  (``window_work``: its work on any stream -- its process's CPU, which its peer waits for --
+  issued in the ``batch_window`` before it, since the rank's previous collective, compiled
+  step on several ranks or fetch), counts in the bound too, not in the timeline.
 - ``Fetch`` replies zeros of the value's shape and dtype (a barrier replies None); a failing
   op (a bad shape) fails its outputs as on the workers, and fetching them raises.
 """
@@ -322,14 +325,18 @@ class EagerSimulator:
         peak = {r: self.memory[r].peak for r in range(self.world)}
         out = summarize(list(self.events), peak, peak, self.prof.name)
         # Shared cores: the CPU of each host's ranks (and of the controller, on the first
-        # host) over its cores bounds the step time.
-        wait = self.prof.collective_wait
-        busy = [b + wait * w for b, w in zip(self.busy(), self.window_work)]
+        # host) over its cores bounds the step time; where they are more processes than its
+        # cores, each rank's CPU includes its waits in eager collectives (collective_wait).
+        busy = self.busy()
         first = min(self.host, default=0)
+        cores = self.prof.host_cores
         bound = 0.0
         for h in set(self.host):
             controller = self.issued if h == first else 0.0
-            ranks = [busy[r] for r in range(self.world) if self.host[r] == h]
+            on = [r for r in range(self.world) if self.host[r] == h]
+            shared = cores and len(on) + (h == first) > cores
+            wait = self.prof.collective_wait if shared else 0.0
+            ranks = [busy[r] + wait * self.window_work[r] for r in on]
             bound = max(bound, cpu_bound(controller, ranks, self.prof))
         if bound > out.step_time:
             out = dataclasses.replace(out, step_time=bound)
@@ -559,6 +566,9 @@ class EagerSimulator:
             self._set(b, ins.out, torch.empty_like(value))
 
     def fetch(self, ins: isa.Fetch, ranks: list[int]) -> None:
+        # (the caller waits for it: the controller sends all it holds, to every worker)
+        for recent in self.recent:
+            recent.clear()
         for r in ranks:
             if ins.ref < 0:  # a barrier: everything before it has run
                 self.reply(ins.call_id, r, None)
@@ -660,6 +670,7 @@ class EagerSimulator:
             warm = self.plan_warm[placed] = warm_fractions(
                 program, types, self.prof, list(where), hosts
             )
+        first_event = len(self.events)
         ends = play_program(
             program,
             types,
@@ -672,9 +683,20 @@ class EagerSimulator:
             lambda s: ins.stream if s == "main" else s,
             warm,
         )
+        work: dict[int, float] = defaultdict(float)  # each rank's busy seconds in the run
+        for e in self.events[first_event:]:
+            if e.kind != "wait":
+                work[e.rank] += e.end - e.start
+        # (a run on several ranks ends with their failure-flag round, a collective: its
+        # waits are plan_overhead's, and the next eager collective counts the work after it)
+        meets = len(where) > 1
         made_by = {o: step for step in program.steps for o in step.outs}
         for c, r in where.items():
             self.clock[(r, ins.stream)] = ends[c]
+            if meets:
+                self.recent[r].clear()
+            else:
+                self.recent[r].append((self.issued, work[r]))
             own = self.memory[r]
             own.peak = max(own.peak, own.live + parts + mem[c].peak)
             for slot, ref in zip(program.outputs, ins.outputs):
