@@ -61,7 +61,7 @@ def pid_alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
         return state != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (gone, or reaped between open and read)
         return False
 
 
