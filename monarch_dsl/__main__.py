@@ -290,6 +290,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from monarch_dsl import calibrate
     from monarch_dsl.compiler.profile import calibrated_path
+    from monarch_dsl.errors import MonarchError
 
     try:  # before any process starts
         given = calibrate.parse_ranks(args.ranks) if args.ranks is not None else None
@@ -308,7 +309,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"monarch-dsl calibrate: --out {path}: {e}", file=sys.stderr)
         return 2
-    cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True, device=args.device)
+    try:
+        cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True, device=args.device)
+    except MonarchError as e:  # a worker died or failed: said, nothing written
+        print(f"monarch-dsl calibrate: {e}; nothing was written", file=sys.stderr)
+        return 1
     saved = calibrate.save(cal.profile, path)
     print(calibrate.table(cal))
     names = f' (what profile "{name}" names from now on)' if path == calibrated_path(name) else ""

@@ -8,10 +8,13 @@ import itertools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from conftest import pid_alive, wait_until
 
 import monarch_dsl as md
 from monarch_dsl import calibrate, isa
@@ -216,6 +219,57 @@ def test_bad_ranks_are_refused_from_python_too(monkeypatch):
         calibrate.run(ranks=("2",))
     with pytest.raises(ValueError, match="at least one group size"):
         calibrate.run(ranks=())
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """The living descendants of ``pid``: pid -> depth (1: a child)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out: dict[int, int] = {}
+    frontier = {pid: 0}
+    while frontier:
+        frontier = {p: frontier[q] + 1 for p, q in parent.items() if q in frontier}
+        out.update(frontier)
+    return out
+
+
+@pytest.mark.parametrize("after", [0.0, 2.0], ids=["starting", "measuring"])
+def test_a_worker_killed_during_calibration_is_an_error_naming_it_and_nothing_is_written(
+    tmp_path, after
+):
+    """SIGKILL of a worker as the workers start, or ``after`` seconds later (a quick
+    calibration measures for about 5 s more): the command says which rank died, writes
+    nothing, and leaves no process behind."""
+    out = tmp_path / "cpu.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "MONARCH_DSL_QUIET": "1"}
+    cmd = [sys.executable, "-m", "monarch_dsl", "calibrate", "--quick", "--ranks", "2"]
+    proc = subprocess.Popen(cmd + ["--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    seen: dict[int, int] = {}
+    try:
+        # the workers: the fork server's children (grandchildren of the command)
+        wait_until(lambda: len([p for p, d in _descendants(proc.pid).items() if d == 2]) >= 2,
+                   60, "the calibration's workers to start")  # fmt: skip
+        seen = _descendants(proc.pid)
+        victim = max(p for p, d in seen.items() if d == 2)
+        time.sleep(after)  # (the moment of the fault, not a wait for anything)
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "monarch-dsl calibrate:" in err and "rank" in err and f"pid {victim}" in err, err
+    assert "nothing was written" in err and "Traceback" not in err, err
+    assert not out.exists()
+    wait_until(lambda: not any(pid_alive(p) for p in seen), 30, "the calibration's processes")
 
 
 def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
