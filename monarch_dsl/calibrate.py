@@ -1614,7 +1614,7 @@ def table(cal: Calibration) -> str:
         ("an op (controller_overhead)", p.controller_overhead),
         ("a reduce (controller_reduce)", p.controller_reduce),
         ("a borrow or its drop (controller_borrow)", p.controller_borrow),
-        ("+ issued by backward (controller_backward)", p.controller_backward),
+        ("+ a backward node (controller_backward)", p.controller_backward),
         ("+ the issuing thread changed (controller_switch)", p.controller_switch),
     ):
         out.append(f"    {label:<48s} {_us(value):>10s}")

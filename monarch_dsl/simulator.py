@@ -175,14 +175,18 @@ class SimJob:
 
 class _SimEngine(Engine):
     """The tensor engine of a simulated mesh: records how each instruction was issued (its
-    thread; in autograd's backward pass or not) for the controller's costs
-    (``compiler/simulate_eager.py``)."""
+    thread; in autograd's backward pass or not, and the first of its backward node or not)
+    for the controller's costs (``compiler/simulate_eager.py``)."""
 
     job: SimJob
+    _node: Any = None  # the backward node that issued the last instruction (held: no id reuse)
 
     def append(self, mesh: int, ins: Any) -> None:
         backward = torch._C._current_graph_task_id() != -1
-        self.job.issued[id(ins)] = Issued(threading.get_ident(), backward)
+        node = torch._C._current_autograd_node() if backward else None
+        first = node is None or node is not self._node
+        self._node = node
+        self.job.issued[id(ins)] = Issued(threading.get_ident(), backward, first)
         super().append(mesh, ins)
 
 

@@ -509,6 +509,26 @@ def test_backward_and_a_change_of_issuing_thread_cost_the_controller_more():
     assert more - base == pytest.approx(1e-3 * charged["switch"])
 
 
+def test_controller_backward_is_charged_once_per_backward_node(monkeypatch):
+    """A backward node's formula issues several instructions (``h * w``'s ``MulBackward0``
+    a multiplication for each input); its graph walk and the formula's Python are the node's,
+    so ``controller_backward`` is charged once a node: the sum's and the 4 multiplications'
+    of ``_backward``, 5, for its at least 9 instructions issued in the backward pass."""
+    from monarch_dsl.compiler.simulate_eager import EagerSimulator
+
+    in_backward = []
+    run = EagerSimulator.run
+
+    def counting(self, ranks, items, issued=None):
+        in_backward.extend(how for how in issued or () if how is not None and how.backward)
+        return run(self, ranks, items, issued)
+
+    monkeypatch.setattr(EagerSimulator, "run", counting)
+    _, charged = _controller(_costed(controller_overhead=1e-6), _backward)
+    assert len(in_backward) >= 9
+    assert charged["backward"] == sum(how.node for how in in_backward) == 5
+
+
 def test_an_eager_op_costs_a_worker_its_overhead_too():
     def program(mesh):
         x = torch.ones(8)

@@ -12,9 +12,10 @@ inputs are the same meta tensors share one run). The model, per rank:
   step's call) ``simulate.call_issue``, as ``steady_step_time`` counts it, where the profile
   measured it (``plan_issue``: per call, input, and result handle made (``call_results``),
   and the local arguments sent);
-  ``controller_backward`` more for an
-  instruction autograd's backward pass issued (``Issued.backward``: its graph walk and the
-  backward formulas run on the controller too), and ``controller_switch`` more when the
+  ``controller_backward`` more for the
+  first instruction each node of autograd's backward pass issues (``Issued.backward``,
+  ``Issued.node``: its graph walk and its formula run on the controller too, once a node
+  whatever ops the formula issues), and ``controller_switch`` more when the
   thread issuing instructions changed (``Issued.thread``: ``md.grad_generator`` hands each
   gradient from its helper thread to the caller and back). The instructions are issued one
   after another at that pace: one cannot start on a worker before it was issued. Time the
@@ -107,11 +108,15 @@ _FREE = (isa.Delete, isa.DefineMesh, isa.DefinePlan)  # cost the controller noth
 
 
 class Issued(NamedTuple):
-    """How the controller issued an instruction: the ``thread`` that issued it (an id) and
-    whether autograd's ``backward`` pass did (``md.Simulator``'s engine records them)."""
+    """How the controller issued an instruction: the ``thread`` that issued it (an id),
+    whether autograd's ``backward`` pass did, and whether it is the first a backward node
+    issued (``node``: a node's formula issues several, ``AddmmBackward0`` a ``t`` and an ``mm``
+    for each input; the graph walk and the formula's Python are the node's) --
+    ``md.Simulator``'s engine records them."""
 
     thread: int
     backward: bool
+    node: bool = True
 
 
 # The controller's CPU seconds for an instruction are the sum of these terms (``charged``).
@@ -312,7 +317,7 @@ class EagerSimulator:
                 cost += sending(p, carried, ranks)
         self.charged[term] += 1
         if how is not None:
-            if how.backward:
+            if how.backward and how.node:
                 self.charged["backward"] += 1
                 cost += p.controller_backward
             if self.thread is not None and how.thread != self.thread:
