@@ -311,9 +311,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     try:
         cal = calibrate.measure(quick=args.quick, ranks=ranks, progress=True, device=args.device)
-    except MonarchError as e:  # a worker died or failed: said, nothing written
-        print(f"monarch-dsl calibrate: {e}; nothing was written", file=sys.stderr)
+    except MonarchError as e:  # a worker died or failed: said (with its own traceback)
+        print(f"monarch-dsl calibrate: {e}\nmonarch-dsl calibrate: nothing was written",
+              file=sys.stderr)  # fmt: skip
         return 1
+    except KeyboardInterrupt:  # (its workers are stopped on the way out)
+        print("monarch-dsl calibrate: interrupted; nothing was written", file=sys.stderr)
+        return 130
     saved = calibrate.save(cal.profile, path)
     print(calibrate.table(cal))
     names = f' (what profile "{name}" names from now on)' if path == calibrated_path(name) else ""

@@ -6,6 +6,7 @@ unchanged; the simulated job below them executes the instructions with costs ins
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -20,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
 from monarch_dsl.compiler.simulate import SimEvent, SimReport
-from monarch_dsl.compiler.simulate_eager import EagerSimulator, Issued
+from monarch_dsl.compiler.simulate_eager import FREE, EagerSimulator, Issued
 from monarch_dsl.errors import SupervisionError
 from monarch_dsl.proc_mesh import ProcMesh, _root
 from monarch_dsl.remote import function_of
@@ -179,14 +180,29 @@ class _SimEngine(Engine):
     for the controller's costs (``compiler/simulate_eager.py``)."""
 
     job: SimJob
-    _node: Any = None  # the backward node that issued the last instruction (held: no id reuse)
+
+    @functools.cached_property
+    def _last_node(self) -> dict[int, tuple[int, int, str] | None]:
+        """Per issuing thread: the backward node of its last (not free) instruction, as (graph
+        task, sequence number, name) -- not the node itself, whose saved tensors it would
+        keep alive (and the simulated memory with them)."""
+        return {}
 
     def append(self, mesh: int, ins: Any) -> None:
-        backward = torch._C._current_graph_task_id() != -1
-        node = torch._C._current_autograd_node() if backward else None
-        first = node is None or node is not self._node
-        self._node = node
-        self.job.issued[id(ins)] = Issued(threading.get_ident(), backward, first)
+        thread = threading.get_ident()
+        task = torch._C._current_graph_task_id()
+        first = False
+        if task == -1:
+            self._last_node.pop(thread, None)
+        else:
+            node = torch._C._current_autograd_node()
+            key = None if node is None else (task, node._sequence_nr(), node.name())
+            first = key is not None and key != self._last_node.get(thread)
+            if first and isinstance(ins, FREE):  # (the node's first costed one is charged)
+                first = False
+            elif not isinstance(ins, FREE):
+                self._last_node[thread] = key
+        self.job.issued[id(ins)] = Issued(thread, task != -1, first)
         super().append(mesh, ins)
 
 

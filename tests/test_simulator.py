@@ -509,11 +509,8 @@ def test_backward_and_a_change_of_issuing_thread_cost_the_controller_more():
     assert more - base == pytest.approx(1e-3 * charged["switch"])
 
 
-def test_controller_backward_is_charged_once_per_backward_node(monkeypatch):
-    """A backward node's formula issues several instructions (``h * w``'s ``MulBackward0``
-    a multiplication for each input); its graph walk and the formula's Python are the node's,
-    so ``controller_backward`` is charged once a node: the sum's and the 4 multiplications'
-    of ``_backward``, 5, for its at least 9 instructions issued in the backward pass."""
+def _issued_in_backward(monkeypatch) -> list:
+    """Fills with how each instruction issued in a backward pass was issued (``Issued``)."""
     from monarch_dsl.compiler.simulate_eager import EagerSimulator
 
     in_backward = []
@@ -524,9 +521,54 @@ def test_controller_backward_is_charged_once_per_backward_node(monkeypatch):
         return run(self, ranks, items, issued)
 
     monkeypatch.setattr(EagerSimulator, "run", counting)
+    return in_backward
+
+
+def test_controller_backward_is_charged_once_per_backward_node(monkeypatch):
+    """A backward node's formula issues several instructions (``h * w``'s ``MulBackward0``
+    a multiplication for each input); its graph walk and the formula's Python are the node's,
+    so ``controller_backward`` is charged once a node: the sum's and the 4 multiplications'
+    of ``_backward``, 5, for its at least 9 instructions issued in the backward pass."""
+    in_backward = _issued_in_backward(monkeypatch)
     _, charged = _controller(_costed(controller_overhead=1e-6), _backward)
     assert len(in_backward) >= 9
     assert charged["backward"] == sum(how.node for how in in_backward) == 5
+
+
+def test_a_final_callback_of_the_backward_pass_is_no_nodes_and_no_node_is_kept(monkeypatch):
+    """An instruction a final callback of the pass issues (as md.DistributedDataParallel's
+    finishing does) is in the pass but no node's: not charged. The engine keeps no node:
+    a node that never ran keeps its saved tensors only while the graph lives, so a value
+    dropped after the pass is freed in the simulated memory at once."""
+    in_backward = _issued_in_backward(monkeypatch)
+
+    def callback(mesh):
+        w = md.to_mesh(torch.ones(8), mesh).requires_grad_()
+        h = w * w
+
+        def hook(g):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: w.detach() + 1)
+            return g
+
+        h.register_hook(hook)
+        torch.autograd.grad(h.sum(), [w])
+
+    _, charged = _controller(_costed(controller_overhead=1e-6), callback)
+    assert charged["backward"] == 2  # (SumBackward0, MulBackward0)
+    assert [how.node for how in in_backward].count(False) >= 2  # (the mul's second; the add)
+
+    n = 1 << 20  # 4 MiB a tensor
+    sim = md.Simulator(gpus=1)
+    memory = sim.job.sim.memory[0]
+    with sim.mesh.activate():
+        x = md.to_mesh(torch.ones(n), sim.mesh).requires_grad_()
+        w = md.to_mesh(torch.ones(n), sim.mesh).requires_grad_()
+        e = x.exp()  # (ExpBackward0 saves e; grad(loss, [w]) does not run it)
+        loss = (e * w).sum()
+        (gw,) = torch.autograd.grad(loss, [w])
+        del e, loss
+        sim.summary()
+        assert memory.live == 3 * 4 * n  # x, w and w's gradient
 
 
 def test_an_eager_op_costs_a_worker_its_overhead_too():

@@ -141,8 +141,9 @@ class DeviceProfile:
     instruction, ``controller_reduce`` per ``Reduce`` and ``controller_borrow`` per
     ``BorrowBegin`` / ``BorrowEnd`` in its place (0: ``controller_overhead``),
     ``controller_backward`` more per node of autograd's backward pass that issues
-    instructions (on the first of them: its graph walk and its formula's Python are the
-    node's, whatever ops the formula issues), ``controller_switch`` each time the issuing thread
+    instructions (on the first of them on a thread: its graph walk and its formula's Python
+    are the node's, whatever ops the formula issues; a final callback's instructions are no
+    node's), ``controller_switch`` each time the issuing thread
     changes (``md.grad_generator``'s helper thread handing a gradient over and taking it back:
     a condition variable, the GIL). ``eager_op_overhead``: a worker's seconds per eager
     instruction beyond the op's compute (receiving and decoding it, the executor's

@@ -104,15 +104,16 @@ ReplyFailure = Callable[[int, int, Failure], None]  # (call id, rank, failure tu
 # (a @md.remote function's payload, its args, kwargs, with meta tensors) -> its result
 FunctionShapes = Callable[[bytes, tuple[Any, ...], dict[str, Any]], Any]
 
-_FREE = (isa.Delete, isa.DefineMesh, isa.DefinePlan)  # cost the controller nothing
+FREE = (isa.Delete, isa.DefineMesh, isa.DefinePlan)  # cost the controller nothing
 
 
 class Issued(NamedTuple):
     """How the controller issued an instruction: the ``thread`` that issued it (an id),
-    whether autograd's ``backward`` pass did, and whether it is the first a backward node
-    issued (``node``: a node's formula issues several, ``AddmmBackward0`` a ``t`` and an ``mm``
-    for each input; the graph walk and the formula's Python are the node's) --
-    ``md.Simulator``'s engine records them."""
+    whether autograd's ``backward`` pass did, and whether it is the first (not free) one that
+    a node of the pass issued on that thread (``node``: a node's formula issues several,
+    ``AddmmBackward0`` a ``t`` and an ``mm`` for each input; the graph walk and the formula's
+    Python are the node's; an instruction of the pass outside any node, a final callback's,
+    is no node's) -- ``md.Simulator``'s engine records them."""
 
     thread: int
     backward: bool
@@ -279,7 +280,7 @@ class EagerSimulator:
                 here = sorted(posted)
             else:
                 here = [r for r in self.meshes[mesh].ranks if r in posted]
-            if not isinstance(ins, _FREE):
+            if not isinstance(ins, FREE):
                 how = issued[i] if issued is not None else None
                 start = self.issued
                 self.issued += self.controller_cost(ins, how, len(here))
@@ -758,6 +759,7 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
 
 __all__ = [
     "EagerSimulator",
+    "FREE",
     "Failed",
     "Issued",
     "CONTROLLER_TERMS",
