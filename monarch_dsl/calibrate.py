@@ -877,6 +877,8 @@ EAGER_TERMS = (
     ("grad_generator", "switch"),
 )
 EAGER_CHAIN = 8  # ops in the chain the backward programs differentiate
+WAIT_OPS = 32  # eager ops before each reduce of the program that measures collective_wait
+WAIT = f"{WAIT_OPS} ops, reduce_"  # that program (fit_collective_wait)
 # Repetitions of each program: ``Settings.eager_ops`` over these (about as long each).
 EAGER_DIVISOR = {"op": 1, "reduce": 4, "borrow": 4, "backward": 16, "switch": 32}
 
@@ -921,6 +923,12 @@ def _eager_body(name: str, state: Any, dim: str, n: int) -> Any:
                 h = h * 1.5
             (g,) = torch.autograd.grad(h.sum(), [state])
         return g
+    if name == WAIT:  # WAIT_OPS ops, then a reduce_ over dim
+        for _ in range(n):
+            for _ in range(WAIT_OPS):
+                state = state * 1.0
+            state.reduce_(dim, "avg")
+        return state
     if name == "grad_generator":  # a chain of layers; each gradient used as it comes
         for _ in range(n):
             h = state[0]
@@ -935,7 +943,7 @@ def _eager_body(name: str, state: Any, dim: str, n: int) -> Any:
 def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], float, float, float]:
     """The controller's CPU seconds for each term of ``EAGER_TERMS``, the workers' CPU
     seconds per eager op (``y = x + 1``), the wall seconds per op until all ran, and the
-    workers' CPU seconds (their mean) per repetition of ``_wait_body`` (``WAIT_OPS`` ops,
+    workers' CPU seconds (their mean) per repetition of program ``WAIT`` (``WAIT_OPS`` ops,
     then a ``reduce_``; ``fit_collective_wait``), measured where the ranks and the
     controller are more processes than the cores (0 otherwise).
 
@@ -963,27 +971,22 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     finally:
         sim.mesh.stop()
 
-    def body(name: str, state: Any, reps: int) -> Any:
-        return (
-            _wait_body(state, "r", reps) if name == "wait" else _eager_body(name, state, "r", reps)
-        )
-
     programs = list(EAGER_TERMS)
     if n + 1 > (os.cpu_count() or 1):  # (collective_wait: only where the cores are shared)
-        programs.append(("wait", "wait"))
+        programs.append((WAIT, "wait"))
     cpu: dict[str, list[float]] = {term: [] for _, term in programs}
     workers: dict[str, list[float]] = {term: [] for _, term in programs}
     wall: dict[str, list[float]] = {term: [] for _, term in programs}
     with pm.activate():
         states = {}
         for name, term in programs:
-            states[term] = _eager_setup("reduce_" if term == "wait" else name, pm)
-            inspect(body(name, states[term], 2))
+            states[term] = _eager_setup(name, pm)
+            inspect(_eager_body(name, states[term], "r", 2))
         for _ in range(s.eager_rounds):
             for name, term in programs:
                 w0 = probe.cpu_seconds.call().get().values()
                 start, c0 = time.perf_counter(), time.process_time()
-                inspect(body(name, states[term], reps_n[term]))
+                inspect(_eager_body(name, states[term], "r", reps_n[term]))
                 cpu[term].append(time.process_time() - c0)
                 wall[term].append(time.perf_counter() - start)
                 w1 = probe.cpu_seconds.call().get().values()
@@ -1002,26 +1005,14 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     return terms, worker_op, wall_op, wait_cpu
 
 
-WAIT_OPS = 32  # eager ops before each reduce of the program that measures collective_wait
-
-
 def _wait_reps(s: Settings) -> int:
-    """Repetitions of ``_wait_body`` in a measurement (as long as the other programs')."""
+    """Repetitions of program ``WAIT`` in a measurement (as long as the other programs')."""
     return max(4, s.eager_ops // 64)
-
-
-def _wait_body(state: Any, dim: str, n: int) -> Any:
-    """``n`` times ``WAIT_OPS`` eager ops, then ``reduce_`` over ``dim``."""
-    for _ in range(n):
-        for _ in range(WAIT_OPS):
-            state = state * 1.0
-        state.reduce_(dim, "avg")
-    return state
 
 
 def fit_collective_wait(p: DeviceProfile, ranks: int, measured: float, n: int) -> float:
     """``collective_wait`` (``compiler/simulate_eager.py``) from ``measured``, the workers' CPU
-    seconds (their mean) per repetition of ``_wait_body`` on ``ranks`` ranks sharing the
+    seconds (their mean) per repetition of program ``WAIT`` on ``ranks`` ranks sharing the
     host's cores with the controller: what it is beyond the busy time the simulator gives the
     same program with profile ``p`` (its ``collective_wait`` taken as 0), over the work in
     the batch window before each collective (``window_work``); ``n`` repetitions simulated."""
@@ -1031,11 +1022,11 @@ def fit_collective_wait(p: DeviceProfile, ranks: int, measured: float, n: int) -
     sim = Simulator(hosts=1, gpus=ranks, profile=_replace(p, collective_wait=0.0))
     try:
         with sim.mesh.activate():
-            state = _eager_setup("reduce_", sim.mesh)
-            inspect(_wait_body(state, "gpu", 2))
+            state = _eager_setup(WAIT, sim.mesh)
+            inspect(_eager_body(WAIT, state, "gpu", 2))
             job = sim.job.sim
             busy0, window0 = job.busy(), list(job.window_work)
-            inspect(_wait_body(state, "gpu", n))
+            inspect(_eager_body(WAIT, state, "gpu", n))
             busy = statistics.mean(b - a for a, b in zip(busy0, job.busy())) / n
             window = statistics.mean(b - a for a, b in zip(window0, job.window_work)) / n
     finally:

@@ -495,11 +495,11 @@ def test_fit_collective_wait_recovers_the_wait_from_the_workers_cpu():
     sim = md.Simulator(hosts=1, gpus=2, profile=p)
     n = 6
     with sim.mesh.activate():
-        state = calibrate._eager_setup("reduce_", sim.mesh)
-        md.inspect(calibrate._wait_body(state, "gpu", 2))
+        state = calibrate._eager_setup(calibrate.WAIT, sim.mesh)
+        md.inspect(calibrate._eager_body(calibrate.WAIT, state, "gpu", 2))
         job = sim.job.sim
         busy0, window0 = job.busy()[0], job.window_work[0]
-        md.inspect(calibrate._wait_body(state, "gpu", n))
+        md.inspect(calibrate._eager_body(calibrate.WAIT, state, "gpu", n))
         busy = (job.busy()[0] - busy0) / n
         window = (job.window_work[0] - window0) / n
     assert window > 0.5 * busy  # (the ops before each reduce, issued within the window)
