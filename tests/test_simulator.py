@@ -782,3 +782,47 @@ def test_a_failure_of_the_simulator_itself_is_an_error_for_the_caller_not_a_dead
         with pytest.raises(SupervisionError, match="ValueError: boom"):
             md.inspect(x * 2)
     assert died == []
+
+
+def test_a_remote_function_is_costed_under_a_profile_that_measured_elementwise_ops():
+    # (a calibrated profile has per-op element rates; a remote function is no aten op and
+    # once crashed the simulator looking for its overload name)
+    import dataclasses
+
+    from monarch_dsl.compiler.profile import BUILTIN
+
+    profile = dataclasses.replace(BUILTIN["cpu-local"], elementwise=(("add", 1e-9),))
+
+    @md.remote
+    def double(x):
+        return x * 2
+
+    sim = md.Simulator(gpus=2, profile=profile)
+    with sim.mesh.activate():
+        y = double(torch.rand(64, 64)) + 1
+        assert md.inspect(y).shape == (64, 64)
+    assert {e.rank for e in _busy(sim, "compute") if e.name == "remote function"} == {0, 1}
+
+
+def test_a_ddp_training_loop_runs_on_the_simulator_with_its_buckets_on_the_comms_stream():
+    import dataclasses
+
+    from monarch_dsl.compiler.profile import BUILTIN
+
+    profile = dataclasses.replace(BUILTIN["cpu-local"], elementwise=(("add", 1e-9),))
+    sim = md.Simulator(gpus=2, profile=profile)
+    with sim.mesh.activate():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        ddp = md.DistributedDataParallel(model, dim="gpu", bucket_cap_mb=0.002)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = ddp(torch.rand(8, 32)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert md.inspect(loss).shape == ()
+    buckets = _busy(sim, "comm", stream="comms")
+    assert buckets and {e.rank for e in buckets} == {0, 1}
+    assert {e.name for e in buckets} == {"all_reduce"}
+    assert sim.summary().peak_memory[0] > 0

@@ -56,9 +56,9 @@ ALIASING = _Aliasing()
 def base_name(op: str) -> tuple[str, bool]:
     """The op's name without namespace, overload and in-place suffix, and whether it writes
     in place: ``("add", True)`` for ``"aten.add_.Tensor"``, ``("_foreach_add", True)`` for
-    the multi-tensor ``"aten._foreach_add_.List"``; prims ops by their name. ``op`` must be
-    a dotted name (not a communication)."""
-    name = op.split(".")[1]
+    the multi-tensor ``"aten._foreach_add_.List"``; prims ops by their name; a name with no
+    dot (``"remote"``, a remote function's) is its own base."""
+    name = op.split(".")[1] if "." in op else op
     if name.endswith("_") and (not name.startswith("_") or name.startswith(FOREACH)):
         return name[:-1], True
     return name, False

@@ -186,7 +186,7 @@ def nbytes(t: SlotType) -> int:
 def family(name: str) -> str:
     """The op family of an aten op (``aten.mm.default`` -> ``"matmul"``): ``"view"`` (no
     work), or a key of ``DeviceProfile.efficiency``."""
-    base, _ = base_name(name) if "." in name else (name, False)
+    base, _ = base_name(name)
     if base in ALIASING:
         return "view"
     if base in MATMUL:
