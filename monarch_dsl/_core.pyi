@@ -61,6 +61,10 @@ class CompiledPlan:
         overload is not a device kernel (relu) runs as its in-place twin (relu_) where the
         argument dies at that step, nothing else holds it (but the buffer of the step that
         made it), and an earlier run gave a result of its dtype and sizes."""
+    def reduced_in_place(self) -> int:
+        """How many all-reduces of the last ``run_plan`` left their result in their own
+        tensors (no result buffer): each dies at the step, is used once, is the only tensor
+        on its storage (but the buffer of the step that made it) and covers it exactly."""
     def set_comm(
         self,
         k: int,
@@ -215,6 +219,10 @@ class ShmGroup:
         """``output`` = the all-reduce of the concatenation of ``inputs`` (contiguous, the
         output's dtype and, in all, its number of elements), read where they are: a gradient
         bucket without a flat copy first. The same results as ``all_reduce`` of that copy."""
+    def all_reduce_pieces(self, tensors: Sequence[Any], op: str = "sum") -> None:
+        """The all-reduce of the concatenation of ``tensors`` (contiguous, one dtype), left in
+        them: a gradient bucket that takes its own result. The same results as
+        ``all_reduce`` of their flat copy."""
     def all_gather(self, tensor: Any) -> Any:
         """The members' tensors stacked along a new dim 0, in rank order."""
     def all_gather_into(self, outputs: Sequence[Any], input: Any) -> None: ...

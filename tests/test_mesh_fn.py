@@ -442,6 +442,64 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
     assert [c.reason.split(" of ")[0] for c in plan.collectives] == ["{dp: P(sum)} -> {dp: R}"] * 4
 
 
+class _Plans(md.Actor):
+    @md.endpoint
+    def reduced_in_place(self) -> list[tuple[int, int]]:
+        """Per compiled plan of this worker: (its all-reduce steps, how many of them its last
+        run did in the tensors they reduce)."""
+        from monarch_dsl.runtime import worker
+
+        runner = worker.current.executor().plans()
+        return sorted(
+            (
+                sum(
+                    s is not None and s.kind == "all_reduce" for s in runner.programs[k[0]][0].steps
+                ),
+                c.reduced_in_place(),
+            )
+            for k, c in runner.compiled.items()
+        )
+
+
+@pytest.mark.parametrize("width", [16, 160])  # gradients in kept buffers (<= 64 KiB), or not
+def test_a_gradient_bucket_is_all_reduced_in_the_gradients_themselves(pm, width):
+    """A gradient dies at its bucket's all-reduce and nothing else holds it: the runtime
+    reduces the bucket in the gradients (no result buffer, nothing copied out of one), small
+    gradients in the buffers their steps keep between runs included; the values are one
+    process's."""
+    _train_and_check_buckets_in_place(pm.slice(tp=0), width)
+
+
+def test_a_bucket_in_place_over_gloo_goes_through_one_flat_copy():
+    """Without shared memory (gloo) the bucket is reduced in a flat copy and copied back."""
+    dp = md.this_host().spawn_procs({"dp": 2}, env={"MD_SHM": "0"})
+    try:
+        _train_and_check_buckets_in_place(dp, 160)
+    finally:
+        dp.stop()
+
+
+def _train_and_check_buckets_in_place(dp, width: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 16))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
+    batches = _batches(3)
+    with dp.activate():
+        losses = [md.inspect(step(x, y)) for x, y in batches]
+        got = step.state_dict()
+    for (x, y), loss in zip(batches, losses, strict=True):
+        torch.testing.assert_close(loss, mse_step(ref, ref_opt)(x, y).detach())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[f"model.{name}"], p.detach(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[f"model.{name}.grad"], p.grad, atol=ATOL, rtol=0)
+    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call().get().values()
+    for plans in per_rank:  # (each plan the step made: from local modules, then on the mesh)
+        assert plans and all(b >= 1 and done == b for b, done in plans), plans
+
+
 def test_a_step_that_returns_nothing_and_two_steps_on_one_model(pm):
     """A training step written without a ``return`` (or with ``None`` in its result) gives
     ``None`` back. A second step on the same parameters while the first holds their updated

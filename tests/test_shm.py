@@ -112,11 +112,16 @@ def _collectives(rank: int, size: int, name: str) -> list[str]:
                 pieces = list(x.clone().tensor_split([n // 3, n // 3 + 1]))
                 out = torch.empty(n, dtype=dtype)
                 g.all_reduce_into(out, pieces, op)
+                # and left in the pieces themselves (a bucket that takes its own result)
+                own = [p.clone() for p in x.tensor_split([n // 2, n // 2 + 1])]
+                g.all_reduce_pieces(own, op)
                 g.all_reduce(x, op)
                 if not _close(x, _reference(size, n, dtype, op)):
                     bad.append(f"all_reduce {op} {dtype} n={n}")
                 if not torch.equal(out, x):
                     bad.append(f"all_reduce_into {op} {dtype} n={n}")
+                if not torch.equal(torch.cat(own), x):
+                    bad.append(f"all_reduce_pieces {op} {dtype} n={n}")
             x = _input(rank, n, dtype, "sum")
             got = g.all_gather(x)
             if not torch.equal(got, torch.stack([_input(r, n, dtype, "sum") for r in range(size)])):

@@ -170,28 +170,36 @@ def test_the_memory_model_plans_the_steps_the_runtime_plans():
 def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
     """A collective off main is started at its step and finished at its result's first use,
     holding its arguments until then; its result goes into the all-reduce buffer the runtime
-    keeps."""
+    keeps -- unless its argument dies at it and nothing else holds it: then the argument takes
+    the result (cpp/program.cpp reduces_in_place), and no buffer is kept."""
     f = "float32"
     big, w = ((256, 128), f), ((128, 128), f)  # 128 KiB, 64 KiB
 
-    def report(stream: str):
+    def report(stream: str, in_place: bool):
         c = dict(dims=(0,), shapes=((256, 128),), dtype=f)
+        # (not in place: a view of mm's result is alive when the all-reduce starts)
+        viewed, dies = (Slot(0), (2,)) if in_place else (Slot(2), (2, 6))
         steps = [
             isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,)),
-            isa.AllReduce(args=(Slot(2),), outs=(3,), frees=(2,), stream=stream, **c),
+            isa.Compute(name="aten.view.default", args=(viewed, [-1]), outs=(6,)),
+            isa.AllReduce(args=(Slot(2),), outs=(3,), frees=dies, stream=stream, **c),
             isa.Compute(name="aten.mul.Tensor", args=(Slot(0), 3.0), outs=(4,)),
             isa.Compute(name="aten.sum.default", args=(Slot(3),), outs=(5,), frees=(3,)),
         ]
-        types = [big, w, big, big, big, ((), f)]
-        program = _program(steps, 6, (0, 1), (4, 5), types, sizes=(2,))
+        types = [big, w, big, big, big, ((), f), ((256 * 128,), f)]
+        program = _program(steps, 7, (0, 1), (4, 5), types, sizes=(2,))
         return simulate_program(program, types, "cpu-local", held=())
 
     kib = 1024
-    held, waited = report("comms"), report("main")
+    held, waited = report("comms", False), report("main", False)
     # resident: x, w and the all-reduce's buffer
     assert held.resident_memory[0] == waited.resident_memory[0] == (128 + 64 + 128) * kib
     assert held.peak_memory[0] == (320 + 128 + 128) * kib  # mm's result lives until sum
     assert waited.peak_memory[0] == (320 + 128) * kib + 4  # mm freed as the all-reduce ends
+    held, waited = report("comms", True), report("main", True)
+    assert held.resident_memory[0] == waited.resident_memory[0] == (128 + 64) * kib
+    # mm's result is the all-reduce's, and lives until sum; mul's beside it
+    assert held.peak_memory[0] == waited.peak_memory[0] == (192 + 128 + 128) * kib + 4
 
 
 def test_a_call_s_arguments_are_not_resident():
@@ -277,7 +285,10 @@ def test_fully_sharded_parameters_and_state_take_half_the_memory():
         peaks[shard] = plan.memory()
         assert set(peaks[shard]) == {0, 1} and peaks[shard][0] == peaks[shard][1]
     ratio = peaks[True][0] / peaks[False][0]
-    assert 0.4 < ratio < 0.65, peaks
+    # (not quite half: each rank's activations, and the buffers the runtime keeps for small
+    # results, are the same either way; the unsharded gradients take their all-reduce's
+    # result, so no bucket buffer is kept beside them)
+    assert 0.4 < ratio < 0.7, peaks
 
 
 def test_megatron_all_reduce_is_one_event_on_both_ranks():

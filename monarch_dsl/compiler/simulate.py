@@ -28,11 +28,12 @@ in a steady state of calls): resident when a call starts are the inputs (paramet
 optimizer state, batch) on the ranks that use them, the previous call's outputs (the caller's
 handles; a state output the next call takes as an input is counted once, as that input) and
 the buffers the runtime keeps between runs (``kept_buffers``: each all-reduce's result, a
-bucket's flat tensor; the result of a step with an ``out=`` overload up to
-``PLANNED_BYTES``, unless the caller holds it). Each step's outputs are allocated, except
-into a kept buffer; views and in-place ops (``ops.ALIASING``, an in-place op's result; an op
-with an in-place twin whose first argument dies at the step, as ``relu_`` for ``relu``)
-share their input's storage; a storage is released when the last slot on it is freed
+bucket's flat tensor, unless the bucket's own tensors take it, ``_reduces_in_place``; the
+result of a step with an ``out=`` overload up to ``PLANNED_BYTES``, unless the caller holds
+it). Each step's outputs are allocated, except into a kept buffer; views and in-place ops
+(``ops.ALIASING``, an in-place op's result; an op with an in-place twin whose first argument
+dies at the step, as ``relu_`` for ``relu``; an all-reduce whose arguments die at it) share
+their input's storage; a storage is released when the last slot on it is freed
 (``frees``); a collective off ``main`` holds its arguments until its result is first used.
 ``SimReport.peak_memory`` is the peak per rank, ``resident_memory`` the resident part.
 """
@@ -491,6 +492,8 @@ class _Memory:
         self.peak = 0
         self.kept: dict[int, int] = {}
         self.pending: dict[int, list[int]] = {}
+        self.made_by: dict[int, int] = {}  # slot -> the step that wrote it
+        self.reduced_in_place: set[int] = set()  # all-reduce steps whose arguments took it
         self._holders = -(1 << 40)  # ids of hold()'s references, below the kept buffers'
 
     def new(self, slot: int, size: int) -> None:
@@ -557,11 +560,43 @@ def _in_place_arg(step: isa.Compute, types: Sequence[SlotType], mem: _Memory) ->
     return a
 
 
+def _reduces_in_place(step: isa.AllReduce, types: Sequence[SlotType], mem: _Memory) -> bool:
+    """Whether the runtime leaves an all-reduce's result in its arguments (cpp/program.cpp's
+    ``reduces_in_place``, the same rule): each argument dies at the step, is used once, is
+    the only slot on its storage (but for the buffer the runtime keeps for the step that wrote
+    it, when it is that step's result itself) and covers all of it; one dtype. (On a backend
+    other than shared memory a bucket of several tensors is reduced through a flat copy for
+    the time of the collective, which this does not count.)"""
+    args = isa.leaves(step.args, Slot)
+    if not args or len(args) != len(step.args) or len(args) != len(step.outs):
+        return False
+    slots = [a.index for a in args]
+    if len({types[a][1] for a in slots}) != 1:
+        return False
+    for a in slots:
+        if a not in step.frees or slots.count(a) != 1 or not mem.held_alone(a):
+            return False
+        r = mem.root[a]
+        if mem.size.get(r) != nbytes(types[a]) or (r < 0 and mem.made_by.get(a) != -r - 1):
+            return False
+    return True
+
+
 def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -> None:
-    """The storage of step ``k``'s outputs: shared with its input for views and in-place ops,
-    the buffer the runtime keeps for it (``mem.kept``), else new; a multi-tensor all-reduce's
-    results are views of one flat tensor."""
+    """The storage of step ``k``'s outputs: shared with its input for views and in-place ops
+    (an all-reduce's arguments take its result where ``_reduces_in_place``), the buffer the
+    runtime keeps for it (``mem.kept``), else new; a multi-tensor all-reduce's results are
+    views of one flat tensor."""
     kept = mem.kept.get(k)
+    if isinstance(step, isa.AllReduce) and _reduces_in_place(step, types, mem):
+        for o, a in zip(step.outs, isa.leaves(step.args, Slot)):
+            mem.alias(o, a.index)
+            mem.made_by[o] = k
+        mem.reduced_in_place.add(k)
+        mem.mark()
+        return
+    for o in step.outs:
+        mem.made_by[o] = k
     if isinstance(step, isa.Compute):
         base, inplace = base_name(step.name) if "." in step.name else (step.name, False)
         if inplace and base.startswith(FOREACH) and step.args:
@@ -705,6 +740,7 @@ def _steady(
                 dry.free(s)
     roots = {dry.root[o] for o in held if o in dry.root} - set(inputs)
     taken = {-r - 1 for r in roots if r < 0 and isinstance(program.steps[-r - 1], isa.Compute)}
+    taken |= dry.reduced_in_place  # (the runtime makes no buffer for those)
     return {k: v for k, v in kept.items() if k not in taken}, sum(dry.size[r] for r in roots)
 
 

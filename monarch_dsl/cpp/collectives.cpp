@@ -32,6 +32,17 @@ Finish all_reduce_into(Comm& comm, at::Tensor out, std::vector<at::Tensor> piece
   };
 }
 
+Finish all_reduce_pieces(Comm& comm, std::vector<at::Tensor> pieces,
+                         const std::string& reduction, int64_t size) {
+  Wait wait = comm.start_all_reduce_pieces(pieces, comm_op(reduction));
+  return [pieces = std::move(pieces), wait, avg = reduction == "avg", size]() mutable {
+    if (wait) wait();
+    if (avg)
+      for (auto& p : pieces) p.div_(size);
+    return at::Tensor();
+  };
+}
+
 Finish all_gather(Comm& comm, const at::Tensor& input, int64_t size, int64_t dim, bool stack) {
   at::Tensor in = input.contiguous();
   if (dim == 0 && (stack || in.dim() > 0)) {

@@ -27,6 +27,11 @@ Finish all_reduce(Comm& comm, at::Tensor t, const std::string& reduction, int64_
 Finish all_reduce_into(Comm& comm, at::Tensor out, std::vector<at::Tensor> pieces,
                        const std::string& reduction, int64_t size);
 
+// The all-reduce of the concatenation of `pieces` (contiguous, one dtype), left in them: see
+// Comm::start_all_reduce_pieces. The result is an undefined tensor (the pieces hold it).
+Finish all_reduce_pieces(Comm& comm, std::vector<at::Tensor> pieces,
+                         const std::string& reduction, int64_t size);
+
 // Every member's `input`, in member order, concatenated along `dim` (`stack`: stacked along a
 // new dim `dim`).
 Finish all_gather(Comm& comm, const at::Tensor& input, int64_t size, int64_t dim, bool stack);

@@ -40,6 +40,24 @@ class Comm {
     }
     return start_all_reduce(out, op);
   }
+  // The all-reduce of the concatenation of `pieces` (contiguous, one dtype), left in them: a
+  // gradient bucket whose gradients take the result. By default through one flat copy, copied
+  // back when it is done; shared memory reduces them where they are.
+  virtual Wait start_all_reduce_pieces(std::vector<at::Tensor>& pieces, const std::string& op) {
+    if (pieces.size() == 1) return start_all_reduce(pieces[0], op);
+    std::vector<at::Tensor> flat;
+    for (const auto& p : pieces) flat.push_back(p.reshape({-1}));
+    auto whole = std::make_shared<at::Tensor>(at::cat(flat));
+    Wait reduced = start_all_reduce(*whole, op);
+    return [reduced, whole, pieces]() mutable {
+      if (reduced) reduced();
+      int64_t at = 0;
+      for (auto& p : pieces) {
+        p.view({-1}).copy_(whole->narrow(0, at, p.numel()));
+        at += p.numel();
+      }
+    };
+  }
   virtual Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
   virtual Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,
                                     const std::string& op) = 0;

@@ -72,6 +72,10 @@ struct CommStep {
   std::vector<std::vector<int64_t>> shapes;  // of the arguments: zeros when failed
   at::ScalarType dtype = at::kFloat;
   bool async = false;  // not on "main": started now, waited for at a result's first use
+  // all_reduce: the compute step that made each argument (-1: none; it may keep the argument
+  // as its buffer), and how many runs reduced in place (no result buffer).
+  std::vector<int64_t> producers;
+  int64_t in_place_runs = 0;
   // all_reduce: result buffers (a gradient bucket's flat tensor) of earlier runs, written
   // again when nothing else holds them. A fresh multi-MiB buffer per run is a fresh mapping
   // from the allocator, every page of it faulted in by the all-reduce: with 8 x Linear(1024)
@@ -225,7 +229,7 @@ class CompiledPlan {
     auto slot_of = [&](py::handle obj) -> int64_t {
       return py::isinstance(obj, slot_type) ? obj.attr("index").cast<int64_t>() : -1;
     };
-    std::unordered_map<int64_t, int64_t> producer;  // slot -> the last step writing it
+    auto& producer = producer_;  // slot -> the last step writing it
     for (const auto& item : steps) {
       if (item.is_none()) {
         steps_.emplace_back(std::nullopt);
@@ -322,6 +326,10 @@ class CompiledPlan {
       c.args.push_back(py::isinstance(a, slot_type) ? a.attr("index").cast<int64_t>() : -1);
     for (auto o : step.attr("outs")) c.outs.push_back(o.cast<int64_t>());
     for (auto f : step.attr("frees")) c.frees.push_back(f.cast<int64_t>());
+    for (auto a : c.args) {
+      auto made = producer_.find(a);
+      c.producers.push_back(made == producer_.end() || made->second >= k ? -1 : made->second);
+    }
     if (!group.is_none()) c.comm = md::comm_of(group);
     c.index = index;
     c.size = size;
@@ -358,7 +366,7 @@ class CompiledPlan {
     std::lock_guard<std::mutex> one_run_at_a_time(lock_);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
-    reused_ = in_place_ = 0;
+    reused_ = in_place_ = reduced_in_place_ = 0;
     trace_events_.clear();
     // (at most 3 events a step, one per collective waited for at the end, and the flag's:
     // reserved, so recording never allocates, nor throws, inside a step's error handling)
@@ -493,6 +501,8 @@ class CompiledPlan {
   bool has_comms() const { return !comms_.empty(); }
   int64_t reused() const { return reused_; }
   int64_t in_place() const { return in_place_; }
+  // All-reduces of the last run_plan whose arguments took the result (reduces_in_place).
+  int64_t reduced_in_place() const { return reduced_in_place_; }
   int64_t size() const { return static_cast<int64_t>(steps_.size()); }
 
  private:
@@ -609,9 +619,39 @@ class CompiledPlan {
     return slot;
   }
 
-  static void run_comm(CommStep& c, std::vector<c10::IValue>& values,
-                       std::unordered_map<int64_t, std::shared_ptr<Pending>>& pending,
-                       bool failed, const c10::Device& device) {
+  // Whether all-reduce `c` can leave its result in its arguments `tensors` (no result
+  // buffer, and every write to a line the rank has just read): each argument dies at the
+  // step, is used once, is the only tensor on its storage (but for the buffer its producer
+  // keeps for the next run) and covers that storage exactly, densely (in any layout: the
+  // reduction is elementwise, and every rank lays the bucket out alike); one dtype.
+  // compiler/simulate.py:_reduces_in_place is the same rule on the simulator's memory.
+  bool reduces_in_place(const CommStep& c, const std::vector<at::Tensor>& tensors) const {
+    if (tensors.empty() || tensors.size() != c.args.size() || c.outs.size() != c.args.size())
+      return false;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const int64_t slot = c.args[i];
+      const at::Tensor& t = tensors[i];
+      if (slot < 0 || std::count(c.frees.begin(), c.frees.end(), slot) == 0 ||
+          std::count(c.args.begin(), c.args.end(), slot) != 1)
+        return false;
+      if (!t.defined() || t.scalar_type() != tensors[0].scalar_type())
+        return false;
+      int64_t holders = 2;  // its slot and `tensors`
+      const int64_t made_by = i < c.producers.size() ? c.producers[i] : -1;
+      if (made_by >= 0 && steps_[made_by] && steps_[made_by]->buffer.defined() &&
+          steps_[made_by]->buffer.is_same(t))
+        ++holders;
+      if (t.use_count() != holders || t.storage().use_count() != 1 || t.storage_offset() != 0 ||
+          !t.is_non_overlapping_and_dense() ||
+          t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size())
+        return false;
+    }
+    return true;
+  }
+
+  void run_comm(CommStep& c, std::vector<c10::IValue>& values,
+                std::unordered_map<int64_t, std::shared_ptr<Pending>>& pending, bool failed,
+                const c10::Device& device) {
     auto options = at::TensorOptions().dtype(c.dtype).device(device);
     auto value = [&](size_t i) -> at::Tensor {
       int64_t slot = i < c.args.size() ? c.args[i] : -1;
@@ -645,40 +685,53 @@ class CompiledPlan {
     if (op == "all_reduce") {
       std::vector<at::Tensor> tensors;
       for (size_t i = 0; i < c.args.size(); ++i) tensors.push_back(value(i));
-      // One result buffer (the bucket's flat tensor; one tensor keeps its shape), filled by
-      // the all-reduce from the tensors where they are (shared memory reads them directly).
-      bool one_dtype = true;
-      int64_t numel = 0;
-      std::vector<at::Tensor> pieces;
-      for (auto& t : tensors) {
-        one_dtype = one_dtype && t.scalar_type() == tensors[0].scalar_type();
-        numel += t.numel();
-        pieces.push_back(t.contiguous());
-      }
-      md::Finish reduced;
-      if (tensors.size() == 1) {
-        at::Tensor flat = result_buffer(c, tensors[0].sizes(), tensors[0].options());
-        reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
-      } else if (one_dtype && !tensors.empty()) {
-        at::Tensor flat = result_buffer(c, {numel}, tensors[0].options());
-        reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
-      } else {  // (cat's type promotion)
-        for (auto& p : pieces) p = p.reshape(-1);
-        reduced = md::all_reduce(*c.comm, at::cat(pieces), c.reduce, n);
-      }
-      finish = [&values, outs = c.outs, tensors, reduced]() {
-        at::Tensor flat = reduced();
+      if (!failed && reduces_in_place(c, tensors)) {
+        // (each as the 1-d run of its storage: contiguous, whatever its layout)
+        std::vector<at::Tensor> flat;
+        for (const auto& t : tensors) flat.push_back(t.as_strided({t.numel()}, {1}, 0));
+        md::Finish reduced = md::all_reduce_pieces(*c.comm, std::move(flat), c.reduce, n);
+        ++c.in_place_runs;
+        ++reduced_in_place_;
+        finish = [&values, outs = c.outs, tensors, reduced]() {
+          reduced();
+          for (size_t i = 0; i < outs.size(); ++i) values.at(outs[i]) = tensors[i];
+        };
+      } else {
+        // One result buffer (the bucket's flat tensor; one tensor keeps its shape), filled by
+        // the all-reduce from the tensors where they are (shared memory reads them directly).
+        bool one_dtype = true;
+        int64_t numel = 0;
+        std::vector<at::Tensor> pieces;
+        for (auto& t : tensors) {
+          one_dtype = one_dtype && t.scalar_type() == tensors[0].scalar_type();
+          numel += t.numel();
+          pieces.push_back(t.contiguous());
+        }
+        md::Finish reduced;
         if (tensors.size() == 1) {
-          values.at(outs.at(0)) = flat;
-          return;
+          at::Tensor flat = result_buffer(c, tensors[0].sizes(), tensors[0].options());
+          reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
+        } else if (one_dtype && !tensors.empty()) {
+          at::Tensor flat = result_buffer(c, {numel}, tensors[0].options());
+          reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
+        } else {  // (cat's type promotion)
+          for (auto& p : pieces) p = p.reshape(-1);
+          reduced = md::all_reduce(*c.comm, at::cat(pieces), c.reduce, n);
         }
-        int64_t offset = 0;
-        for (size_t i = 0; i < outs.size() && i < tensors.size(); ++i) {
-          const int64_t numel = tensors[i].numel();
-          values.at(outs[i]) = flat.slice(0, offset, offset + numel).view(tensors[i].sizes());
-          offset += numel;
-        }
-      };
+        finish = [&values, outs = c.outs, tensors, reduced]() {
+          at::Tensor flat = reduced();
+          if (tensors.size() == 1) {
+            values.at(outs.at(0)) = flat;
+            return;
+          }
+          int64_t offset = 0;
+          for (size_t i = 0; i < outs.size() && i < tensors.size(); ++i) {
+            const int64_t numel = tensors[i].numel();
+            values.at(outs[i]) = flat.slice(0, offset, offset + numel).view(tensors[i].sizes());
+            offset += numel;
+          }
+        };
+      }
     } else {
       at::Tensor x = value(0);
       md::Finish result;
@@ -725,6 +778,8 @@ class CompiledPlan {
   }
   int64_t reused_ = 0;    // steps of the last run that wrote a buffer of the run before
   int64_t in_place_ = 0;  // of those, steps that wrote their argument (relu as relu_)
+  int64_t reduced_in_place_ = 0;
+  std::unordered_map<int64_t, int64_t> producer_;  // slot -> the compute step that wrote it
 };
 
 }  // namespace
@@ -747,6 +802,7 @@ void bind_program(py::module& m) {
       .def("last_error", &CompiledPlan::last_error)
       .def("reused", &CompiledPlan::reused)
       .def("in_place", &CompiledPlan::in_place)
+      .def("reduced_in_place", &CompiledPlan::reduced_in_place)
       .def("set_comm", &CompiledPlan::set_comm, py::arg("k"), py::arg("step"), py::kw_only(),
            py::arg("group"), py::arg("index"), py::arg("size"), py::arg("peer"),
            py::arg("async_"), py::arg("slot_type"))

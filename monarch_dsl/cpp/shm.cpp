@@ -330,57 +330,23 @@ class ShmGroup {
   void all_reduce_into(at::Tensor out, const std::vector<at::Tensor>& pieces,
                        const std::string& op_name) {
     check_cpu(out, "all_reduce's output");
-    const Op op = parse_op(op_name);
-    const ReduceFn fn = reducer(out.scalar_type(), op);
+    const Concat input = concat(pieces, out.scalar_type(), "all_reduce's inputs");
     const size_t es = out.element_size();
-    Concat input;
-    for (const auto& p : pieces) {
-      check_cpu(p, "all_reduce's inputs");
-      if (p.scalar_type() != out.scalar_type())
-        throw std::invalid_argument("shm all_reduce: inputs and output differ in dtype");
-      input.add(static_cast<const char*>(p.data_ptr()), p.numel() * es);
-    }
-    const size_t count = out.numel();
-    if (input.bytes() != count * es)
+    if (input.bytes() != out.numel() * es)
       throw std::invalid_argument("shm all_reduce: the inputs' size differs from the output's");
-    char* data = static_cast<char*>(out.data_ptr());
-    NoGil nogil;
-    std::lock_guard<std::mutex> lock(mu_);
-    check_open();
-    const size_t per_chunk = half_bytes() / es;
-    const char* what = "all_reduce";
-    std::vector<const void*> srcs(size_);
-    for (size_t off = 0; off < count || (count == 0 && off == 0); off += per_chunk) {
-      const size_t n = std::min(per_chunk, count - off);
-      char* chunk = data + off * es;
-      const int h = next_half();
-      for (int j = 0; j < size_; ++j) {
-        if (j == rank_) continue;
-        // the others' slices into this rank's slot
-        auto [b, e] = piece(n, size_, j);
-        input.copy_to(slot(rank_, h) + b * es, (off + b) * es, (e - b) * es);
-      }
-      barrier(what);
-      const auto mine_at = piece(n, size_, rank_);
-      const size_t b = mine_at.first, e = mine_at.second;
-      // this rank's slice: its own input read where it is (no copy into the output first;
-      // run by run when it spans several buffers), the others' from their slots, in rank
-      // order; into the output and this rank's slot
-      input.for_each_run((off + b) * es, (e - b) * es, [&](const char* mine, size_t at,
-                                                           size_t bytes) {
-        const size_t first = b * es + at;
-        for (int k = 0; k < size_; ++k) srcs[k] = k == rank_ ? mine : slot(k, h) + first;
-        fn(chunk + first, size_ > 1 ? slot(rank_, h) + first : nullptr, srcs.data(), size_,
-           bytes / es, op, size_);
-      });
-      barrier(what);
-      for (int j = 0; j < size_; ++j) {
-        if (j == rank_) continue;
-        auto [b2, e2] = piece(n, size_, j);
-        std::memcpy(chunk + b2 * es, slot(j, h) + b2 * es, (e2 - b2) * es);
-      }
-      if (count == 0) break;
-    }
+    Concat output;
+    output.add(static_cast<const char*>(out.data_ptr()), out.numel() * es);
+    reduce_concat(input, output, out.scalar_type(), es, op_name);
+  }
+
+  // The reduction over ranks of the concatenation of `pieces`, left in them (a bucket whose
+  // gradients take the result themselves: no result buffer, and every write is to a line
+  // this rank has just read).
+  void all_reduce_pieces(const std::vector<at::Tensor>& pieces, const std::string& op_name) {
+    if (pieces.empty()) throw std::invalid_argument("shm all_reduce: no tensors");
+    const auto dtype = pieces[0].scalar_type();
+    const Concat both = concat(pieces, dtype, "all_reduce's tensors");
+    reduce_concat(both, both, dtype, pieces[0].element_size(), op_name);
   }
 
   // outs[j] receives rank j's `input` (all the same shape and dtype as input).
@@ -557,6 +523,69 @@ class ShmGroup {
   char* ring(Channel* ch) const {
     return reinterpret_cast<char*>(ch) + align_up(sizeof(Channel), kLine);
   }
+  static Concat concat(const std::vector<at::Tensor>& pieces, at::ScalarType dtype,
+                       const char* what) {
+    Concat c;
+    for (const auto& p : pieces) {
+      check_cpu(p, what);
+      if (p.scalar_type() != dtype)
+        throw std::invalid_argument("shm all_reduce: the tensors differ in dtype");
+      c.add(static_cast<const char*>(p.data_ptr()), p.numel() * p.element_size());
+    }
+    return c;
+  }
+
+  // output = the reduction over ranks of input (both concatenations of as many bytes; output
+  // may be input: written only where this rank read it, or after it was copied to its slot).
+  void reduce_concat(const Concat& input, const Concat& output, at::ScalarType dtype,
+                     size_t es, const std::string& op_name) {
+    const Op op = parse_op(op_name);
+    const ReduceFn fn = reducer(dtype, op);
+    const size_t count = input.bytes() / es;
+    NoGil nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    check_open();
+    const size_t per_chunk = half_bytes() / es;
+    const char* what = "all_reduce";
+    std::vector<const void*> srcs(size_);
+    for (size_t off = 0; off < count || (count == 0 && off == 0); off += per_chunk) {
+      const size_t n = std::min(per_chunk, count - off);
+      const int h = next_half();
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_) continue;
+        // the others' slices into this rank's slot
+        auto [b, e] = piece(n, size_, j);
+        input.copy_to(slot(rank_, h) + b * es, (off + b) * es, (e - b) * es);
+      }
+      barrier(what);
+      const auto mine_at = piece(n, size_, rank_);
+      const size_t b = mine_at.first, e = mine_at.second;
+      // this rank's slice: its own input read where it is (no copy into the output first;
+      // run by run when it spans several buffers), the others' from their slots, in rank
+      // order; into the output (run by run too) and this rank's slot
+      input.for_each_run((off + b) * es, (e - b) * es, [&](const char* mine, size_t at,
+                                                           size_t bytes) {
+        output.for_each_run((off + b) * es + at, bytes, [&](const char* to, size_t at2,
+                                                            size_t m) {
+          const size_t first = b * es + at + at2;
+          for (int k = 0; k < size_; ++k) srcs[k] = k == rank_ ? mine + at2 : slot(k, h) + first;
+          fn(const_cast<char*>(to), size_ > 1 ? slot(rank_, h) + first : nullptr, srcs.data(),
+             size_, m / es, op, size_);
+        });
+      });
+      barrier(what);
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_) continue;
+        auto [b2, e2] = piece(n, size_, j);
+        output.for_each_run((off + b2) * es, (e2 - b2) * es, [&](const char* to, size_t at,
+                                                                 size_t m) {
+          std::memcpy(const_cast<char*>(to), slot(j, h) + b2 * es + at, m);
+        });
+      }
+      if (count == 0) break;
+    }
+  }
+
   int next_half() { return static_cast<int>(chunks_++ & 1); }
 
   void check_open() const {
@@ -843,6 +872,15 @@ class ShmComm : public md::Comm {
     return {};
   }
 
+  md::Wait start_all_reduce_pieces(std::vector<at::Tensor>& pieces,
+                                   const std::string& op) override {
+    bool ok = !pieces.empty() && (op != "avg" || pieces[0].is_floating_point());
+    for (const auto& p : pieces) ok = ok && fits(p) && p.scalar_type() == pieces[0].scalar_type();
+    if (!ok) return md::Comm::start_all_reduce_pieces(pieces, op);
+    shm_->all_reduce_pieces(pieces, op);
+    return {};
+  }
+
   md::Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
     bool ok = fits(input);
     for (const auto& o : outs) ok = ok && fits(o);
@@ -939,6 +977,8 @@ Collectives work in place on contiguous CPU tensors and release the GIL.)doc")
            py::arg("timeout") = 300.0, py::arg("ring_bytes") = 1 << 20)
       .def("all_reduce", &ShmGroup::all_reduce, py::arg("tensor"), py::arg("op") = "sum")
       .def("all_reduce_into", &ShmGroup::all_reduce_into, py::arg("output"), py::arg("inputs"),
+           py::arg("op") = "sum")
+      .def("all_reduce_pieces", &ShmGroup::all_reduce_pieces, py::arg("tensors"),
            py::arg("op") = "sum")
       .def("all_gather", &ShmGroup::all_gather, py::arg("tensor"))
       .def("all_gather_into", &ShmGroup::all_gather_into, py::arg("outputs"), py::arg("input"))
