@@ -444,9 +444,9 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
 
 class _Plans(md.Actor):
     @md.endpoint
-    def reduced_in_place(self) -> list[tuple[int, int]]:
-        """Per compiled plan of this worker: (its all-reduce steps, how many of them its last
-        run did in the tensors they reduce)."""
+    def reduced_in_place(self, plans: list[int]) -> list[tuple[int, int]]:
+        """Per compiled plan of ``plans`` on this worker: (its all-reduce steps, how many of
+        them its last run did in the tensors they reduce)."""
         from monarch_dsl.runtime import worker
 
         runner = worker.current.executor().plans()
@@ -458,6 +458,7 @@ class _Plans(md.Actor):
                 c.reduced_in_place(),
             )
             for k, c in runner.compiled.items()
+            if k[0] in plans
         )
 
 
@@ -495,9 +496,10 @@ def _train_and_check_buckets_in_place(dp, width: int) -> None:
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[f"model.{name}"], p.detach(), atol=ATOL, rtol=0)
         torch.testing.assert_close(got[f"model.{name}.grad"], p.grad, atol=ATOL, rtol=0)
-    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call().get().values()
-    for plans in per_rank:  # (each plan the step made: from local modules, then on the mesh)
-        assert plans and all(b >= 1 and done == b for b, done in plans), plans
+    plans = sorted({pid for c in step.cache.values() for pid in c.ids.values()})
+    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call(plans).get().values()
+    for made in per_rank:  # (each plan the step made: from local modules, then on the mesh)
+        assert len(made) == len(plans) and all(b >= 1 and done == b for b, done in made), made
 
 
 def test_a_step_that_returns_nothing_and_two_steps_on_one_model(pm):
