@@ -220,9 +220,9 @@ class ShmGroup:
         output's dtype and, in all, its number of elements), read where they are: a gradient
         bucket without a flat copy first. The same results as ``all_reduce`` of that copy."""
     def all_reduce_pieces(self, tensors: Sequence[Any], op: str = "sum") -> None:
-        """The all-reduce of the concatenation of ``tensors`` (contiguous, one dtype), left in
-        them: a gradient bucket that takes its own result. The same results as
-        ``all_reduce`` of their flat copy."""
+        """The all-reduce of the concatenation of ``tensors`` (contiguous, one dtype, none
+        overlapping another), left in them: a gradient bucket that takes its own result. The
+        same results as ``all_reduce`` of their flat copy."""
     def all_gather(self, tensor: Any) -> Any:
         """The members' tensors stacked along a new dim 0, in rank order."""
     def all_gather_into(self, outputs: Sequence[Any], input: Any) -> None: ...

@@ -471,9 +471,11 @@ def test_a_gradient_bucket_is_all_reduced_in_the_gradients_themselves(pm, width)
     _train_and_check_buckets_in_place(pm.slice(tp=0), width)
 
 
-def test_a_bucket_in_place_over_gloo_goes_through_one_flat_copy():
-    """Without shared memory (gloo) the bucket is reduced in a flat copy and copied back."""
-    dp = md.this_host().spawn_procs({"dp": 2}, env={"MD_SHM": "0"})
+@pytest.mark.parametrize("env", [{"MD_SHM": "0"}, {"MD_SHM_SIZE_LIMIT": "16384"}])
+def test_a_bucket_in_place_over_gloo_goes_through_one_flat_copy(env):
+    """Without shared memory (gloo), or a bucket over its size limit (each gradient under
+    it), the bucket is reduced in a flat copy and copied back."""
+    dp = md.this_host().spawn_procs({"dp": 2}, env=env)
     try:
         _train_and_check_buckets_in_place(dp, 160)
     finally:

@@ -329,6 +329,22 @@ def test_attach_timeout_when_a_member_never_comes():
     assert _leaks() == []
 
 
+def test_overlapping_pieces_of_an_in_place_all_reduce_are_refused():
+    # (a byte in two pieces would be written by one and read again, reduced, by the other)
+    g = shm.core().ShmGroup(_name("overlap"), 0, 1, SMALL, 5.0, 4096)
+    try:
+        x = torch.ones(8)
+        with pytest.raises(ValueError, match="overlap"):
+            g.all_reduce_pieces([x[:5], x[3:]])
+        with pytest.raises(ValueError, match="overlap"):
+            g.all_reduce_pieces([x, x])
+        g.all_reduce_pieces([x[:4], x[4:]])  # (side by side: fine)
+        assert torch.equal(x, torch.ones(8))
+    finally:
+        g.close()
+    assert _leaks() == []
+
+
 @pytest.mark.procs
 def test_no_leak_and_a_clear_error_after_sigkill():
     ctx = mp.get_context("spawn")

@@ -202,6 +202,30 @@ def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
     assert held.peak_memory[0] == waited.peak_memory[0] == (192 + 128 + 128) * kib + 4
 
 
+def test_an_all_reduce_of_a_view_or_of_another_all_reduce_s_result_keeps_its_buffer():
+    """The runtime reduces in place only tensors that are their storage's whole and alone on
+    it (but a compute step's own kept buffer): not a piece of a split, not the result of an
+    earlier all-reduce (its buffer holds it). Each such all-reduce keeps its buffer."""
+    f = "float32"
+    kib = 1024
+    c = dict(dims=(0,), dtype=f)
+    big, half = ((256, 128), f), ((128, 128), f)  # 128 KiB, 64 KiB
+    steps = [
+        isa.Compute(name="aten.mul.Tensor", args=(Slot(0), 2.0), outs=(1,)),
+        isa.AllReduce(args=(Slot(1),), outs=(2,), shapes=((256, 128),), **c),  # 1 lives on
+        isa.AllReduce(args=(Slot(2),), outs=(3,), frees=(2,), shapes=((256, 128),), **c),
+        isa.Compute(name="aten.split.Tensor", args=(Slot(1), 128), outs=(4, 5), frees=(1,)),
+        isa.AllReduce(args=(Slot(5),), outs=(6,), frees=(4, 5), shapes=((128, 128),), **c),
+        isa.Compute(name="aten.add.Tensor", args=(Slot(3), 1.0), outs=(7,), frees=(3,)),
+        isa.Compute(name="aten.sum.default", args=(Slot(6),), outs=(8,), frees=(6,)),
+    ]
+    types = [big, big, big, big, half, half, half, big, ((), f)]
+    program = _program(steps, 9, (0,), (7, 8), types, sizes=(2,))
+    report = simulate_program(program, types, "cpu-local", held=())
+    # x, and the three all-reduces' buffers (mul's result is over 64 KiB: not kept)
+    assert report.resident_memory[0] == (128 + 128 + 128 + 64) * kib
+
+
 def test_a_call_s_arguments_are_not_resident():
     """resident_memory is what stays between calls: not the call's own arguments."""
     model = nn.Linear(256, 256, bias=False)

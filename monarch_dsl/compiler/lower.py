@@ -50,7 +50,7 @@ _SIZE_ARG = {
 # Views lowered as ``reshape``: the same view where the argument's strides allow it, else a
 # copy. A traced view is legal for the strides its argument had while tracing; on a rank, the
 # argument can be laid out otherwise when the plan changed what produced it -- a collective's
-# result is contiguous where the traced value was a transposed view, and an op such as CPU
+# result can be contiguous where the traced value was a transposed view, and an op such as CPU
 # attention lays its result out after its inputs. nn.MultiheadAttention's
 # ``permute(2, 0, 1, 3).contiguous().view(...)`` is traced without the ``contiguous`` (a no-op
 # there) and its ``view`` failed on the workers.

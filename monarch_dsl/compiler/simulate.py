@@ -492,7 +492,7 @@ class _Memory:
         self.peak = 0
         self.kept: dict[int, int] = {}
         self.pending: dict[int, list[int]] = {}
-        self.made_by: dict[int, int] = {}  # slot -> the step that wrote it
+        self.made_by: dict[int, int] = {}  # slot -> the compute step that wrote it
         self.reduced_in_place: set[int] = set()  # all-reduce steps whose arguments took it
         self._holders = -(1 << 40)  # ids of hold()'s references, below the kept buffers'
 
@@ -564,7 +564,7 @@ def _reduces_in_place(step: isa.AllReduce, types: Sequence[SlotType], mem: _Memo
     """Whether the runtime leaves an all-reduce's result in its arguments (cpp/program.cpp's
     ``reduces_in_place``, the same rule): each argument dies at the step, is used once, is
     the only slot on its storage (but for the buffer the runtime keeps for the step that wrote
-    it, when it is that step's result itself) and covers all of it; one dtype. (On a backend
+    it, when it is that compute step's result itself) and covers all of it; one dtype. (On a backend
     other than shared memory a bucket of several tensors is reduced through a flat copy for
     the time of the collective, which this does not count.)"""
     args = isa.leaves(step.args, Slot)
@@ -591,12 +591,12 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
     if isinstance(step, isa.AllReduce) and _reduces_in_place(step, types, mem):
         for o, a in zip(step.outs, isa.leaves(step.args, Slot)):
             mem.alias(o, a.index)
-            mem.made_by[o] = k
         mem.reduced_in_place.add(k)
         mem.mark()
         return
-    for o in step.outs:
-        mem.made_by[o] = k
+    if isinstance(step, isa.Compute):
+        for o in step.outs:
+            mem.made_by[o] = k
     if isinstance(step, isa.Compute):
         base, inplace = base_name(step.name) if "." in step.name else (step.name, False)
         if inplace and base.startswith(FOREACH) and step.args:
@@ -611,8 +611,11 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
         at = _in_place_arg(step, types, mem) if kept is None else None
         if first and (inplace or base in ALIASING) or at is not None:
             mem.alias(step.outs[0], first[0].index)
-            for o in step.outs[1:]:
-                mem.new(o, nbytes(types[o]))
+            for o in step.outs[1:]:  # (split's, unbind's: views too)
+                if base in ALIASING:
+                    mem.alias(o, first[0].index)
+                else:
+                    mem.new(o, nbytes(types[o]))
             mem.mark()
             return
     if kept is not None:

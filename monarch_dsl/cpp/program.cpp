@@ -73,9 +73,8 @@ struct CommStep {
   at::ScalarType dtype = at::kFloat;
   bool async = false;  // not on "main": started now, waited for at a result's first use
   // all_reduce: the compute step that made each argument (-1: none; it may keep the argument
-  // as its buffer), and how many runs reduced in place (no result buffer).
+  // as its buffer).
   std::vector<int64_t> producers;
-  int64_t in_place_runs = 0;
   // all_reduce: result buffers (a gradient bucket's flat tensor) of earlier runs, written
   // again when nothing else holds them. A fresh multi-MiB buffer per run is a fresh mapping
   // from the allocator, every page of it faulted in by the all-reduce: with 8 x Linear(1024)
@@ -625,6 +624,12 @@ class CompiledPlan {
   // keeps for the next run) and covers that storage exactly, densely (in any layout: the
   // reduction is elementwise, and every rank lays the bucket out alike); one dtype.
   // compiler/simulate.py:_reduces_in_place is the same rule on the simulator's memory.
+  // Whether `t` is laid out densely over all of its storage, from its start (any strides).
+  static bool covers_storage(const at::Tensor& t) {
+    return t.defined() && t.storage_offset() == 0 && t.is_non_overlapping_and_dense() &&
+           t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
+  }
+
   bool reduces_in_place(const CommStep& c, const std::vector<at::Tensor>& tensors) const {
     if (tensors.empty() || tensors.size() != c.args.size() || c.outs.size() != c.args.size())
       return false;
@@ -641,9 +646,7 @@ class CompiledPlan {
       if (made_by >= 0 && steps_[made_by] && steps_[made_by]->buffer.defined() &&
           steps_[made_by]->buffer.is_same(t))
         ++holders;
-      if (t.use_count() != holders || t.storage().use_count() != 1 || t.storage_offset() != 0 ||
-          !t.is_non_overlapping_and_dense() ||
-          t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size())
+      if (t.use_count() != holders || t.storage().use_count() != 1 || !covers_storage(t))
         return false;
     }
     return true;
@@ -690,45 +693,44 @@ class CompiledPlan {
         std::vector<at::Tensor> flat;
         for (const auto& t : tensors) flat.push_back(t.as_strided({t.numel()}, {1}, 0));
         md::Finish reduced = md::all_reduce_pieces(*c.comm, std::move(flat), c.reduce, n);
-        ++c.in_place_runs;
         ++reduced_in_place_;
+        c.buffers = {};  // (a run that could not left them: none is needed any more)
         finish = [&values, outs = c.outs, tensors, reduced]() {
           reduced();
           for (size_t i = 0; i < outs.size(); ++i) values.at(outs[i]) = tensors[i];
         };
       } else {
-        // One result buffer (the bucket's flat tensor; one tensor keeps its shape), filled by
-        // the all-reduce from the tensors where they are (shared memory reads them directly).
+        // One result buffer (the bucket's flat tensor), filled by the all-reduce from the
+        // tensors where they are (shared memory reads them directly). A tensor that covers its
+        // storage densely goes in as that storage's run, as reduces_in_place takes it: a rank
+        // that could not reduce in place lays the bucket out as its peers that could.
         bool one_dtype = true;
         int64_t numel = 0;
         std::vector<at::Tensor> pieces;
+        std::vector<bool> as_stored;
         for (auto& t : tensors) {
           one_dtype = one_dtype && t.scalar_type() == tensors[0].scalar_type();
           numel += t.numel();
-          pieces.push_back(t.contiguous());
+          as_stored.push_back(covers_storage(t));
+          pieces.push_back(as_stored.back() ? t.as_strided({t.numel()}, {1}, 0)
+                                            : t.contiguous().view({-1}));
         }
         md::Finish reduced;
-        if (tensors.size() == 1) {
-          at::Tensor flat = result_buffer(c, tensors[0].sizes(), tensors[0].options());
-          reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
-        } else if (one_dtype && !tensors.empty()) {
+        if (one_dtype && !tensors.empty()) {
           at::Tensor flat = result_buffer(c, {numel}, tensors[0].options());
           reduced = md::all_reduce_into(*c.comm, flat, std::move(pieces), c.reduce, n);
         } else {  // (cat's type promotion)
           for (auto& p : pieces) p = p.reshape(-1);
           reduced = md::all_reduce(*c.comm, at::cat(pieces), c.reduce, n);
         }
-        finish = [&values, outs = c.outs, tensors, reduced]() {
+        finish = [&values, outs = c.outs, tensors, as_stored, reduced]() {
           at::Tensor flat = reduced();
-          if (tensors.size() == 1) {
-            values.at(outs.at(0)) = flat;
-            return;
-          }
           int64_t offset = 0;
           for (size_t i = 0; i < outs.size() && i < tensors.size(); ++i) {
-            const int64_t numel = tensors[i].numel();
-            values.at(outs[i]) = flat.slice(0, offset, offset + numel).view(tensors[i].sizes());
-            offset += numel;
+            const at::Tensor& t = tensors[i];
+            values.at(outs[i]) = as_stored[i] ? flat.as_strided(t.sizes(), t.strides(), offset)
+                                              : flat.narrow(0, offset, t.numel()).view(t.sizes());
+            offset += t.numel();
           }
         };
       }

@@ -346,6 +346,16 @@ class ShmGroup {
     if (pieces.empty()) throw std::invalid_argument("shm all_reduce: no tensors");
     const auto dtype = pieces[0].scalar_type();
     const Concat both = concat(pieces, dtype, "all_reduce's tensors");
+    // (a byte in two pieces would be written by one and read again, reduced, by the other)
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+    for (const auto& p : pieces) {
+      const auto at = reinterpret_cast<uintptr_t>(p.data_ptr());
+      if (p.numel() > 0) spans.emplace_back(at, at + p.numel() * p.element_size());
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i)
+      if (spans[i].first < spans[i - 1].second)
+        throw std::invalid_argument("shm all_reduce: the tensors overlap in memory");
     reduce_concat(both, both, dtype, pieces[0].element_size(), op_name);
   }
 
@@ -875,8 +885,12 @@ class ShmComm : public md::Comm {
   md::Wait start_all_reduce_pieces(std::vector<at::Tensor>& pieces,
                                    const std::string& op) override {
     bool ok = !pieces.empty() && (op != "avg" || pieces[0].is_floating_point());
-    for (const auto& p : pieces) ok = ok && fits(p) && p.scalar_type() == pieces[0].scalar_type();
-    if (!ok) return md::Comm::start_all_reduce_pieces(pieces, op);
+    int64_t bytes = 0;  // (the bucket's, against the size limit: as all_reduce_into's output)
+    for (const auto& p : pieces) {
+      ok = ok && fits(p) && p.scalar_type() == pieces[0].scalar_type();
+      bytes += p.numel() * p.element_size();
+    }
+    if (!ok || bytes > size_limit_) return md::Comm::start_all_reduce_pieces(pieces, op);
     shm_->all_reduce_pieces(pieces, op);
     return {};
   }
