@@ -46,7 +46,8 @@ Everything is measured on real local workers, through the runtime the steps use:
   runtime gives plan collectives on this host (``Executor.process_group``: shared memory,
   ``runtime/shm.py``) and on that group's gloo group (what the runtime falls back to, and
   what another host uses), alternating, after a barrier; an all-reduce is a bucket of
-  ``BUCKET_PIECES`` tensors, as data-parallel steps reduce gradients. One repetition's time is
+  ``BUCKET_PIECES`` tensors, as data-parallel steps reduce gradients (each its own tensor,
+  dying at the step: reduced in place, as a step's gradients are). One repetition's time is
   the slowest rank's, and the median over repetitions is kept. Alpha (seconds per round) and
   beta (bytes/s per rank) are fitted by least squares of the relative error over the
   simulator's model, ``alpha * rounds + traffic / beta`` (``compiler/simulate.py:traffic``),
@@ -434,9 +435,14 @@ class Probe(Actor):
         if kind == "all_reduce":  # a gradient bucket: BUCKET_PIECES tensors, reduced as one
             pieces = BUCKET_PIECES if numel >= BUCKET_PIECES else 1
             part = numel // pieces
+            # (slots: the set's pieces, their copies made in C++, the results. The copies die
+            # at the step and nothing else holds them: it reduces them in place, as a training
+            # step's gradients -- cpp/program.cpp reduces_in_place. A tensor Python has held
+            # keeps a reference there.)
             step: Any = isa.AllReduce(
-                args=tuple(Slot(k) for k in range(pieces)),
-                outs=tuple(range(pieces, 2 * pieces)),
+                args=tuple(Slot(pieces + k) for k in range(pieces)),
+                outs=tuple(range(2 * pieces, 3 * pieces)),
+                frees=tuple(range(pieces, 2 * pieces)),
                 shapes=((part,),) * pieces,
                 **common,
             )
@@ -465,23 +471,39 @@ class Probe(Actor):
         else:
             raise ValueError(f"unknown collective {kind!r}")
         inputs = [x] + [x.clone() for _ in range(operand_sets(x.nbytes, span) - 1)]
-        slots = 2 * pieces if kind == "all_reduce" else 2
+        before: list[Any] = [None] * pieces if kind == "all_reduce" else []
+        copies = None
+        if kind == "all_reduce":
+            from monarch_dsl.compiler.simulate import PLANNED_BYTES
+
+            copy = [
+                isa.Compute(name="aten.clone.default", args=(Slot(k),), outs=(pieces + k,))
+                for k in range(pieces)
+            ]
+            copies = core.CompiledPlan(copy, Slot)
+        slots = 3 * pieces if kind == "all_reduce" else 2
         program = isa.Program(kind, ("r",), (n,), (step,), slots, (0,), (), (), ())
-        compiled = core.CompiledPlan([None], Slot)
+        compiled = core.CompiledPlan([*before, None], Slot)
         compiled.set_comm(
-            0, step, group=g, index=index, size=n, peer=peer, async_=False, slot_type=Slot
-        )
+            len(before), step, group=g, index=index, size=n, peer=peer, async_=False,
+            slot_type=Slot,
+        )  # fmt: skip
         times = []
         for i in range(reps + 2):
             env = core.Env(program.n_slots)
             for k, piece in enumerate(inputs[i % len(inputs)].chunk(pieces)):
                 env[k] = piece
+            if copies is not None and copies.run(env, 0, pieces) != -1:
+                raise RuntimeError(f"{kind} on {backend}: {copies.last_error()}")
             self._barrier()
             start = time.perf_counter()
             failed = compiled.run_plan(env, ex.device, False)
             seconds = time.perf_counter() - start
             if failed != -1:
                 raise RuntimeError(f"{kind} on {backend}: {compiled.last_error()}")
+            # (pieces up to PLANNED_BYTES are the copying steps' kept buffers: those are held)
+            if copies is not None and part * 4 > PLANNED_BYTES and compiled.reduced_in_place() != 1:
+                raise RuntimeError(f"{kind} on {backend}: the bucket was not reduced in place")
             if i >= 2:
                 times.append(seconds)
         return times

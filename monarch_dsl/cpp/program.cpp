@@ -75,8 +75,9 @@ struct CommStep {
   // all_reduce: the compute step that made each argument (-1: none; it may keep the argument
   // as its buffer).
   std::vector<int64_t> producers;
-  // all_reduce: result buffers (a gradient bucket's flat tensor) of earlier runs, written
-  // again when nothing else holds them. A fresh multi-MiB buffer per run is a fresh mapping
+  // all_reduce, when its tensors cannot take the result (reduces_in_place): result buffers
+  // (a gradient bucket's flat tensor) of earlier runs, written again when nothing else holds
+  // them. A fresh multi-MiB buffer per run is a fresh mapping
   // from the allocator, every page of it faulted in by the all-reduce: with 8 x Linear(1024)
   // on 2 ranks that was ~2,600 page faults and ~8 ms of kernel time per step. torch DDP keeps
   // its buckets for the same reason. (The controller deletes the state a run replaces before
@@ -618,18 +619,19 @@ class CompiledPlan {
     return slot;
   }
 
-  // Whether all-reduce `c` can leave its result in its arguments `tensors` (no result
-  // buffer, and every write to a line the rank has just read): each argument dies at the
-  // step, is used once, is the only tensor on its storage (but for the buffer its producer
-  // keeps for the next run) and covers that storage exactly, densely (in any layout: the
-  // reduction is elementwise, and every rank lays the bucket out alike); one dtype.
-  // compiler/simulate.py:_reduces_in_place is the same rule on the simulator's memory.
   // Whether `t` is laid out densely over all of its storage, from its start (any strides).
   static bool covers_storage(const at::Tensor& t) {
     return t.defined() && t.storage_offset() == 0 && t.is_non_overlapping_and_dense() &&
            t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
   }
 
+  // Whether all-reduce `c` can leave its result in its arguments `tensors` (no result
+  // buffer, and every write to a line the rank has just read): each argument dies at the
+  // step, is used once, is the only tensor on its storage (but for the buffer its producer
+  // keeps for the next run) and covers that storage exactly, densely (in any layout: the
+  // reduction is elementwise, and every rank lays the bucket out alike); one dtype. (A
+  // tensor that Python has held keeps a reference here: a plan's own results qualify.)
+  // compiler/simulate.py:_reduces_in_place is the same rule on the simulator's memory.
   bool reduces_in_place(const CommStep& c, const std::vector<at::Tensor>& tensors) const {
     if (tensors.empty() || tensors.size() != c.args.size() || c.outs.size() != c.args.size())
       return false;
