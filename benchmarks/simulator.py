@@ -77,7 +77,10 @@ The machine's drift: before each run, both workers time one shape of the profile
 (``PROBE``, as calibration measured it: every rank at once, through operand sets) and the run
 prints that time over the profile's (``speed probe``). On a shared host this moves by tens of
 percent within minutes, and every compute-bound case moves with it; the errors are not
-corrected by it, it says how far the machine was from the one the profile measured.
+corrected by it, it says how far the machine was from the one the profile measured. The
+``bandwidth probe`` does the same for memory-bound work (``a + b`` of ``ADD_PROBE`` float32
+elements per operand, against the profile's bandwidth curve): the shared-memory all-reduces and
+the eager cases' small ops move with the memory system, which drifts apart from the cores.
 ``--calibrate`` measures the machine first, in the same run (``monarch-dsl calibrate``'s
 measurement, about 3 minutes; not saved), so the profile is the machine as it was minutes
 ago rather than hours. On this 2-core machine that helped once and not the next time: a
@@ -374,6 +377,28 @@ def probe_matmul():
     return torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
 
 
+ADD_PROBE = 4 << 20  # float32 elements of each operand of the bandwidth probe's a + b (16 MiB)
+
+
+@md.remote(propagate=lambda: torch.empty(1, dtype=torch.float64, device="meta"))
+def probe_add():
+    """Seconds per float32 ``a + b`` of ``ADD_PROBE`` elements on this worker (median of 5 runs
+    of 10, cycling through operand sets as calibration's bandwidth curve does)."""
+    from monarch_dsl.calibrate import cache_span, operand_sets
+
+    sets = operand_sets(8 * ADD_PROBE, cache_span())
+    operands = [(torch.rand(ADD_PROBE), torch.rand(ADD_PROBE)) for _ in range(sets)]
+    out = torch.empty(ADD_PROBE)
+    runs = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for i in range(10):
+            a, b = operands[i % sets]
+            torch.add(a, b, out=out)
+        runs.append((time.perf_counter() - t0) / 10)
+    return torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
+
+
 def speed_probe(pm, profile) -> float | None:
     """The probe's time on the slower worker (both at once) over the profile's for that shape
     (None where the profile has no grid)."""
@@ -385,6 +410,18 @@ def speed_probe(pm, profile) -> float | None:
         t = probe_matmul()
         measured = max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
     return measured / (modelled + profile.dispatch_overhead)
+
+
+def bandwidth_probe(pm, profile) -> float:
+    """The bandwidth probe's time on the slower worker (both at once) over the profile's
+    (its bandwidth curve at the bytes moved): memory-bound work, and shared-memory
+    collectives, drift apart from the matmul probe's compute."""
+    moved = 3 * 4 * ADD_PROBE
+    modelled = moved / profile.bandwidth(moved) + profile.dispatch_overhead
+    with pm.activate():
+        t = probe_add()
+        measured = max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
+    return measured / modelled
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -553,6 +590,7 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in predicted}
     memory: dict[str, tuple] = {}
     speeds: list[float] = []
+    bandwidths: list[float] = []
     try:
         for run in range(opts.runs):
             speed = speed_probe(pm, profile)
@@ -560,6 +598,9 @@ def main() -> None:
                 speeds.append(speed)
                 print(f"  run {run + 1}: speed probe: a {'x'.join(map(str, PROBE))} matmul took "
                       f"{speed:.2f}x the profile's time", file=sys.stderr, flush=True)  # fmt: skip
+            bandwidths.append(bandwidth_probe(pm, profile))
+            print(f"  run {run + 1}: bandwidth probe: a + b of {ADD_PROBE >> 18} MiB took "
+                  f"{bandwidths[-1]:.2f}x the profile's time", file=sys.stderr)  # fmt: skip
             for name, fn in eager.items():
                 times[name].append(measure_eager(pm, fn, opts.blocks, steps))
             for case in cases:
@@ -608,6 +649,9 @@ def main() -> None:
     if speeds:
         print(f"speed probe (the machine's drift since calibration): a {'x'.join(map(str, PROBE))} "
               f"matmul took {min(speeds):.2f}-{max(speeds):.2f}x the profile's time")  # fmt: skip
+    if bandwidths:
+        print(f"bandwidth probe (memory-bound work's drift): a + b of {ADD_PROBE >> 18} MiB "
+              f"took {min(bandwidths):.2f}-{max(bandwidths):.2f}x the profile's time")  # fmt: skip
     if mem_errors:
         print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip
