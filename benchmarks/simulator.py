@@ -367,13 +367,18 @@ def probe_matmul():
     sets = operand_sets(4 * (m * k + k * n), cache_span())
     operands = [(torch.randn(m, k), torch.randn(k, n)) for _ in range(sets)]
     out = torch.empty(m, n)
+    return _per_call(lambda i: torch.mm(*operands[i % sets], out=out), 20)
+
+
+def _per_call(call: Callable[[int], object], calls: int) -> torch.Tensor:
+    """Seconds per ``call(i)`` (i = 0, 1, ...): the median of 5 runs of ``calls``, after one
+    more to warm up."""
     runs = []
     for _ in range(6):
         t0 = time.perf_counter()
-        for i in range(20):
-            a, b = operands[i % sets]
-            torch.mm(a, b, out=out)
-        runs.append((time.perf_counter() - t0) / 20)
+        for i in range(calls):
+            call(i)
+        runs.append((time.perf_counter() - t0) / calls)
     return torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
 
 
@@ -389,14 +394,7 @@ def probe_add():
     sets = operand_sets(8 * ADD_PROBE, cache_span())
     operands = [(torch.rand(ADD_PROBE), torch.rand(ADD_PROBE)) for _ in range(sets)]
     out = torch.empty(ADD_PROBE)
-    runs = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        for i in range(10):
-            a, b = operands[i % sets]
-            torch.add(a, b, out=out)
-        runs.append((time.perf_counter() - t0) / 10)
-    return torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
+    return _per_call(lambda i: torch.add(*operands[i % sets], out=out), 10)
 
 
 def speed_probe(pm, profile) -> float | None:
