@@ -563,10 +563,10 @@ def _in_place_arg(step: isa.Compute, types: Sequence[SlotType], mem: _Memory) ->
 def _reduces_in_place(step: isa.AllReduce, types: Sequence[SlotType], mem: _Memory) -> bool:
     """Whether the runtime leaves an all-reduce's result in its arguments (cpp/program.cpp's
     ``reduces_in_place``, the same rule): each argument dies at the step, is used once, is
-    the only slot on its storage (but for the buffer the runtime keeps for the step that wrote
-    it, when it is that compute step's result itself) and covers all of it; one dtype. (On a backend
-    other than shared memory a bucket of several tensors is reduced through a flat copy for
-    the time of the collective, which this does not count.)"""
+    the only slot on its storage (but for the buffer the runtime keeps for the compute step
+    that wrote it, when it is that step's result itself) and covers all of it; one dtype. (On
+    a backend other than shared memory a bucket of several tensors is reduced through a flat
+    copy for the time of the collective, which this does not count.)"""
     args = isa.leaves(step.args, Slot)
     if not args or len(args) != len(step.args) or len(args) != len(step.outs):
         return False
@@ -597,7 +597,6 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
     if isinstance(step, isa.Compute):
         for o in step.outs:
             mem.made_by[o] = k
-    if isinstance(step, isa.Compute):
         base, inplace = base_name(step.name) if "." in step.name else (step.name, False)
         if inplace and base.startswith(FOREACH) and step.args:
             targets = [s.index for s in isa.leaves(step.args[0], Slot)]
