@@ -825,4 +825,9 @@ def test_a_ddp_training_loop_runs_on_the_simulator_with_its_buckets_on_the_comms
     buckets = _busy(sim, "comm", stream="comms")
     assert buckets and {e.rank for e in buckets} == {0, 1}
     assert {e.name for e in buckets} == {"all_reduce"}
-    assert sim.summary().peak_memory[0] > 0
+    report = sim.summary()
+    assert report.peak_memory[0] > 0
+    # print(report): its totals in a line, not its events
+    text = str(report)
+    assert text.startswith("SimReport: step ") and "SimEvent" not in text
+    assert f"{len(report.events)} events" in text and len(text) < 300

@@ -142,6 +142,22 @@ class SimReport:
             json.dump(self.trace(), f)
         return os.fspath(path)
 
+    def totals(self) -> str:
+        """One line: the step time, compute, communication (exposed), the peak memory of the
+        busiest rank and the profile."""
+        ms = 1e3
+        peak = max(self.peak_memory.values(), default=None)  # (none measured)
+        return (
+            f"step {self.step_time * ms:.3f} ms, compute {self.compute_time * ms:.3f} ms, "
+            f"comm {self.comm_time * ms:.3f} ms (exposed {self.exposed_comm_time * ms:.3f} ms)"
+            + (f", peak memory {peak / 2**20:.2f} MiB" if peak is not None else "")
+            + (f", profile {self.profile}" if self.profile else "")
+        )
+
+    def __str__(self) -> str:
+        # (print(report): the totals, not every event -- repr() keeps them all)
+        return f"SimReport: {self.totals()}; {len(self.events)} events (display() shows them)"
+
     def timeline(self, width: int = 72) -> str:
         """The terminal timeline: a row of ``width`` cells per rank and stream
         (``compiler/timeline.py``)."""
@@ -155,16 +171,8 @@ class SimReport:
         matplotlib, else said and skipped). ``path=None`` writes no files. Returns the paths
         written, by kind (``"trace"``, ``"png"``)."""
         out = sys.stdout if file is None else file
-        ms = 1e3
         print(self.timeline(width), file=out)
-        peak = max(self.peak_memory.values(), default=None)  # (none measured)
-        print(
-            f"step {self.step_time * ms:.3f} ms, compute {self.compute_time * ms:.3f} ms, "
-            f"comm {self.comm_time * ms:.3f} ms (exposed {self.exposed_comm_time * ms:.3f} ms)"
-            + (f", peak memory {peak / 2**20:.2f} MiB" if peak is not None else "")
-            + (f", profile {self.profile}" if self.profile else ""),
-            file=out,
-        )
+        print(self.totals(), file=out)
         if path is None:
             return {}
         written = {"trace": self.save_trace(f"{os.fspath(path)}.json")}
