@@ -404,10 +404,14 @@ def speed_probe(pm, profile) -> float | None:
     modelled = profile.matmul_seconds(m, k, n, "float32")
     if modelled is None:
         return None
+    return _slowest(pm, probe_matmul) / (modelled + profile.dispatch_overhead)
+
+
+def _slowest(pm, probe) -> float:
+    """A probe's seconds on the slower worker, both running it at once."""
     with pm.activate():
-        t = probe_matmul()
-        measured = max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
-    return measured / (modelled + profile.dispatch_overhead)
+        t = probe()
+        return max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
 
 
 def bandwidth_probe(pm, profile) -> float:
@@ -416,10 +420,7 @@ def bandwidth_probe(pm, profile) -> float:
     collectives, drift apart from the matmul probe's compute."""
     moved = 3 * 4 * ADD_PROBE
     modelled = moved / profile.bandwidth(moved) + profile.dispatch_overhead
-    with pm.activate():
-        t = probe_add()
-        measured = max(md.inspect(t, x=r).item() for r in range(pm.sizes["x"]))
-    return measured / modelled
+    return _slowest(pm, probe_add) / modelled
 
 
 # ---- measuring ---------------------------------------------------------------------------------

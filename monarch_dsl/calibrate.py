@@ -88,7 +88,7 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path
-from monarch_dsl.compiler.simulate import traffic
+from monarch_dsl.compiler.simulate import PLANNED_BYTES, traffic
 from monarch_dsl.runtime.memory import size_text as _size
 
 # ---- what is measured ----------------------------------------------------------------------
@@ -432,6 +432,8 @@ class Probe(Actor):
         common = dict(dims=(0,), dtype="float32")
         peer = -1
         pieces = 1
+        before: list[Any] = []  # the collective plan's steps before it (None: run by copies)
+        copies = None  # the steps making the all-reduce's arguments
         if kind == "all_reduce":  # a gradient bucket: BUCKET_PIECES tensors, reduced as one
             pieces = BUCKET_PIECES if numel >= BUCKET_PIECES else 1
             part = numel // pieces
@@ -447,6 +449,12 @@ class Probe(Actor):
                 **common,
             )
             x = torch.ones(part * pieces)
+            copy = [
+                isa.Compute(name="aten.clone.default", args=(Slot(k),), outs=(pieces + k,))
+                for k in range(pieces)
+            ]
+            copies = core.CompiledPlan(copy, Slot)
+            before = [None] * pieces
         elif kind == "all_gather":
             part = max(1, numel // n)
             step = isa.AllGather(args=(Slot(0),), outs=(1,), shapes=((part,),), **common)
@@ -471,16 +479,6 @@ class Probe(Actor):
         else:
             raise ValueError(f"unknown collective {kind!r}")
         inputs = [x] + [x.clone() for _ in range(operand_sets(x.nbytes, span) - 1)]
-        before: list[Any] = [None] * pieces if kind == "all_reduce" else []
-        copies = None
-        if kind == "all_reduce":
-            from monarch_dsl.compiler.simulate import PLANNED_BYTES
-
-            copy = [
-                isa.Compute(name="aten.clone.default", args=(Slot(k),), outs=(pieces + k,))
-                for k in range(pieces)
-            ]
-            copies = core.CompiledPlan(copy, Slot)
         slots = 3 * pieces if kind == "all_reduce" else 2
         program = isa.Program(kind, ("r",), (n,), (step,), slots, (0,), (), (), ())
         compiled = core.CompiledPlan([*before, None], Slot)

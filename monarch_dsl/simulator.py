@@ -197,10 +197,8 @@ class _SimEngine(Engine):
         else:
             node = torch._C._current_autograd_node()
             key = None if node is None else (task, node._sequence_nr(), node.name())
-            first = key is not None and key != self._last_node.get(thread)
-            if first and isinstance(ins, FREE):  # (the node's first costed one is charged)
-                first = False
-            elif not isinstance(ins, FREE):
+            if not isinstance(ins, FREE):  # (the node's first costed one is charged)
+                first = key is not None and key != self._last_node.get(thread)
                 self._last_node[thread] = key
         self.job.issued[id(ins)] = Issued(thread, task != -1, first)
         super().append(mesh, ins)

@@ -605,7 +605,7 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
     if isinstance(step, isa.Compute):
         for o in step.outs:
             mem.made_by[o] = k
-        base, inplace = base_name(step.name) if "." in step.name else (step.name, False)
+        base, inplace = base_name(step.name)
         if inplace and base.startswith(FOREACH) and step.args:
             targets = [s.index for s in isa.leaves(step.args[0], Slot)]
             for o, t in zip(step.outs, targets):
