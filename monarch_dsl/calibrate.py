@@ -269,18 +269,25 @@ def operand_sets(set_bytes: int, span: int) -> int:
     return max(1, min(OPERAND_SETS, span // max(1, set_bytes)))
 
 
-def cache_span() -> int:
-    """Twice the last-level cache (Linux sysfs), else 64 MiB."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
+def cache_span(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Twice the last-level cache (Linux sysfs: the largest of ``base``'s ``index*/size``),
+    else 64 MiB. Other entries there (``uevent``) and unreadable ones are skipped, so the
+    answer does not depend on the order the directory lists them in."""
     best = 0
     try:
-        for index in os.listdir(base):
+        entries = os.listdir(base)
+    except OSError:
+        entries = []
+    for index in entries:
+        if not index.startswith("index"):
+            continue
+        try:
             with open(os.path.join(base, index, "size")) as f:
                 text = f.read().strip().upper()
             mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
             best = max(best, int(text.rstrip("KMG")) * mult)
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
     return 2 * best if best else 64 << 20
 
 

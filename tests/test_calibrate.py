@@ -747,3 +747,15 @@ def test_the_local_argument_calls_send_local_tensors_of_their_size(monkeypatch):
         pm.stop()
     for nbytes in calibrate.LOCAL_ARG_BYTES:  # warm-up and 2 timed calls each
         assert sent.count(nbytes) == 3, (nbytes, sent)
+
+
+def test_cache_span_reads_the_largest_cache_whatever_order_sysfs_lists_its_entries_in(tmp_path):
+    # A sysfs cache directory holds `uevent` beside the `index*` directories; os.listdir may
+    # list it first. It was read as a cache and the whole lookup fell back to 64 MiB.
+    for name, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    (tmp_path / "index1").mkdir()  # no size file: skipped, not the end of the lookup
+    assert calibrate.cache_span(str(tmp_path)) == 2 * 307200 * 1024
+    assert calibrate.cache_span(str(tmp_path / "missing")) == 64 << 20
