@@ -65,6 +65,9 @@ class CompiledPlan:
         """How many all-reduces of the last ``run_plan`` left their result in their own
         tensors (no result buffer): each dies at the step, is used once, is the only tensor
         on its storage (but the buffer of the step that made it) and covers it exactly."""
+    def reduced_shared(self) -> int:
+        """Of those, how many reduced a block of shared memory every rank maps, which the
+        steps making the gradients wrote them into (no copies in or out)."""
     def set_comm(
         self,
         k: int,

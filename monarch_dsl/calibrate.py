@@ -88,7 +88,7 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl.actor import Actor, endpoint
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path
-from monarch_dsl.compiler.simulate import PLANNED_BYTES, traffic
+from monarch_dsl.compiler.simulate import BLOCK_KIND, PLANNED_BYTES, traffic
 from monarch_dsl.runtime.memory import size_text as _size
 
 # ---- what is measured ----------------------------------------------------------------------
@@ -424,7 +424,8 @@ class Probe(Actor):
         """Seconds of each of ``reps`` runs (after two warm-ups) of one ``kind`` step
         (``all_reduce``: a float32 tensor of ``nbytes``; ``all_gather``: an output of
         ``nbytes``; ``reduce_scatter``: an input of ``nbytes``; ``send``: the first rank to
-        the second) on ``backend``, each after a
+        the second; ``BLOCK_KIND``: the all-reduce of a bucket in a block of shared memory,
+        its time from the plan's record of the step) on ``backend``, each after a
         barrier, on the next of ``operand_sets(..., span)`` inputs (a gradient bucket's
         tensors were last touched a while ago)."""
         from monarch_dsl import isa
@@ -441,7 +442,7 @@ class Probe(Actor):
         pieces = 1
         before: list[Any] = []  # the collective plan's steps before it (None: run by copies)
         copies = None  # the steps making the all-reduce's arguments
-        if kind == "all_reduce":  # a gradient bucket: BUCKET_PIECES tensors, reduced as one
+        if kind in ("all_reduce", BLOCK_KIND):  # a bucket: BUCKET_PIECES tensors, as one
             pieces = BUCKET_PIECES if numel >= BUCKET_PIECES else 1
             part = numel // pieces
             # (slots: the set's pieces, their copies made in C++, the results. The copies die
@@ -460,8 +461,15 @@ class Probe(Actor):
                 isa.Compute(name="aten.clone.default", args=(Slot(k),), outs=(pieces + k,))
                 for k in range(pieces)
             ]
-            copies = core.CompiledPlan(copy, Slot)
-            before = [None] * pieces
+            if kind == BLOCK_KIND:
+                # (the copies in the plan itself, as negations, whose out= overload the runtime
+                # writes with (clone's is no kernel of a device): they make the arguments, so
+                # from its third run on they write them into a block of shared memory, which
+                # the all-reduce reduces where it lies -- cpp/program.cpp set_up_block)
+                before = [dataclasses.replace(c, name="aten.neg.default") for c in copy]
+            else:
+                copies = core.CompiledPlan(copy, Slot)
+                before = [None] * pieces
         elif kind == "all_gather":
             part = max(1, numel // n)
             step = isa.AllGather(args=(Slot(0),), outs=(1,), shapes=((part,),), **common)
@@ -486,13 +494,14 @@ class Probe(Actor):
         else:
             raise ValueError(f"unknown collective {kind!r}")
         inputs = [x] + [x.clone() for _ in range(operand_sets(x.nbytes, span) - 1)]
-        slots = 3 * pieces if kind == "all_reduce" else 2
+        slots = 3 * pieces if kind in ("all_reduce", BLOCK_KIND) else 2
         program = isa.Program(kind, ("r",), (n,), (step,), slots, (0,), (), (), ())
         compiled = core.CompiledPlan([*before, None], Slot)
         compiled.set_comm(
             len(before), step, group=g, index=index, size=n, peer=peer, async_=False,
             slot_type=Slot,
         )  # fmt: skip
+        compiled.set_trace(kind == BLOCK_KIND)
         times = []
         for i in range(reps + 2):
             env = core.Env(program.n_slots)
@@ -509,6 +518,10 @@ class Probe(Actor):
             # (pieces up to PLANNED_BYTES are the copying steps' kept buffers: those are held)
             if copies is not None and part * 4 > PLANNED_BYTES and compiled.reduced_in_place() != 1:
                 raise RuntimeError(f"{kind} on {backend}: the bucket was not reduced in place")
+            if kind == BLOCK_KIND:  # (the step alone: not the copies before it)
+                if i >= 2 and compiled.reduced_shared() != 1:
+                    raise RuntimeError(f"{kind} on {backend}: the bucket was not in a block")
+                seconds = sum(e - b for k, what, b, e in compiled.last_trace() if what == 1)
             if i >= 2:
                 times.append(seconds)
         return times
@@ -638,10 +651,11 @@ def _compute_specs(s: Settings) -> list[OpSpec]:
 def _comm_tasks(s: Settings, n: int, backends: Sequence[str]) -> list[tuple[str, str, int]]:
     tasks = []
     kinds = ("all_reduce", "all_gather", "reduce_scatter") + (("send",) if n == 2 else ())
-    for kind in kinds:
+    for kind in (*kinds, BLOCK_KIND):
         for nbytes in s.comm:
             for b in backends:  # alternating, so drift of the machine hits both alike
-                tasks.append((b, kind, nbytes))
+                if kind != BLOCK_KIND or b == "shm":  # (blocks: shared memory's)
+                    tasks.append((b, kind, nbytes))
     return tasks
 
 
@@ -755,7 +769,10 @@ def _measure(
                     if backend in backends:
                         bar.show(label)
                         got = probe.comm.call(backend, kind, nbytes, s.reps, span).get().values()
-                        runs = [max(r[k] for r in got if r) for k in range(s.reps)]
+                        # (the slowest rank's; a block's: the rank that came last -- the
+                        # others' record has their wait for it)
+                        pick = min if kind == BLOCK_KIND else max
+                        runs = [pick(r[k] for r in got if r) for k in range(s.reps)]
                         comm[(backend, n, kind, nbytes)] = statistics.median(runs)
                     bar.step(label)
                 workers_cpu += sum(probe.cpu_seconds.call().get().values())

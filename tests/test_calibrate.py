@@ -21,6 +21,7 @@ from monarch_dsl import calibrate, isa
 from monarch_dsl.__main__ import main
 from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile, Link, calibrated_path, interpolate
 from monarch_dsl.compiler.simulate import (
+    BLOCK_KIND,
     compute_time,
     cpu_bound,
     processor_sharing,
@@ -315,10 +316,11 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert [op for op, _ in p.elementwise] == list(calibrate.QUICK.elementwise)
     assert all(math.isfinite(t) and t > 0 for _, t in p.elementwise), p.elementwise
     assert p.links["shm"] == p.links["shm@2"]
-    # every kind measured beside the fitted all-reduces has its factor, on both backends
-    for key in ("shm@2", "gloo@2"):
+    # every kind measured beside the fitted all-reduces has its factor, on both backends (a
+    # bucket's all-reduce in a block of shared memory: on shared memory only)
+    for key, block in (("shm@2", {BLOCK_KIND}), ("gloo@2", set())):
         factors = dict(p.links[key].factors)
-        assert set(factors) == {"all_gather", "reduce_scatter", "send"}, (key, factors)
+        assert set(factors) == {"all_gather", "reduce_scatter", "send", *block}, (key, factors)
         assert all(math.isfinite(f) and f > 0 for c in factors.values() for _, f in c), factors
     sections = ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  ")
     for section in (*sections, "a reduce (controller_reduce)", "per eager op beyond"):

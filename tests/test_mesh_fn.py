@@ -444,9 +444,10 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
 
 class _Plans(md.Actor):
     @md.endpoint
-    def reduced_in_place(self, plans: list[int]) -> list[tuple[int, int]]:
+    def reduced_in_place(self, plans: list[int]) -> list[tuple[int, int, int]]:
         """Per compiled plan of ``plans`` on this worker: (its all-reduce steps, how many of
-        them its last run did in the tensors they reduce)."""
+        them its last run did in the tensors they reduce, how many of those in a block of
+        shared memory)."""
         from monarch_dsl.runtime import worker
 
         runner = worker.current.executor().plans()
@@ -456,6 +457,7 @@ class _Plans(md.Actor):
                     s is not None and s.kind == "all_reduce" for s in runner.programs[k[0]][0].steps
                 ),
                 c.reduced_in_place(),
+                c.reduced_shared(),
             )
             for k, c in runner.compiled.items()
             if k[0] in plans
@@ -482,17 +484,24 @@ def test_a_bucket_in_place_over_gloo_goes_through_one_flat_copy(env):
         dp.stop()
 
 
-def _train_and_check_buckets_in_place(dp, width: int) -> None:
+def _train_and_check_buckets_in_place(
+    dp, width: int, calls: int = 3, shared: int | None = None
+) -> None:
+    """``calls`` steps of a 2-layer MLP on ``dp`` match one process's, and every plan's last
+    run reduced its bucket in place (``shared``: in a block of shared memory in so many
+    all-reduces, in the last run of the mesh's plan)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 16))
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     step = md.mesh_fn(mse_step(model, opt), data_parallel="dp")
-    batches = _batches(3)
+    batches = _batches(calls)
     with dp.activate():
         losses = [md.inspect(step(x, y)) for x, y in batches]
         got = step.state_dict()
+        if shared is not None:
+            assert _shared_last_run(dp, step) == [shared, shared]
     for (x, y), loss in zip(batches, losses, strict=True):
         torch.testing.assert_close(loss, mse_step(ref, ref_opt)(x, y).detach())
     for name, p in ref.named_parameters():
@@ -501,7 +510,67 @@ def _train_and_check_buckets_in_place(dp, width: int) -> None:
     plans = sorted({pid for c in step.cache.values() for pid in c.ids.values()})
     per_rank = dp.spawn("plans", _Plans).reduced_in_place.call(plans).get().values()
     for made in per_rank:  # (each plan the step made: from local modules, then on the mesh)
-        assert len(made) == len(plans) and all(b >= 1 and done == b for b, done in made), made
+        assert len(made) == len(plans) and all(b >= 1 and done == b for b, done, _ in made), made
+
+
+def _shared_last_run(dp, step) -> list[int]:
+    """Per rank: how many all-reduces the last run of ``step``'s plan on the mesh (its last
+    made) reduced in a block of shared memory."""
+    last = max(pid for c in step.cache.values() for pid in c.ids.values())
+    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call([last]).get().values()
+    return [made[0][2] for made in per_rank]
+
+
+def test_a_gradient_bucket_goes_into_a_block_of_shared_memory_the_ranks_map(pm):
+    """On shared memory, a bucket's gradients are written by the steps that make them into a
+    block every rank maps, from the plan's third run on, and reduced there (no copies in or
+    out of the group's slots); the values stay one process's. A caller that holds the last
+    two calls' gradients holds both halves of the block: that call reduces them in place
+    instead, and the next after they are dropped is in the block again."""
+    dp = pm.slice(tp=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 160), nn.ReLU(), nn.Linear(160, 16))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def train(x, y):
+        loss = mse_step(model, opt)(x, y)
+        return loss, model[0].weight.grad
+
+    step = md.mesh_fn(train, data_parallel="dp")
+    batches = _batches(8)
+    losses, grads = [], []
+    with dp.activate():
+        for x, y in batches[:4]:  # (the mesh's plan: runs 1 to 3)
+            loss, _ = step(x, y)
+            losses.append(md.inspect(loss))
+        assert _shared_last_run(dp, step) == [1, 1]
+        held = [step(x, y) for x, y in batches[4:7]]  # (all three calls' gradients held)
+        losses += [md.inspect(loss) for loss, _ in held]
+        grads = [md.inspect(g) for _, g in held]
+        assert _shared_last_run(dp, step) == [0, 0]  # (both halves held: in place)
+        del held
+        loss, _ = step(*batches[7])
+        losses.append(md.inspect(loss))
+        assert _shared_last_run(dp, step) == [1, 1]
+        got = step.state_dict()
+    for i, ((x, y), loss) in enumerate(zip(batches, losses, strict=True)):
+        torch.testing.assert_close(loss, mse_step(ref, ref_opt)(x, y).detach())
+        if 4 <= i < 7:
+            torch.testing.assert_close(grads[i - 4], ref[0].weight.grad, atol=ATOL, rtol=0)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[f"model.{name}"], p.detach(), atol=ATOL, rtol=0)
+
+
+def test_md_shm_blocks_0_keeps_buckets_out_of_shared_blocks():
+    """``MD_SHM_BLOCKS=0`` on the workers: buckets are reduced in place through the group's
+    slots, with the same values."""
+    dp = md.this_host().spawn_procs({"dp": 2}, env={"MD_SHM_BLOCKS": "0"})
+    try:
+        _train_and_check_buckets_in_place(dp, 160, calls=5, shared=0)
+    finally:
+        dp.stop()
 
 
 def test_a_step_that_returns_nothing_and_two_steps_on_one_model(pm):

@@ -4,6 +4,7 @@ processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -20,8 +21,9 @@ from compiler_helpers import (
 import monarch_dsl as md
 from monarch_dsl import isa
 from monarch_dsl.compiler.compile import compile_step
-from monarch_dsl.compiler.profile import BUILTIN
+from monarch_dsl.compiler.profile import BUILTIN, DeviceProfile
 from monarch_dsl.compiler.simulate import (
+    BLOCK_KIND,
     kept_buffers,
     runs_in_place,
     simulate_program,
@@ -171,11 +173,14 @@ def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
     """A collective off main is started at its step and finished at its result's first use,
     holding its arguments until then; its result goes into the all-reduce buffer the runtime
     keeps -- unless its argument dies at it and nothing else holds it: then the argument takes
-    the result (cpp/program.cpp reduces_in_place), and no buffer is kept."""
+    the result (cpp/program.cpp reduces_in_place), and no buffer is kept. (On a link other
+    than shared memory: there such a bucket goes into a block, below.)"""
     f = "float32"
     big, w = ((256, 128), f), ((128, 128), f)  # 128 KiB, 64 KiB
+    shm = DeviceProfile.get("cpu-local")
+    no_shm = dataclasses.replace(shm, intra_host="gloo")
 
-    def report(stream: str, in_place: bool):
+    def report(stream: str, in_place: bool, profile: DeviceProfile = no_shm):
         c = dict(dims=(0,), shapes=((256, 128),), dtype=f)
         # (not in place: a view of mm's result is alive when the all-reduce starts)
         viewed, dies = (Slot(0), (2,)) if in_place else (Slot(2), (2, 6))
@@ -188,7 +193,7 @@ def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
         ]
         types = [big, w, big, big, big, ((), f), ((256 * 128,), f)]
         program = _program(steps, 7, (0, 1), (4, 5), types, sizes=(2,))
-        return simulate_program(program, types, "cpu-local", held=())
+        return simulate_program(program, types, profile, held=())
 
     kib = 1024
     held, waited = report("comms", False), report("main", False)
@@ -200,6 +205,23 @@ def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
     assert held.resident_memory[0] == waited.resident_memory[0] == (128 + 64) * kib
     # mm's result is the all-reduce's, and lives until sum; mul's beside it
     assert held.peak_memory[0] == waited.peak_memory[0] == (192 + 128 + 128) * kib + 4
+    # Ranks that share memory: mm writes its result into a block of shared memory that the
+    # all-reduce reduces where it lies (cpp/program.cpp set_up_block), kept between calls in
+    # two halves (one holds the last call's result while the caller has it); costed by the
+    # link's factor for such a block's all-reduce (BLOCK_KIND), the all-reduce's without one.
+    link = shm.link(False, 2)
+    halved = dataclasses.replace(link, factors=((BLOCK_KIND, ((1.0, 0.5),)),))
+    fast = dataclasses.replace(shm, links={**shm.links, "shm@2": halved, "shm": halved})
+    plain = dataclasses.replace(link, factors=())
+    slow = dataclasses.replace(shm, links={**shm.links, "shm@2": plain, "shm": plain})
+    in_block, unfactored = report("comms", True, fast), report("comms", True, slow)
+    assert in_block.resident_memory[0] == unfactored.resident_memory[0] == (192 + 256) * kib
+    assert in_block.peak_memory[0] == (448 + 128) * kib + 4  # (mm's result: in the block)
+
+    def comm(r):
+        return [e.end - e.start for e in r.events if e.kind == "comm" and e.rank == 0]
+
+    assert comm(in_block) == [pytest.approx(0.5 * comm(unfactored)[0])]
 
 
 def test_an_all_reduce_of_a_view_or_of_another_all_reduce_s_result_keeps_its_buffer():

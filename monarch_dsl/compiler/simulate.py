@@ -245,6 +245,12 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
     return seconds + profile.dispatch_overhead
 
 
+# A gradient bucket's all-reduce in a block of shared memory every rank maps (cpp/shm.cpp
+# all_reduce_shared): costed by the link's factor for this kind (``Link.factors``, measured by
+# ``monarch-dsl calibrate``), the all-reduce's otherwise.
+BLOCK_KIND = "all_reduce_block"
+
+
 def traffic(kind: str, nbytes: float, n: int) -> tuple[float, int]:
     """What collective ``kind`` (``isa.Comm.kind``) over ``n`` ranks moves per rank and in
     how many rounds, for ``nbytes`` (the whole value's: an all-gather's output, the input of
@@ -252,17 +258,23 @@ def traffic(kind: str, nbytes: float, n: int) -> tuple[float, int]:
     reduce-scatter, all-to-all (n-1)/n in n-1 rounds; send/recv all, in one."""
     if kind in ("send", "recv"):
         return nbytes, 1
-    if kind == "all_reduce":
+    if kind in ("all_reduce", BLOCK_KIND):
         return 2 * (n - 1) / n * nbytes, 2 * (n - 1)
     return (n - 1) / n * nbytes, n - 1
 
 
 def comm_time(
-    step: isa.Comm, types: Sequence[SlotType], n: int, profile: DeviceProfile, cross_host: bool
+    step: isa.Comm,
+    types: Sequence[SlotType],
+    n: int,
+    profile: DeviceProfile,
+    cross_host: bool,
+    kind: str | None = None,
 ) -> float:
     """Alpha-beta time of a communication over ``n`` ranks (``traffic``) on the profile's link
-    for that group size, times the link's measured factor for its kind (``Link.factors``).
-    Local redistributions copy through memory."""
+    for that group size, times the link's measured factor for its kind (``Link.factors``;
+    ``kind``: another than the step's, ``BLOCK_KIND``). Local redistributions copy through
+    memory."""
     ins = sum(nbytes(types[s.index]) for s in isa.leaves(step.args, Slot))
     outs = sum(nbytes(types[o]) for o in step.outs)
     if isinstance(step, (isa.ShardLocal, isa.PartialLocal)):
@@ -272,7 +284,8 @@ def comm_time(
     if n <= 1:
         return profile.dispatch_overhead
     whole = outs if isinstance(step, isa.AllGather) else ins
-    return profile.link(cross_host, n).time(*traffic(step.kind, whole, n), step.kind)
+    kind = kind or step.kind
+    return profile.link(cross_host, n).time(*traffic(kind, whole, n), kind)
 
 
 def steady_step_time(
@@ -502,6 +515,10 @@ class _Memory:
         self.pending: dict[int, list[int]] = {}
         self.made_by: dict[int, int] = {}  # slot -> the compute step that wrote it
         self.reduced_in_place: set[int] = set()  # all-reduce steps whose arguments took it
+        # all-reduce steps reduced in a block (block_all_reduces): step -> its kept storage,
+        # and each compute step writing its result there -> that all-reduce step
+        self.blocks: dict[int, int] = {}
+        self.block_makers: dict[int, int] = {}
         self._holders = -(1 << 40)  # ids of hold()'s references, below the kept buffers'
 
     def new(self, slot: int, size: int) -> None:
@@ -596,6 +613,18 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
     runtime keeps for it (``mem.kept``), else new; a multi-tensor all-reduce's results are
     views of one flat tensor."""
     kept = mem.kept.get(k)
+    if k in mem.blocks:  # (its results: views of the block, as its makers' are)
+        for o in step.outs:
+            mem.alias(o, mem.blocks[k])
+        mem.reduced_in_place.add(k)
+        mem.mark()
+        return
+    if k in mem.block_makers:
+        for o in step.outs:
+            mem.made_by[o] = k
+            mem.alias(o, mem.blocks[mem.block_makers[k]])
+        mem.mark()
+        return
     if isinstance(step, isa.AllReduce) and _reduces_in_place(step, types, mem):
         for o, a in zip(step.outs, isa.leaves(step.args, Slot)):
             mem.alias(o, a.index)
@@ -704,11 +733,14 @@ def simulate_program(
     resident: dict[int, int] = {}
     for c in ranks:
         inputs = [s for s in program.inputs if c in homes[s] or not homes[s] or s in args]
-        kept, held_bytes = _steady(program, types, c, inputs, held)
+        blocks_here = prof.intra_host == "shm" and len({hosts[r] for r in ranks}) == 1
+        kept, held_bytes, makers = _steady(program, types, c, inputs, held, blocks_here)
         m = mem[c]
         for k, size in kept.items():
             m.new(-(k + 1), size)
             m.kept[k] = -(k + 1)
+        m.block_makers = makers
+        m.blocks = {k: -(k + 1) for k in set(makers.values())}
         m.live += held_bytes  # (freed by no step of this call)
         for s in inputs:
             if s not in args:
@@ -731,27 +763,110 @@ def _steady(
     coords: Coords,
     inputs: Sequence[int],
     held: Sequence[int],
-) -> tuple[dict[int, int], int]:
-    """The buffers the runtime keeps on the rank at ``coords`` (``kept_buffers``), and the
+    blocks: bool = False,
+) -> tuple[dict[int, int], int, dict[int, int]]:
+    """The buffers the runtime keeps on the rank at ``coords`` (``kept_buffers``), the
     bytes of the previous call's ``held`` outputs there (their storages, found by a run of the
-    allocations; not those of the ``inputs``). A kept compute result the caller holds is not
-    kept: the runtime allocates it anew."""
+    allocations; not those of the ``inputs``), and, with ``blocks`` (the ranks share memory),
+    the compute steps that write their results into a block of shared memory, each to its
+    all-reduce (``block_all_reduces``: such an all-reduce keeps its block, two halves, in
+    place of a result buffer; the caller's results of the last call are in one half). A kept
+    compute result the caller holds is not kept: the runtime allocates it anew."""
     kept = kept_buffers(program, types, coords)
-    dry = _Memory()
-    for s in inputs:
-        dry.new(s, nbytes(types[s]))
-    for k, size in kept.items():
-        dry.new(-(k + 1), size)
-        dry.kept[k] = -(k + 1)
-    for k, step in enumerate(program.steps):
-        if step.runs_on(coords):
-            _allocate(k, step, types, dry)
-            for s in step.frees:
-                dry.free(s)
+    candidates = block_all_reduces(program, types, coords) if blocks else {}
+
+    def dry_run(makers: dict[int, int], sizes: dict[int, int]) -> tuple[_Memory, set[int]]:
+        dry = _Memory()
+        for s in inputs:
+            dry.new(s, nbytes(types[s]))
+        for k, size in {**kept, **sizes}.items():
+            dry.new(-(k + 1), size)
+            dry.kept[k] = -(k + 1)
+        dry.block_makers = makers
+        dry.blocks = {k: -(k + 1) for k in sizes}
+        took = set()
+        for k, step in enumerate(program.steps):
+            if step.runs_on(coords):
+                # (the runtime sets a block up where its second run reduces in place)
+                if (
+                    k in candidates
+                    and not sizes
+                    and isinstance(step, isa.AllReduce)
+                    and _reduces_in_place(step, types, dry)
+                ):
+                    took.add(k)
+                _allocate(k, step, types, dry)
+                for s in step.frees:
+                    dry.free(s)
+        return dry, took
+
+    dry, took = dry_run({}, {})
+    sizes = {k: candidates[k][1] for k in took}
+    makers = {m: k for k in took for m in candidates[k][0]}
+    if took:
+        dry, _ = dry_run(makers, sizes)
     roots = {dry.root[o] for o in held if o in dry.root} - set(inputs)
     taken = {-r - 1 for r in roots if r < 0 and isinstance(program.steps[-r - 1], isa.Compute)}
-    taken |= dry.reduced_in_place  # (the runtime makes no buffer for those)
-    return {k: v for k, v in kept.items() if k not in taken}, sum(dry.size[r] for r in roots)
+    taken |= dry.reduced_in_place - set(sizes)  # (the runtime makes no buffer for those)
+    in_blocks = {-(k + 1) for k in sizes}  # (the last call's results in a block: kept)
+    held_bytes = sum(dry.size[r] for r in roots if r not in in_blocks)
+    kept = {k: sizes.get(k, v) for k, v in kept.items() if k not in taken}
+    return kept, held_bytes, makers
+
+
+def block_all_reduces(
+    program: Program, types: Sequence[SlotType], coords: Coords
+) -> dict[int, tuple[list[int], int]]:
+    """The all-reduces on the rank at ``coords`` that the runtime may reduce in a block of
+    shared memory (cpp/program.cpp ``set_up_block``, where the ranks share memory and its run
+    reduces in place): step -> the compute steps that write their results there (each the
+    step that made an argument's storage, back through views, with an out= overload:
+    ``writes_out``; making no other argument, and all of it), and the block's bytes (two
+    halves, each argument's place in one 64-byte aligned). Needs one such step."""
+    writer: dict[int, int] = {}
+    out: dict[int, tuple[list[int], int]] = {}
+    for k, step in enumerate(program.steps):
+        if not step.runs_on(coords):
+            continue
+        if isinstance(step, isa.AllReduce):
+            args = isa.leaves(step.args, Slot)
+            makers = [_storage_maker(program, writer, a.index, k) for a in args]
+            made = [
+                m
+                for m, a in zip(makers, args)
+                if m is not None
+                and makers.count(m) == 1
+                and nbytes(types[program.steps[m].outs[0]]) == nbytes(types[a.index])
+            ]
+            if made and args and len({types[a.index][1] for a in args}) == 1:
+                es = itemsize(types[args[0].index][1])
+                align = max(1, 64 // es)
+                half = sum(-(-(nbytes(types[a.index]) // es) // align) * align for a in args)
+                out[k] = (made, 2 * half * es)
+        for o in step.outs:
+            writer[o] = k
+    return out
+
+
+def _storage_maker(program: Program, writer: dict[int, int], slot: int, before: int) -> int | None:
+    """The compute step that made ``slot``'s storage (``storage_maker`` in cpp/program.cpp):
+    back through view ops (``ALIASING``) to one that ``writes_out``; None where there is
+    none."""
+    for _ in range(64):
+        k = writer.get(slot)
+        if k is None or k >= before:
+            return None
+        step = program.steps[k]
+        if not isinstance(step, isa.Compute) or len(step.outs) != 1:
+            return None
+        if writes_out(step.name):
+            return k
+        base, inplace = base_name(step.name)
+        first = isa.leaves(step.args, Slot)[:1]
+        if inplace or base not in ALIASING or not first:
+            return None
+        slot, before = first[0].index, k
+    return None
 
 
 # A reuse distance is looked for among at most this many storages touched since (beyond: cold).
@@ -913,7 +1028,9 @@ def play_program(
                     max(reached(c, step), free_at.get((c, "main"), begin[c]) if blocking else 0.0)
                     for c in group
                 )
-                end = start + comm_time(step, types, len(group), prof, cross)
+                # (a bucket in a block of shared memory on every rank of the group)
+                kind = BLOCK_KIND if all(k in mem[c].blocks for c in group) else None
+                end = start + comm_time(step, types, len(group), prof, cross, kind)
                 for c in group:
                     record(c, step, start, end, "comm")
                     if blocking:

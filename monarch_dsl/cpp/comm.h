@@ -19,6 +19,16 @@ namespace py = pybind11;
 // Waits for a started collective (empty: it had finished when it returned).
 using Wait = std::function<void()>;
 
+// Memory of each member of a group that every member maps (Comm::share): `ranks[r]` is member
+// r's `bytes`, in this process; the mappings end with the last reference.
+struct SharedBlock {
+  virtual ~SharedBlock() = default;
+  std::vector<char*> ranks;
+  int rank = 0;  // this member
+  size_t bytes = 0;
+  char* mine() const { return ranks.at(rank); }
+};
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -57,6 +67,17 @@ class Comm {
         at += p.numel();
       }
     };
+  }
+  // Collective, `bytes` alike on every member: a SharedBlock (zeros). nullptr on every member
+  // where any could not make one or passed `ok` false, and where the backend has no memory
+  // to share (gloo, NCCL: then no member communicates).
+  virtual std::shared_ptr<SharedBlock> share(size_t bytes, bool ok) { return nullptr; }
+  // Collective: the all-reduce in place of the `count` elements of `dtype` at byte `offset`
+  // (a multiple of 64) of every member's `block` (from share), each member with `ok`. False,
+  // and nothing done, on every member where any passed `ok` false or another offset.
+  virtual bool all_reduce_shared(SharedBlock& block, size_t offset, size_t count,
+                                 at::ScalarType dtype, const std::string& op, bool ok) {
+    return false;
   }
   virtual Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) = 0;
   virtual Wait start_reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& inputs,

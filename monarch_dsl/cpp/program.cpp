@@ -55,6 +55,17 @@ struct Step {
   bool inplace_ok = false;
   at::ScalarType inplace_dtype = at::kFloat;  // of that result
   std::vector<int64_t> inplace_sizes;
+  // A view op (transpose, view, detach: its result aliases its first argument): that
+  // argument's slot; -1 else.
+  int64_t view_of = -1;
+  // Makes the storage of a gradient bucket's argument (an all-reduce on shared memory):
+  // `made_sizes` is the shape of its last result, while no block is set up (`bucket_comm`
+  // < 0); then the result is written into that all-reduce's block (CommStep::block), at
+  // `bucket_at` elements, with `made_sizes`.
+  bool feeds_bucket = false;
+  bool made_contiguous = false;
+  std::vector<int64_t> made_sizes;
+  int64_t bucket_comm = -1, bucket_at = 0;
 };
 
 // A communication step of this rank (set by Python: runtime/plan_runner.py), run by
@@ -85,6 +96,26 @@ struct CommStep {
   // for gradient accumulation: the step's input gradients, views of one, are read while the
   // other is written.
   std::array<at::Tensor, 2> buffers;
+  // all_reduce: the step that made each argument's storage, back through views (-1: none
+  // with an out= overload). Where some argument has one, the all-reduce is on shared memory
+  // (Comm::share) and its second run can reduce in place, the ranks set up a block
+  // (`block`) of two halves (`block_flats`, this rank's, as tensors: one holds the last
+  // run's results while the caller has them, the next run's go into the other) that those
+  // steps write their results into from the next run on (Step::bucket_comm), each argument
+  // at `block_at` elements (the others, `block_copy`: a bias's gradient made by
+  // sum.dim_IntList, copied there at the all-reduce); the all-reduce then reduces that half
+  // of every rank's block where it lies, with no copies in or out of slots
+  // (Comm::all_reduce_shared), and its results are views of it. `block_run`: the run whose
+  // results are in half `block_half` (taken at its first such step: a half that nothing
+  // from an earlier run holds any more).
+  std::vector<int64_t> makers;
+  int64_t runs_seen = 0;
+  std::shared_ptr<md::SharedBlock> block;
+  std::array<at::Tensor, 2> block_flats;
+  std::vector<int64_t> block_at;
+  std::vector<bool> block_copy;
+  uint64_t block_run = 0;
+  int block_half = 0;
 };
 
 // A started collective shared by its result slots (a bucket): finished once, by the first
@@ -275,6 +306,13 @@ class CompiledPlan {
           }
         }
       }
+      if (returns.size() == 1 && returns[0].alias_info() != nullptr &&
+          !returns[0].alias_info()->isWrite()) {
+        const auto& patches = step.call.patches;
+        auto first = std::find_if(patches.begin(), patches.end(),
+                                  [](const md::Patch& p) { return p.arg == 0 && !p.list; });
+        if (first != patches.end()) step.view_of = first->keys[0];
+      }
       for (auto o : step.outs) producer[o] = static_cast<int64_t>(steps_.size());
       steps_.emplace_back(std::move(step));
     }
@@ -329,6 +367,11 @@ class CompiledPlan {
     for (auto a : c.args) {
       auto made = producer_.find(a);
       c.producers.push_back(made == producer_.end() || made->second >= k ? -1 : made->second);
+      if (c.op == "all_reduce") {
+        const int64_t m = storage_maker(a, k);
+        c.makers.push_back(m);
+        if (m >= 0) steps_[m]->feeds_bucket = true;
+      }
     }
     if (!group.is_none()) c.comm = md::comm_of(group);
     c.index = index;
@@ -366,7 +409,8 @@ class CompiledPlan {
     std::lock_guard<std::mutex> one_run_at_a_time(lock_);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto& values = env.values;
-    reused_ = in_place_ = reduced_in_place_ = 0;
+    reused_ = in_place_ = reduced_in_place_ = reduced_shared_ = 0;
+    ++runs_;
     trace_events_.clear();
     // (at most 3 events a step, one per collective waited for at the end, and the flag's:
     // reserved, so recording never allocates, nor throws, inside a step's error handling)
@@ -418,7 +462,7 @@ class CompiledPlan {
           if (failed < 0) traced(k, kTraceCompute, [&] { run_compute(*compute, values, stack); });
           continue;  // (its frees are done)
         }
-        traced(k, kTraceComm, [&] { run_comm(*comm, values, pending, failed >= 0, device); });
+        traced(k, kTraceComm, [&] { run_comm(k, *comm, values, pending, failed >= 0, device); });
         auto free_them = [&] {
           for (auto f : comm->frees) {
             settle(f);
@@ -503,6 +547,8 @@ class CompiledPlan {
   int64_t in_place() const { return in_place_; }
   // All-reduces of the last run_plan whose arguments took the result (reduces_in_place).
   int64_t reduced_in_place() const { return reduced_in_place_; }
+  // Of those, all-reduces of a block every rank maps (CommStep::block).
+  int64_t reduced_shared() const { return reduced_shared_; }
   int64_t size() const { return static_cast<int64_t>(steps_.size()); }
 
  private:
@@ -563,6 +609,15 @@ class CompiledPlan {
       step.inplace_op->callBoxed(&stack);
       ++reused_;
       ++in_place_;
+    } else if (step.bucket_comm >= 0 && claim_block(*comms_[step.bucket_comm])) {
+      // (a bucket's gradient, written where the all-reduce reads every rank's)
+      const CommStep& c = *comms_[step.bucket_comm];
+      const at::Tensor& flat = c.block_flats[c.block_half];
+      int64_t numel = 1;
+      for (auto d : step.made_sizes) numel *= d;
+      stack.push_back(flat.narrow(0, step.bucket_at, numel).view(step.made_sizes));
+      step.out_op->callBoxed(&stack);
+      ++reused_;
     } else if (step.out_op && buffer.defined() && buffer.use_count() == 1 &&
                buffer.storage().use_count() == 1) {
       stack.push_back(buffer);  // nothing from the last run holds it: write it again
@@ -590,6 +645,11 @@ class CompiledPlan {
             result.numel() * static_cast<int64_t>(result.element_size()) <= kPlannedBytes)
           buffer = result;
       }
+    }
+    if (step.feeds_bucket && step.bucket_comm < 0 && stack.size() == 1 && stack[0].isTensor()) {
+      const at::Tensor& made = stack[0].toTensor();
+      step.made_contiguous = made.defined() && made.is_contiguous();
+      if (step.made_contiguous) step.made_sizes = made.sizes().vec();
     }
     if (step.spread) {
       auto list = stack.at(0).toList();
@@ -654,7 +714,132 @@ class CompiledPlan {
     return true;
   }
 
-  void run_comm(CommStep& c, std::vector<c10::IValue>& values,
+  // The compute step (before step `before`) that made the storage `slot` lies in: back
+  // through view ops to one with an out= overload; -1 where there is none.
+  int64_t storage_maker(int64_t slot, int64_t before) const {
+    for (int depth = 0; depth < 64 && slot >= 0; ++depth) {
+      auto made = producer_.find(slot);
+      if (made == producer_.end() || made->second >= before || !steps_[made->second]) return -1;
+      const Step& s = *steps_[made->second];
+      if (s.out_op) return made->second;
+      before = made->second;
+      slot = s.view_of;
+    }
+    return -1;
+  }
+
+  // Whether this run's results go into a half of `c`'s block: taken by its first maker, the
+  // first half nothing else (an earlier run's gradients, still held) uses.
+  bool claim_block(CommStep& c) {
+    if (c.block_run == runs_) return true;
+    for (int h = 0; h < 2; ++h) {
+      const at::Tensor& flat = c.block_flats[h];
+      if (flat.use_count() == 1 && flat.storage().use_count() == 1) {
+        c.block_run = runs_;
+        c.block_half = h;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Whether all-reduce `c` can reduce its block this run: its makers wrote their results
+  // there (and each argument is that result, where its maker put it), every argument dies at
+  // the step and is used once (its result takes its place), and no other view of the block
+  // is alive; the arguments it copies in (block_copy) are of their place's size. One dtype,
+  // contiguous.
+  bool block_ready(const CommStep& c, const std::vector<at::Tensor>& tensors) const {
+    if (c.block_run != runs_ || tensors.size() != c.args.size() ||
+        c.outs.size() != c.args.size() || c.block_copy.size() != tensors.size())
+      return false;
+    const at::Tensor& flat = c.block_flats[c.block_half];
+    const auto* base = static_cast<const char*>(flat.data_ptr());
+    const size_t es = flat.element_size();
+    int64_t views = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i];
+      const int64_t slot = c.args[i];
+      if (slot < 0 || std::count(c.frees.begin(), c.frees.end(), slot) == 0 ||
+          std::count(c.args.begin(), c.args.end(), slot) != 1)
+        return false;
+      if (!t.defined() || t.scalar_type() != flat.scalar_type() || !t.is_contiguous())
+        return false;
+      const int64_t room =
+          (i + 1 < c.block_at.size() ? c.block_at[i + 1] : flat.numel()) - c.block_at[i];
+      if (c.block_copy[i]) {
+        if (t.numel() > room || t.storage().is_alias_of(flat.storage())) return false;
+        continue;
+      }
+      if (t.data_ptr() != base + c.block_at[i] * es || t.use_count() != 2 ||
+          !t.storage().is_alias_of(flat.storage()))
+        return false;
+      ++views;
+    }
+    // (the flat and one tensor per argument made there: no other view of the half alive)
+    return flat.storage().use_count() == 1 + views;
+  }
+
+  // At the second run of an all-reduce with a maker among its arguments (a plan run once
+  // keeps no block), on every rank (a collective: Comm::share's vote makes every rank's
+  // answer the same): a block for its arguments, each at a 64-byte aligned place in each
+  // half, where this run's arguments could be reduced in place. An argument whose maker
+  // made it whole and contiguous (and makes no other) is written there by that maker from
+  // the next run on; the others are copied in.
+  void set_up_block(int64_t k, CommStep& c, const std::vector<at::Tensor>& tensors,
+                    bool failed) {
+    if (!c.comm || tensors.empty() || tensors.size() != c.makers.size() ||
+        std::count(c.makers.begin(), c.makers.end(), -1) ==
+            static_cast<int64_t>(c.makers.size()))
+      return;  // (the same on every rank: the plan's)
+    bool ok = !failed && reduces_in_place(c, tensors);
+    const at::ScalarType dtype = tensors[0].scalar_type();
+    const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t align = std::max<int64_t>(1, 64 / es);
+    std::vector<int64_t> at;
+    std::vector<bool> copy;
+    int64_t count = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      ok = ok && tensors[i].is_contiguous();
+      const int64_t m = c.makers[i];
+      bool made = m >= 0 && std::count(c.makers.begin(), c.makers.end(), m) == 1 &&
+                  steps_[m]->made_contiguous;
+      if (made) {
+        int64_t numel = 1;
+        for (auto d : steps_[m]->made_sizes) numel *= d;
+        made = numel == tensors[i].numel();
+      }
+      copy.push_back(!made);
+      at.push_back(count);
+      count += (tensors[i].numel() + align - 1) / align * align;  // (shapes: alike on all)
+    }
+    ok = ok && std::count(copy.begin(), copy.end(), false) > 0;  // (a maker writes there)
+    const int64_t bytes = count * es;  // (a half: a multiple of 64)
+    auto block = c.comm->share(static_cast<size_t>(2 * bytes), ok);
+    if (!block) return;
+    c.block = block;
+    for (int h = 0; h < 2; ++h) {
+      // (reported to torch's profiler as allocations of this thread, each freed with the last
+      // view of it: the memory a rank's tensors take, counted as the allocator's are)
+      char* half = block->mine() + h * bytes;
+      c10::reportMemoryUsageToProfiler(half, bytes, 0, 0, c10::Device(c10::kCPU));
+      c.block_flats[h] = at::from_blob(
+          half, {count},
+          [block, bytes](void* p) {
+            c10::reportMemoryUsageToProfiler(p, -bytes, 0, 0, c10::Device(c10::kCPU));
+          },
+          at::TensorOptions().dtype(dtype));
+    }
+    c.block_at = at;
+    c.block_copy = copy;
+    for (size_t i = 0; i < c.makers.size(); ++i) {
+      if (copy[i]) continue;
+      Step& m = *steps_[c.makers[i]];
+      m.bucket_comm = k;
+      m.bucket_at = at[i];
+    }
+  }
+
+  void run_comm(int64_t k, CommStep& c, std::vector<c10::IValue>& values,
                 std::unordered_map<int64_t, std::shared_ptr<Pending>>& pending, bool failed,
                 const c10::Device& device) {
     auto options = at::TensorOptions().dtype(c.dtype).device(device);
@@ -690,7 +875,30 @@ class CompiledPlan {
     if (op == "all_reduce") {
       std::vector<at::Tensor> tensors;
       for (size_t i = 0; i < c.args.size(); ++i) tensors.push_back(value(i));
-      if (!failed && reduces_in_place(c, tensors)) {
+      if (++c.runs_seen == 2) set_up_block(k, c, tensors, failed);
+      bool shared = false;
+      if (c.block) {
+        const at::Tensor& flat = c.block_flats[c.block_half];
+        const bool ready = !failed && block_ready(c, tensors);
+        if (ready) {  // (the half is this run's: copy the others in before peers read it)
+          for (size_t i = 0; i < tensors.size(); ++i) {
+            if (!c.block_copy[i]) continue;
+            at::Tensor place = flat.narrow(0, c.block_at[i], tensors[i].numel());
+            place.copy_(tensors[i].reshape({-1}));
+            tensors[i] = place.view(tensors[i].sizes());
+          }
+        }
+        const size_t half = static_cast<size_t>(c.block_half * flat.numel() * flat.element_size());
+        shared = c.comm->all_reduce_shared(*c.block, half, flat.numel(), flat.scalar_type(),
+                                           c.reduce, ready);
+      }
+      if (shared) {
+        ++reduced_in_place_;
+        ++reduced_shared_;
+        finish = [&values, outs = c.outs, tensors]() {
+          for (size_t i = 0; i < outs.size(); ++i) values.at(outs[i]) = tensors[i];
+        };
+      } else if (!failed && reduces_in_place(c, tensors)) {
         // (each as the 1-d run of its storage: contiguous, whatever its layout)
         std::vector<at::Tensor> flat;
         for (const auto& t : tensors) flat.push_back(t.as_strided({t.numel()}, {1}, 0));
@@ -783,6 +991,8 @@ class CompiledPlan {
   int64_t reused_ = 0;    // steps of the last run that wrote a buffer of the run before
   int64_t in_place_ = 0;  // of those, steps that wrote their argument (relu as relu_)
   int64_t reduced_in_place_ = 0;
+  int64_t reduced_shared_ = 0;
+  uint64_t runs_ = 0;  // run_plan calls (CommStep::block_run)
   std::unordered_map<int64_t, int64_t> producer_;  // slot -> the compute step that wrote it
 };
 
@@ -807,6 +1017,7 @@ void bind_program(py::module& m) {
       .def("reused", &CompiledPlan::reused)
       .def("in_place", &CompiledPlan::in_place)
       .def("reduced_in_place", &CompiledPlan::reduced_in_place)
+      .def("reduced_shared", &CompiledPlan::reduced_shared)
       .def("set_comm", &CompiledPlan::set_comm, py::arg("k"), py::arg("step"), py::kw_only(),
            py::arg("group"), py::arg("index"), py::arg("size"), py::arg("peer"),
            py::arg("async_"), py::arg("slot_type"))

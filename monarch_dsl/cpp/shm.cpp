@@ -32,6 +32,16 @@
 //   5. rank r copies slice j of slot j (j != r) into its output.
 // All-gather, reduce-scatter and broadcast follow the same pattern. The GIL is released for
 // the whole of each call.
+//
+// Shared blocks (share, all_reduce_shared): memory of each rank that every rank maps, made
+// for a gradient bucket whose gradients are written there by the steps that make them
+// (cpp/program.cpp). Its all-reduce needs no copies in or out: after a barrier, rank r
+// reduces slice r of every rank's block, in rank order, into every rank's block; a second
+// barrier ends it. Per rank that moves 2 x the bucket's bytes (2 ranks), where the chunked
+// all-reduce above moves 3.5 x. Each rank makes its block's segment (named after its pid, as
+// the group's, so a stale one is swept the same way) and unlinks it once every rank mapped
+// it. Both are collectives with a vote: where any rank could not (or was told `ok` = false),
+// every rank gets the same "no" and nothing is left behind.
 
 #include "comm.h"
 
@@ -84,6 +94,9 @@ using Clock = std::chrono::steady_clock;
 struct alignas(kLine) RankInfo {
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> barriers;  // barriers this rank has entered (diagnostics)
+  // ShmGroup::vote: (vote number << 32) | token, in the slot of the number's parity (a rank
+  // can be one vote ahead of a peer that has not read the last one yet, never two)
+  std::atomic<uint64_t> votes[2];
 };
 
 struct alignas(kLine) Counter {
@@ -451,6 +464,81 @@ class ShmGroup {
     }
   }
 
+  // ---------------------------------------------------------------- shared blocks
+  // Collective, `bytes` alike on every rank: a block of `bytes` per rank (zeros), mapped by
+  // every rank; nullptr on every rank where any could not make or map one, or passed `ok`
+  // false.
+  std::shared_ptr<md::SharedBlock> share(size_t bytes, bool ok) {
+    if (!blocks_on_) return nullptr;  // (MD_SHM_BLOCKS=0 on every rank: no vote needed)
+    NoGil nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    check_open();
+    auto block = std::make_shared<Block>();
+    block->rank = rank_;
+    block->bytes = std::max<size_t>(bytes, 1);
+    block->ranks.assign(size_, nullptr);
+    const uint64_t k = blocks_++;
+    const std::string mine = block_name(getpid(), k);
+    bool made = false;
+    if (ok) {
+      const int fd = shm_open(mine.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd >= 0) {
+        made = true;
+        block->ranks[rank_] = map_block(fd, block->bytes);
+      }
+    }
+    const bool mapped_mine = vote(block->ranks[rank_] != nullptr ? 1 : 0, "share");
+    bool mapped_all = mapped_mine;
+    if (mapped_mine) {
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        const int fd = shm_open(block_name(hdr()->ranks[r].pid.load(), k).c_str(), O_RDWR, 0);
+        if (fd >= 0) block->ranks[r] = map_block(fd, block->bytes);
+        mapped_all = mapped_all && block->ranks[r] != nullptr;
+      }
+      mapped_all = vote(mapped_all ? 1 : 0, "share");  // (every rank opened every name now)
+    }
+    if (made) shm_unlink(mine.c_str());
+    if (!mapped_all) return nullptr;  // (Block's destructor unmaps what was mapped)
+    return block;
+  }
+
+  // Collective: the all-reduce in place of the `count` elements of `dtype` at byte `offset`
+  // (a multiple of 64) of every rank's `block` (see the header). False, and nothing done, on
+  // every rank where any passed `ok` false or another offset (or its block is too small, or
+  // the dtype is not reduced here).
+  bool all_reduce_shared(md::SharedBlock& block, size_t offset, size_t count,
+                         at::ScalarType dtype, const std::string& op_name, bool ok) {
+    ReduceFn fn = nullptr;
+    Op op = Op::Sum;
+    size_t es = 0;
+    try {
+      op = parse_op(op_name);
+      fn = reducer(dtype, op);
+      es = c10::elementSize(dtype);
+    } catch (const std::invalid_argument&) {
+      ok = false;  // (every rank has the same dtype and op: every rank says no)
+    }
+    ok = ok && static_cast<int>(block.ranks.size()) == size_ && block.rank == rank_ &&
+         offset % kLine == 0 && offset + count * es <= block.bytes;
+    NoGil nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    check_open();
+    if (!vote(ok ? 1 + offset / kLine : 0, "all_reduce")) return false;
+    const auto [b, e] = piece(count, size_, rank_);
+    const size_t at = offset + b * es;
+    std::vector<const void*> srcs(size_);
+    for (int r = 0; r < size_; ++r) srcs[r] = block.ranks[r] + at;
+    char* out = block.ranks[rank_] + at;
+    const int other = size_ == 2 ? 1 - rank_ : -1;
+    fn(out, other >= 0 ? block.ranks[other] + at : nullptr, srcs.data(), size_, e - b, op, size_);
+    if (size_ > 2)
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_) std::memcpy(block.ranks[r] + at, out, (e - b) * es);
+    barrier("all_reduce");
+    return true;
+  }
+
   void barrier_py() {
     NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
@@ -597,6 +685,48 @@ class ShmGroup {
   }
 
   int next_half() { return static_cast<int>(chunks_++ & 1); }
+
+  // A shared block's mappings, unmapped with the last reference.
+  struct Block : md::SharedBlock {
+    ~Block() override {
+      for (char* p : ranks)
+        if (p != nullptr) munmap(p, bytes);
+    }
+  };
+
+  // Rank `pid`'s segment for block k: the group's prefix, the pid (what sweep_stale reads),
+  // the group's token and k.
+  std::string block_name(int pid, uint64_t k) const {
+    const size_t dot = name_.find('.');
+    const std::string prefix = name_.substr(0, dot);
+    const std::string token = name_.substr(name_.rfind('.') + 1);
+    return prefix + "." + std::to_string(pid) + "." + token + "b" + std::to_string(k);
+  }
+
+  static char* map_block(int fd, size_t bytes) {
+    void* p = MAP_FAILED;
+    if (ftruncate(fd, static_cast<off_t>(bytes)) == 0)
+      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+
+  // Collective (a barrier): whether every rank gave the same `token`, not 0 (0: no).
+  bool vote(uint64_t token, const char* what) {
+    const uint64_t k = ++votes_ & 0xffffffffu;
+    const uint64_t mine = (k << 32) | (token & 0xffffffffu);
+    hdr()->ranks[rank_].votes[k & 1].store(mine, std::memory_order_release);
+    barrier(what);
+    bool all = (mine & 0xffffffffu) != 0;
+    for (int r = 0; r < size_; ++r) {
+      const uint64_t v = hdr()->ranks[r].votes[k & 1].load(std::memory_order_acquire);
+      if ((v >> 32) != k)
+        fail(what, "rank " + std::to_string(r) + " is at another vote (" +
+                       std::to_string(v >> 32) + ", this rank " + std::to_string(k) + ")");
+      all = all && v == mine;
+    }
+    return all;
+  }
 
   void check_open() const {
     if (base_ == nullptr) throw std::runtime_error("shm group " + name_ + " is closed");
@@ -848,8 +978,11 @@ class ShmGroup {
   char* base_ = nullptr;
   bool unlinked_ = false;
   uint32_t barriers_ = 0;
+  uint64_t votes_ = 0;
+  uint64_t blocks_ = 0;
   int spins_ = env_int("MD_SHM_SPINS", kSpins);
   int yields_ = env_int("MD_SHM_YIELDS", kYields);
+  int blocks_on_ = env_int("MD_SHM_BLOCKS", 1);  // 0: no shared blocks (share gives nullptr)
   uint64_t chunks_ = 0;
   std::mutex mu_, send_mu_, recv_mu_;
 };
@@ -893,6 +1026,17 @@ class ShmComm : public md::Comm {
     if (!ok || bytes > size_limit_) return md::Comm::start_all_reduce_pieces(pieces, op);
     shm_->all_reduce_pieces(pieces, op);
     return {};
+  }
+
+  // (a bucket over the size limit is all-reduced by gloo: no block for it, on any rank)
+  std::shared_ptr<md::SharedBlock> share(size_t bytes, bool ok) override {
+    if (static_cast<int64_t>(bytes) > size_limit_) return nullptr;
+    return shm_->share(bytes, ok);
+  }
+
+  bool all_reduce_shared(md::SharedBlock& block, size_t offset, size_t count,
+                         at::ScalarType dtype, const std::string& op, bool ok) override {
+    return shm_->all_reduce_shared(block, offset, count, dtype, op, ok);
   }
 
   md::Wait start_all_gather(std::vector<at::Tensor>& outs, const at::Tensor& input) override {
