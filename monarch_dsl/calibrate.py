@@ -425,7 +425,8 @@ class Probe(Actor):
         (``all_reduce``: a float32 tensor of ``nbytes``; ``all_gather``: an output of
         ``nbytes``; ``reduce_scatter``: an input of ``nbytes``; ``send``: the first rank to
         the second; ``BLOCK_KIND``: the all-reduce of a bucket in a block of shared memory,
-        its time from the plan's record of the step) on ``backend``, each after a
+        its time from the plan's record of the step, or none where the ranks could not have
+        a block) on ``backend``, each after a
         barrier, on the next of ``operand_sets(..., span)`` inputs (a gradient bucket's
         tensors were last touched a while ago)."""
         from monarch_dsl import isa
@@ -502,7 +503,8 @@ class Probe(Actor):
             slot_type=Slot,
         )  # fmt: skip
         compiled.set_trace(kind == BLOCK_KIND)
-        times = []
+        times: list[float] = []
+        in_block: list[bool] = []
         for i in range(reps + 2):
             env = core.Env(program.n_slots)
             for k, piece in enumerate(inputs[i % len(inputs)].chunk(pieces)):
@@ -519,11 +521,15 @@ class Probe(Actor):
             if copies is not None and part * 4 > PLANNED_BYTES and compiled.reduced_in_place() != 1:
                 raise RuntimeError(f"{kind} on {backend}: the bucket was not reduced in place")
             if kind == BLOCK_KIND:  # (the step alone: not the copies before it)
-                if i >= 2 and compiled.reduced_shared() != 1:
-                    raise RuntimeError(f"{kind} on {backend}: the bucket was not in a block")
+                if i >= 2:
+                    in_block.append(compiled.reduced_shared() == 1)
                 seconds = sum(e - b for k, what, b, e in compiled.last_trace() if what == 1)
             if i >= 2:
                 times.append(seconds)
+        if kind == BLOCK_KIND and not any(in_block):
+            return []  # (no block on any rank: MD_SHM_BLOCKS=0, or over MD_SHM_SIZE_LIMIT)
+        if kind == BLOCK_KIND and not all(in_block):
+            raise RuntimeError(f"{kind} on {backend}: the bucket was not in a block every run")
         return times
 
 
@@ -772,8 +778,9 @@ def _measure(
                         # (the slowest rank's; a block's: the rank that came last -- the
                         # others' record has their wait for it)
                         pick = min if kind == BLOCK_KIND else max
-                        runs = [pick(r[k] for r in got if r) for k in range(s.reps)]
-                        comm[(backend, n, kind, nbytes)] = statistics.median(runs)
+                        if any(got):  # (none: a block could not be had)
+                            runs = [pick(r[k] for r in got if r) for k in range(s.reps)]
+                            comm[(backend, n, kind, nbytes)] = statistics.median(runs)
                     bar.step(label)
                 workers_cpu += sum(probe.cpu_seconds.call().get().values())
             finally:

@@ -160,3 +160,35 @@ class Hog(md.Actor):
 
         soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
         return memory.budget(), soft, memory.private(), os.getpid()
+
+
+class Plans(md.Actor):
+    """What the C++ runtime's compiled plans on this worker did in their last run."""
+
+    @md.endpoint
+    def reduced_in_place(self, plans: list[int]) -> list[tuple[int, int, int]]:
+        """Per compiled plan of ``plans`` on this worker: (its all-reduce steps, how many of
+        them its last run did in the tensors they reduce, how many of those in a block of
+        shared memory)."""
+        from monarch_dsl.runtime import worker
+
+        runner = worker.current.executor().plans()
+        return sorted(
+            (
+                sum(
+                    s is not None and s.kind == "all_reduce" for s in runner.programs[k[0]][0].steps
+                ),
+                c.reduced_in_place(),
+                c.reduced_shared(),
+            )
+            for k, c in runner.compiled.items()
+            if k[0] in plans
+        )
+
+
+def shared_last_run(mesh, step) -> list[int]:
+    """Per rank of ``mesh``: how many all-reduces the last run of ``step``'s plan on the mesh
+    (its last made) reduced in a block of shared memory."""
+    last = max(pid for c in step.cache.values() for pid in c.ids.values())
+    per_rank = mesh.spawn("plans", Plans).reduced_in_place.call([last]).get().values()
+    return [made[0][2] for made in per_rank]

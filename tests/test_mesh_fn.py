@@ -17,6 +17,7 @@ from monarch_dsl import _build
 from monarch_dsl.runtime import worker
 
 sys.path.insert(0, str(Path(__file__).parent))
+from actors_lib import Plans, shared_last_run  # noqa: E402
 from compiler_helpers import (  # noqa: E402
     MEGATRON_MLP,
     Block,
@@ -442,28 +443,6 @@ def test_a_bucket_held_by_the_user_is_not_written_by_the_next_run(pm):
     assert [c.reason.split(" of ")[0] for c in plan.collectives] == ["{dp: P(sum)} -> {dp: R}"] * 4
 
 
-class _Plans(md.Actor):
-    @md.endpoint
-    def reduced_in_place(self, plans: list[int]) -> list[tuple[int, int, int]]:
-        """Per compiled plan of ``plans`` on this worker: (its all-reduce steps, how many of
-        them its last run did in the tensors they reduce, how many of those in a block of
-        shared memory)."""
-        from monarch_dsl.runtime import worker
-
-        runner = worker.current.executor().plans()
-        return sorted(
-            (
-                sum(
-                    s is not None and s.kind == "all_reduce" for s in runner.programs[k[0]][0].steps
-                ),
-                c.reduced_in_place(),
-                c.reduced_shared(),
-            )
-            for k, c in runner.compiled.items()
-            if k[0] in plans
-        )
-
-
 @pytest.mark.parametrize("width", [16, 160])  # gradients in kept buffers (<= 64 KiB), or not
 def test_a_gradient_bucket_is_all_reduced_in_the_gradients_themselves(pm, width):
     """A gradient dies at its bucket's all-reduce and nothing else holds it: the runtime
@@ -501,32 +480,24 @@ def _train_and_check_buckets_in_place(
         losses = [md.inspect(step(x, y)) for x, y in batches]
         got = step.state_dict()
         if shared is not None:
-            assert _shared_last_run(dp, step) == [shared, shared]
+            assert shared_last_run(dp, step) == [shared] * len(dp)
     for (x, y), loss in zip(batches, losses, strict=True):
         torch.testing.assert_close(loss, mse_step(ref, ref_opt)(x, y).detach())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[f"model.{name}"], p.detach(), atol=ATOL, rtol=0)
         torch.testing.assert_close(got[f"model.{name}.grad"], p.grad, atol=ATOL, rtol=0)
     plans = sorted({pid for c in step.cache.values() for pid in c.ids.values()})
-    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call(plans).get().values()
+    per_rank = dp.spawn("plans", Plans).reduced_in_place.call(plans).get().values()
     for made in per_rank:  # (each plan the step made: from local modules, then on the mesh)
         assert len(made) == len(plans) and all(b >= 1 and done == b for b, done, _ in made), made
-
-
-def _shared_last_run(dp, step) -> list[int]:
-    """Per rank: how many all-reduces the last run of ``step``'s plan on the mesh (its last
-    made) reduced in a block of shared memory."""
-    last = max(pid for c in step.cache.values() for pid in c.ids.values())
-    per_rank = dp.spawn("plans", _Plans).reduced_in_place.call([last]).get().values()
-    return [made[0][2] for made in per_rank]
 
 
 def test_a_gradient_bucket_goes_into_a_block_of_shared_memory_the_ranks_map(pm):
     """On shared memory, a bucket's gradients are written by the steps that make them into a
     block every rank maps, from the plan's third run on, and reduced there (no copies in or
-    out of the group's slots); the values stay one process's. A caller that holds the last
-    two calls' gradients holds both halves of the block: that call reduces them in place
-    instead, and the next after they are dropped is in the block again."""
+    out of the group's slots); the values stay one process's. The block has two halves: a
+    caller that holds the last two calls' gradients holds both, and the next call reduces in
+    place instead; once they are dropped, the next is in the block again."""
     dp = pm.slice(tp=0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 160), nn.ReLU(), nn.Linear(160, 16))
@@ -540,27 +511,44 @@ def test_a_gradient_bucket_goes_into_a_block_of_shared_memory_the_ranks_map(pm):
 
     step = md.mesh_fn(train, data_parallel="dp")
     batches = _batches(8)
-    losses, grads = [], []
+    losses, grads, shared = [], [], []
     with dp.activate():
-        for x, y in batches[:4]:  # (the mesh's plan: runs 1 to 3)
-            loss, _ = step(x, y)
+        # the mesh's plan: runs 1 to 3 (the first call's plan is from the local modules)
+        for x, y in batches[:4]:
+            loss, grad = step(x, y)
             losses.append(md.inspect(loss))
-        assert _shared_last_run(dp, step) == [1, 1]
-        held = [step(x, y) for x, y in batches[4:7]]  # (all three calls' gradients held)
-        losses += [md.inspect(loss) for loss, _ in held]
-        grads = [md.inspect(g) for _, g in held]
-        assert _shared_last_run(dp, step) == [0, 0]  # (both halves held: in place)
+            grads.append(md.inspect(grad))
+            del loss, grad
+        shared.append(shared_last_run(dp, step))
+        held = []
+        for x, y in batches[4:7]:  # (each call's gradient held on)
+            held.append(step(x, y))
+            losses.append(md.inspect(held[-1][0]))  # (the call has run on every rank)
+            shared.append(shared_last_run(dp, step))
+        grads += [md.inspect(g) for _, g in held]
         del held
-        loss, _ = step(*batches[7])
+        loss, grad = step(*batches[7])
         losses.append(md.inspect(loss))
-        assert _shared_last_run(dp, step) == [1, 1]
+        grads.append(md.inspect(grad))
+        shared.append(shared_last_run(dp, step))
         got = step.state_dict()
-    for i, ((x, y), loss) in enumerate(zip(batches, losses, strict=True)):
+    # in a block, in both halves while the caller holds one, in place once it holds both
+    assert shared == [[1, 1], [1, 1], [1, 1], [0, 0], [1, 1]]
+    for (x, y), loss, grad in zip(batches, losses, grads, strict=True):
         torch.testing.assert_close(loss, mse_step(ref, ref_opt)(x, y).detach())
-        if 4 <= i < 7:
-            torch.testing.assert_close(grads[i - 4], ref[0].weight.grad, atol=ATOL, rtol=0)
+        torch.testing.assert_close(grad, ref[0].weight.grad, atol=ATOL, rtol=0)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[f"model.{name}"], p.detach(), atol=ATOL, rtol=0)
+
+
+def test_four_ranks_reduce_a_bucket_in_a_block_each_writing_its_slice_into_every_block():
+    """With more than two ranks each rank's slice of the sum is copied into every other rank's
+    block (two ranks write both at once)."""
+    dp = md.this_host().spawn_procs({"dp": 4})
+    try:
+        _train_and_check_buckets_in_place(dp, 160, calls=5, shared=1)
+    finally:
+        dp.stop()
 
 
 def test_md_shm_blocks_0_keeps_buckets_out_of_shared_blocks():

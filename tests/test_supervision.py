@@ -24,7 +24,7 @@ from monarch_dsl.runtime.messages import FetchFailed
 from monarch_dsl.tensor.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).parent))
-from actors_lib import Counter, RefTable  # noqa: E402
+from actors_lib import Counter, RefTable, shared_last_run  # noqa: E402
 from compiler_helpers import mse_step  # noqa: E402
 
 pytestmark = pytest.mark.procs
@@ -92,6 +92,8 @@ def test_a_worker_killed_during_compiled_steps_is_named(dp2, sharded, warm):
     with dp2.activate():
         for _ in range(warm):
             assert torch.isfinite(md.inspect(step(x, y)))
+    if warm == 4:  # (the bucket is in a block now: the survivor waits in its all-reduce)
+        assert shared_last_run(dp2, step) == [1, 1]
     with pytest.raises(md.SupervisionError, match=NAMED) as info:
         with dp2.activate():
             with _one_batch(dp2):

@@ -733,8 +733,17 @@ def simulate_program(
     resident: dict[int, int] = {}
     for c in ranks:
         inputs = [s for s in program.inputs if c in homes[s] or not homes[s] or s in args]
-        blocks_here = prof.intra_host == "shm" and len({hosts[r] for r in ranks}) == 1
-        kept, held_bytes, makers = _steady(program, types, c, inputs, held, blocks_here)
+
+        def one_host(k: int, c: Coords = c) -> bool:  # (step k's group of c shares memory)
+            step = program.steps[k]
+            if not isinstance(step, isa.AllReduce):
+                return False
+            active = [r for r in ranks if step.runs_on(r)]
+            return prof.intra_host == "shm" and any(
+                c in g and len({hosts[r] for r in g}) == 1 for g in groups(active, step.dims)
+            )
+
+        kept, held_bytes, makers = _steady(program, types, c, inputs, held, one_host)
         m = mem[c]
         for k, size in kept.items():
             m.new(-(k + 1), size)
@@ -763,17 +772,19 @@ def _steady(
     coords: Coords,
     inputs: Sequence[int],
     held: Sequence[int],
-    blocks: bool = False,
+    blocks: Callable[[int], bool] = lambda k: False,
 ) -> tuple[dict[int, int], int, dict[int, int]]:
     """The buffers the runtime keeps on the rank at ``coords`` (``kept_buffers``), the
     bytes of the previous call's ``held`` outputs there (their storages, found by a run of the
-    allocations; not those of the ``inputs``), and, with ``blocks`` (the ranks share memory),
-    the compute steps that write their results into a block of shared memory, each to its
-    all-reduce (``block_all_reduces``: such an all-reduce keeps its block, two halves, in
-    place of a result buffer; the caller's results of the last call are in one half). A kept
-    compute result the caller holds is not kept: the runtime allocates it anew."""
+    allocations; not those of the ``inputs``), and, where ``blocks(k)`` (all-reduce step k's
+    group shares memory: the runtime's shared-memory collectives, with its defaults -- no
+    ``MD_SHM_BLOCKS=0``, no ``MD_SHM_SIZE_LIMIT``), the compute steps that write their
+    results into a block of shared memory, each to its all-reduce (``block_all_reduces``:
+    such an all-reduce keeps its block, two halves, in place of a result buffer; the
+    caller's results of the last call are in one half). A kept compute result the caller
+    holds is not kept: the runtime allocates it anew."""
     kept = kept_buffers(program, types, coords)
-    candidates = block_all_reduces(program, types, coords) if blocks else {}
+    candidates = {k: v for k, v in block_all_reduces(program, types, coords).items() if blocks(k)}
 
     def dry_run(makers: dict[int, int], sizes: dict[int, int]) -> tuple[_Memory, set[int]]:
         dry = _Memory()
@@ -850,8 +861,8 @@ def block_all_reduces(
 
 def _storage_maker(program: Program, writer: dict[int, int], slot: int, before: int) -> int | None:
     """The compute step that made ``slot``'s storage (``storage_maker`` in cpp/program.cpp):
-    back through view ops (``ALIASING``) to one that ``writes_out``; None where there is
-    none."""
+    back through view ops (``views_first_arg``) to one that ``writes_out``; None where there
+    is none."""
     for _ in range(64):
         k = writer.get(slot)
         if k is None or k >= before:
@@ -861,12 +872,23 @@ def _storage_maker(program: Program, writer: dict[int, int], slot: int, before: 
             return None
         if writes_out(step.name):
             return k
-        base, inplace = base_name(step.name)
-        first = isa.leaves(step.args, Slot)[:1]
-        if inplace or base not in ALIASING or not first:
+        if not step.args or not isinstance(step.args[0], Slot) or not views_first_arg(step.name):
             return None
-        slot, before = first[0].index, k
+        slot, before = step.args[0].index, k
     return None
+
+
+@functools.cache
+def views_first_arg(name: str) -> bool:
+    """Whether op ``name`` returns one tensor that aliases an argument it does not write
+    (``Tensor(a)`` in its schema: transpose, view, detach, to.dtype), the runtime's test
+    (``view_of`` in cpp/program.cpp); its first argument, where that is a tensor."""
+    found = _schemas(name)
+    if found is None:
+        return False
+    returns = found[0]._schema.returns
+    alias = returns[0].alias_info if len(returns) == 1 else None
+    return alias is not None and not alias.is_write
 
 
 # A reuse distance is looked for among at most this many storages touched since (beyond: cold).

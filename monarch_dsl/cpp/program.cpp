@@ -64,6 +64,7 @@ struct Step {
   // `bucket_at` elements, with `made_sizes`.
   bool feeds_bucket = false;
   bool made_contiguous = false;
+  at::ScalarType made_dtype = at::kFloat;
   std::vector<int64_t> made_sizes;
   int64_t bucket_comm = -1, bucket_at = 0;
 };
@@ -649,7 +650,10 @@ class CompiledPlan {
     if (step.feeds_bucket && step.bucket_comm < 0 && stack.size() == 1 && stack[0].isTensor()) {
       const at::Tensor& made = stack[0].toTensor();
       step.made_contiguous = made.defined() && made.is_contiguous();
-      if (step.made_contiguous) step.made_sizes = made.sizes().vec();
+      if (step.made_contiguous) {
+        step.made_sizes = made.sizes().vec();
+        step.made_dtype = made.scalar_type();
+      }
     }
     if (step.spread) {
       auto list = stack.at(0).toList();
@@ -801,8 +805,10 @@ class CompiledPlan {
     for (size_t i = 0; i < tensors.size(); ++i) {
       ok = ok && tensors[i].is_contiguous();
       const int64_t m = c.makers[i];
+      // (its own dtype: an out= overload casts into its out, where a view (to.dtype) between
+      // the maker and the argument changed it)
       bool made = m >= 0 && std::count(c.makers.begin(), c.makers.end(), m) == 1 &&
-                  steps_[m]->made_contiguous;
+                  steps_[m]->made_contiguous && steps_[m]->made_dtype == dtype;
       if (made) {
         int64_t numel = 1;
         for (auto d : steps_[m]->made_sizes) numel *= d;

@@ -469,7 +469,7 @@ class ShmGroup {
   // every rank; nullptr on every rank where any could not make or map one, or passed `ok`
   // false.
   std::shared_ptr<md::SharedBlock> share(size_t bytes, bool ok) {
-    if (!blocks_on_) return nullptr;  // (MD_SHM_BLOCKS=0 on every rank: no vote needed)
+    ok = ok && blocks_on_;  // (MD_SHM_BLOCKS=0: this rank says no)
     NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
@@ -479,26 +479,32 @@ class ShmGroup {
     block->ranks.assign(size_, nullptr);
     const uint64_t k = blocks_++;
     const std::string mine = block_name(getpid(), k);
-    bool made = false;
+    // (the name goes on every way out, a peer's death or a timeout in a vote included)
+    struct Unlink {
+      const std::string* name = nullptr;
+      ~Unlink() {
+        if (name != nullptr) shm_unlink(name->c_str());
+      }
+    } unlink;
     if (ok) {
       const int fd = shm_open(mine.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd >= 0) {
-        made = true;
-        block->ranks[rank_] = map_block(fd, block->bytes);
+        unlink.name = &mine;
+        block->ranks[rank_] = map_block(fd, block->bytes, true);
       }
     }
-    const bool mapped_mine = vote(block->ranks[rank_] != nullptr ? 1 : 0, "share");
+    constexpr uint64_t kShare = 1ull << 31;  // (a share's yes: no all-reduce's token)
+    const bool mapped_mine = vote(block->ranks[rank_] != nullptr ? kShare : 0, "share");
     bool mapped_all = mapped_mine;
     if (mapped_mine) {
       for (int r = 0; r < size_; ++r) {
         if (r == rank_) continue;
         const int fd = shm_open(block_name(hdr()->ranks[r].pid.load(), k).c_str(), O_RDWR, 0);
-        if (fd >= 0) block->ranks[r] = map_block(fd, block->bytes);
+        if (fd >= 0) block->ranks[r] = map_block(fd, block->bytes, false);
         mapped_all = mapped_all && block->ranks[r] != nullptr;
       }
-      mapped_all = vote(mapped_all ? 1 : 0, "share");  // (every rank opened every name now)
+      mapped_all = vote(mapped_all ? kShare : 0, "share");  // (every rank opened every name)
     }
-    if (made) shm_unlink(mine.c_str());
     if (!mapped_all) return nullptr;  // (Block's destructor unmaps what was mapped)
     return block;
   }
@@ -524,7 +530,7 @@ class ShmGroup {
     NoGil nogil;
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
-    if (!vote(ok ? 1 + offset / kLine : 0, "all_reduce")) return false;
+    if (!vote(ok ? 1 + (offset / kLine) % (1ull << 30) : 0, "all_reduce")) return false;
     const auto [b, e] = piece(count, size_, rank_);
     const size_t at = offset + b * es;
     std::vector<const void*> srcs(size_);
@@ -703,10 +709,15 @@ class ShmGroup {
     return prefix + "." + std::to_string(pid) + "." + token + "b" + std::to_string(k);
   }
 
-  static char* map_block(int fd, size_t bytes) {
+  // Maps `bytes` of segment `fd` (closed): this rank's own made that long with its pages
+  // reserved (posix_fallocate: a /dev/shm too small for it is a "no" now, not a SIGBUS when a
+  // step first writes there); a peer's only where it is that long already.
+  static char* map_block(int fd, size_t bytes, bool own) {
     void* p = MAP_FAILED;
-    if (ftruncate(fd, static_cast<off_t>(bytes)) == 0)
-      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    struct stat st {};
+    const bool sized = own ? posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0
+                           : fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    if (sized) p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
   }
