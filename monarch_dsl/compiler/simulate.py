@@ -28,9 +28,11 @@ in a steady state of calls): resident when a call starts are the inputs (paramet
 optimizer state, batch) on the ranks that use them, the previous call's outputs (the caller's
 handles; a state output the next call takes as an input is counted once, as that input) and
 the buffers the runtime keeps between runs (``kept_buffers``: each all-reduce's result, a
-bucket's flat tensor, unless the bucket's own tensors take it, ``_reduces_in_place``; the
-result of a step with an ``out=`` overload up to ``PLANNED_BYTES``, unless the caller holds
-it). Each step's outputs are allocated, except into a kept buffer; views and in-place ops
+bucket's flat tensor, unless the bucket's own tensors take it, ``_reduces_in_place``, or --
+where its group shares memory -- its block of shared memory, two halves that the steps
+making its arguments write into, ``block_all_reduces``; the result of a step with an
+``out=`` overload up to ``PLANNED_BYTES``, unless the caller holds it). Each step's outputs
+are allocated, except into a kept buffer or a block; views and in-place ops
 (``ops.ALIASING``, an in-place op's result; an op with an in-place twin whose first argument
 dies at the step, as ``relu_`` for ``relu``; an all-reduce whose arguments die at it) share
 their input's storage; a storage is released when the last slot on it is freed
@@ -611,7 +613,8 @@ def _allocate(k: int, step: isa.Step, types: Sequence[SlotType], mem: _Memory) -
     """The storage of step ``k``'s outputs: shared with its input for views and in-place ops
     (an all-reduce's arguments take its result where ``_reduces_in_place``), the buffer the
     runtime keeps for it (``mem.kept``), else new; a multi-tensor all-reduce's results are
-    views of one flat tensor."""
+    views of one flat tensor; an all-reduce in a block of shared memory (``mem.blocks``) and
+    the steps that make its arguments there (``mem.block_makers``): views of the block."""
     kept = mem.kept.get(k)
     if k in mem.blocks:  # (its results: views of the block, as its makers' are)
         for o in step.outs:
