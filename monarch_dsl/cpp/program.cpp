@@ -59,9 +59,10 @@ struct Step {
   // argument's slot; -1 else.
   int64_t view_of = -1;
   // Makes the storage of a gradient bucket's argument (an all-reduce on shared memory):
-  // `made_sizes` is the shape of its last result, while no block is set up (`bucket_comm`
-  // < 0); then the result is written into that all-reduce's block (CommStep::block), at
-  // `bucket_at` elements, with `made_sizes`.
+  // `made_sizes` (and contiguity, dtype) of its last result, recorded until the
+  // all-reduce's block is set up (`feeds_bucket`); from then on, where it was, the result
+  // is written into that block (CommStep::block), at `bucket_at` elements, with
+  // `made_sizes` (`bucket_comm` >= 0).
   bool feeds_bucket = false;
   bool made_contiguous = false;
   at::ScalarType made_dtype = at::kFloat;
@@ -647,7 +648,7 @@ class CompiledPlan {
           buffer = result;
       }
     }
-    if (step.feeds_bucket && step.bucket_comm < 0 && stack.size() == 1 && stack[0].isTensor()) {
+    if (step.feeds_bucket && stack.size() == 1 && stack[0].isTensor()) {
       const at::Tensor& made = stack[0].toTensor();
       step.made_contiguous = made.defined() && made.is_contiguous();
       if (step.made_contiguous) {
@@ -689,6 +690,14 @@ class CompiledPlan {
            t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
   }
 
+  // Whether all-reduce `c`'s argument i is a slot that dies at the step and is passed once:
+  // its result can take its place.
+  static bool dies_here(const CommStep& c, size_t i) {
+    const int64_t slot = c.args[i];
+    return slot >= 0 && std::count(c.frees.begin(), c.frees.end(), slot) > 0 &&
+           std::count(c.args.begin(), c.args.end(), slot) == 1;
+  }
+
   // Whether all-reduce `c` can leave its result in its arguments `tensors` (no result
   // buffer, and every write to a line the rank has just read): each argument dies at the
   // step, is used once, is the only tensor on its storage (but for the buffer its producer
@@ -700,11 +709,8 @@ class CompiledPlan {
     if (tensors.empty() || tensors.size() != c.args.size() || c.outs.size() != c.args.size())
       return false;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const int64_t slot = c.args[i];
       const at::Tensor& t = tensors[i];
-      if (slot < 0 || std::count(c.frees.begin(), c.frees.end(), slot) == 0 ||
-          std::count(c.args.begin(), c.args.end(), slot) != 1)
-        return false;
+      if (!dies_here(c, i)) return false;
       if (!t.defined() || t.scalar_type() != tensors[0].scalar_type())
         return false;
       int64_t holders = 2;  // its slot and `tensors`
@@ -762,10 +768,7 @@ class CompiledPlan {
     int64_t views = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const at::Tensor& t = tensors[i];
-      const int64_t slot = c.args[i];
-      if (slot < 0 || std::count(c.frees.begin(), c.frees.end(), slot) == 0 ||
-          std::count(c.args.begin(), c.args.end(), slot) != 1)
-        return false;
+      if (!dies_here(c, i)) return false;
       if (!t.defined() || t.scalar_type() != flat.scalar_type() || !t.is_contiguous())
         return false;
       const int64_t room =
@@ -881,7 +884,12 @@ class CompiledPlan {
     if (op == "all_reduce") {
       std::vector<at::Tensor> tensors;
       for (size_t i = 0; i < c.args.size(); ++i) tensors.push_back(value(i));
-      if (++c.runs_seen == 2) set_up_block(k, c, tensors, failed);
+      if (++c.runs_seen == 2) {
+        set_up_block(k, c, tensors, failed);
+        // (their shapes were for the setup: no more recording them at every run)
+        for (auto m : c.makers)
+          if (m >= 0) steps_[m]->feeds_bucket = false;
+      }
       bool shared = false;
       if (c.block) {
         const at::Tensor& flat = c.block_flats[c.block_half];
