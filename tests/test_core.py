@@ -12,8 +12,8 @@ from compiler_helpers import mse_step
 
 import monarch_dsl as md
 from monarch_dsl import _build, _core
-from monarch_dsl.compiler.lower import run_step
-from monarch_dsl.isa import Compute, Slot
+from monarch_dsl.compiler.lower import core_steps, run_step
+from monarch_dsl.isa import Compute, Program, Slot
 
 core = _core.require()  # setup built it; a missing build fails here, clearly
 
@@ -64,9 +64,6 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
     """Memory planning: a step with an out= overload writes the previous run's result again
     -- only when neither that tensor nor its storage is held (a kept output, a view, a Python
     reference)."""
-    from monarch_dsl.compiler.lower import core_steps
-    from monarch_dsl.isa import Program
-
     steps = [
         _step("aten.mm.default", (Slot(0), Slot(1)), (2,)),
         _step("aten.mul.Tensor", (Slot(2), 0.5), (3,), frees=(2,)),
@@ -97,6 +94,26 @@ def test_results_of_small_ops_reuse_their_buffers_only_when_nothing_holds_them()
         del env, cenv
     for held, value in kept:
         assert torch.equal(held, value)  # what the caller kept was never written again
+
+
+def test_a_plans_first_run_plan_keeps_no_result_buffers():
+    """A plan run once (a step's first call, compiled for the state before it exists) keeps
+    none of its results for a next run that may never come; from its second run on it does."""
+    steps = [
+        _step("aten.mm.default", (Slot(0), Slot(1)), (2,)),
+        _step("aten.mul.Tensor", (Slot(2), 0.5), (3,), frees=(2,)),
+    ]
+    program = Program("p", (), (), tuple(steps), 4, (0, 1), (3,), (), ())
+    compiled = core.CompiledPlan(core_steps(program, None, None), Slot)
+    for run, reused in enumerate([0, 0, 2]):
+        a, b = torch.randn(8, 8), torch.randn(8, 8)
+        env = core.Env(4)
+        env[0], env[1] = a, b
+        assert compiled.run_plan(env, torch.device("cpu"), False) == -1, compiled.last_error()
+        assert compiled.reused() == reused, run
+        if run == 2:  # (read once: a Python wrapper of a result may keep it held)
+            torch.testing.assert_close(env[3], (a @ b) * 0.5)
+        del env
 
 
 def test_an_op_whose_out_overload_takes_other_types_is_not_written_with_it():

@@ -224,6 +224,29 @@ def test_an_async_collective_holds_its_arguments_until_its_result_is_used():
     assert comm(in_block) == [pytest.approx(0.5 * comm(unfactored)[0])]
 
 
+def test_a_small_result_written_into_a_block_keeps_no_buffer_beside_it():
+    """mm's result is small enough for a kept buffer (PLANNED_BYTES), but once mm writes it
+    into its all-reduce's block the runtime lets that buffer go: resident are x, w and the
+    block's two halves."""
+    f, kib = "float32", 1024
+    small, w = ((64, 128), f), ((128, 128), f)  # 32 KiB, 64 KiB
+    c = dict(dims=(0,), shapes=((64, 128),), dtype=f)
+    steps = [
+        isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,)),
+        isa.AllReduce(args=(Slot(2),), outs=(3,), frees=(2,), stream="comms", **c),
+        isa.Compute(name="aten.sum.default", args=(Slot(3),), outs=(4,), frees=(3,)),
+    ]
+    types = [small, w, small, small, ((), f)]
+    program = _program(steps, 5, (0, 1), (4,), types, sizes=(2,))
+    shm = DeviceProfile.get("cpu-local")
+    no_shm = dataclasses.replace(shm, intra_host="gloo")
+    # elsewhere: the argument takes the result in place; mm keeps its buffer between calls
+    elsewhere = simulate_program(program, types, no_shm, held=())
+    assert elsewhere.resident_memory[0] == (32 + 64 + 32) * kib
+    in_block = simulate_program(program, types, shm, held=())
+    assert in_block.resident_memory[0] == (32 + 64 + 2 * 32) * kib
+
+
 def test_an_all_reduce_of_a_view_or_of_another_all_reduce_s_result_keeps_its_buffer():
     """The runtime reduces in place only tensors that are their storage's whole and alone on
     it (but a compute step's own kept buffer): not a piece of a split, not the result of an

@@ -31,7 +31,9 @@ the buffers the runtime keeps between runs (``kept_buffers``: each all-reduce's 
 bucket's flat tensor, unless the bucket's own tensors take it, ``_reduces_in_place``, or --
 where its group shares memory -- its block of shared memory, two halves that the steps
 making its arguments write into, ``block_all_reduces``; the result of a step with an
-``out=`` overload up to ``PLANNED_BYTES``, unless the caller holds it). Each step's outputs
+``out=`` overload up to ``PLANNED_BYTES``, unless the caller holds it or the step writes
+into a block). The parameters of one pipeline stage live on its ranks only (``mesh_fn`` puts
+them there). Each step's outputs
 are allocated, except into a kept buffer or a block; views and in-place ops
 (``ops.ALIASING``, an in-place op's result; an op with an in-place twin whose first argument
 dies at the step, as ``relu_`` for ``relu``; an all-reduce whose arguments die at it) share
@@ -785,7 +787,8 @@ def _steady(
     results into a block of shared memory, each to its all-reduce (``block_all_reduces``:
     such an all-reduce keeps its block, two halves, in place of a result buffer; the
     caller's results of the last call are in one half). A kept compute result the caller
-    holds is not kept: the runtime allocates it anew."""
+    holds is not kept: the runtime allocates it anew; nor is one of a step that writes into a
+    block."""
     kept = kept_buffers(program, types, coords)
     candidates = {k: v for k, v in block_all_reduces(program, types, coords).items() if blocks(k)}
 
@@ -824,7 +827,8 @@ def _steady(
     taken |= dry.reduced_in_place - set(sizes)  # (the runtime makes no buffer for those)
     in_blocks = {-(k + 1) for k in sizes}  # (the last call's results in a block: kept)
     held_bytes = sum(dry.size[r] for r in roots if r not in in_blocks)
-    kept = {k: sizes.get(k, v) for k, v in kept.items() if k not in taken}
+    # (a step that writes into a block lets go of the buffer it kept before it)
+    kept = {k: sizes.get(k, v) for k, v in kept.items() if k not in taken and k not in makers}
     return kept, held_bytes, makers
 
 

@@ -332,6 +332,7 @@ class CompiledPlan {
     if (end > static_cast<int64_t>(steps_.size()) || begin < 0)
       throw std::out_of_range("CompiledPlan.run: steps out of range");
     reused_ = in_place_ = 0;
+    keep_ = true;
     torch::jit::Stack stack;  // reused: no allocation per step
     stack.reserve(16);
     for (int64_t k = begin; k < end; ++k) {
@@ -413,6 +414,7 @@ class CompiledPlan {
     auto& values = env.values;
     reused_ = in_place_ = reduced_in_place_ = reduced_shared_ = 0;
     ++runs_;
+    keep_ = runs_ >= 2;
     trace_events_.clear();
     // (at most 3 events a step, one per collective waited for at the end, and the flag's:
     // reserved, so recording never allocates, nor throws, inside a step's error handling)
@@ -620,6 +622,7 @@ class CompiledPlan {
       stack.push_back(flat.narrow(0, step.bucket_at, numel).view(step.made_sizes));
       step.out_op->callBoxed(&stack);
       ++reused_;
+      buffer = at::Tensor();  // (its result of the runs before the block: not written again)
     } else if (step.out_op && buffer.defined() && buffer.use_count() == 1 &&
                buffer.storage().use_count() == 1) {
       stack.push_back(buffer);  // nothing from the last run holds it: write it again
@@ -641,7 +644,9 @@ class CompiledPlan {
       }
     } else {
       step.call.op.callBoxed(&stack);
-      if (step.out_op && stack.size() == 1 && stack[0].isTensor()) {
+      // (not in a plan's first run_plan: a plan run once, as a step's first call is, compiled
+      // for the state before it exists, keeps nothing it would not use again)
+      if (keep_ && step.out_op && stack.size() == 1 && stack[0].isTensor()) {
         const at::Tensor& result = stack[0].toTensor();
         if (result.defined() && result.is_contiguous() &&
             result.numel() * static_cast<int64_t>(result.element_size()) <= kPlannedBytes)
@@ -669,16 +674,17 @@ class CompiledPlan {
 
   // PlanRunner._comm in C++.
   // One of `c.buffers` that no tensor but it uses (not even a view) with this shape and
-  // type; else a new one, kept in place of one that does not fit or, failing that, of the
-  // first (which stays alive while its holders need it).
-  static at::Tensor result_buffer(CommStep& c, at::IntArrayRef sizes,
-                                  const at::TensorOptions& options) {
+  // type; else a new one, kept (but in a plan's first run_plan) in place of one that does not fit
+  // or, failing that, of the first (which stays alive while its holders need it).
+  at::Tensor result_buffer(CommStep& c, at::IntArrayRef sizes,
+                           const at::TensorOptions& options) const {
     auto fits = [&](const at::Tensor& b) {
       return b.defined() && b.sizes() == sizes && b.dtype() == options.dtype() &&
              b.device() == options.device();
     };
     for (auto& b : c.buffers)
       if (fits(b) && b.use_count() == 1 && b.storage().use_count() == 1) return b;
+    if (!keep_) return at::empty(sizes, options);  // (a plan's first run_plan: above)
     auto& slot = fits(c.buffers[0]) ? c.buffers[1] : c.buffers[0];
     slot = at::empty(sizes, options);
     return slot;
@@ -1007,6 +1013,7 @@ class CompiledPlan {
   int64_t reduced_in_place_ = 0;
   int64_t reduced_shared_ = 0;
   uint64_t runs_ = 0;  // run_plan calls (CommStep::block_run)
+  bool keep_ = true;   // whether this run keeps result buffers (not a plan's first run_plan)
   std::unordered_map<int64_t, int64_t> producer_;  // slot -> the compute step that wrote it
 };
 
