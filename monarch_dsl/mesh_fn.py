@@ -681,10 +681,12 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
                 sent.append((k, copy))
             inputs.append(-1)
             continue
-        whole = lift(value, pm)
+        # (a pipeline stage's parameters and state on that stage's ranks only, as its results)
+        home = pm.slice(**dict(stage)) if stage else pm
+        whole = lift(value, home)
         ref = engine.new_ref()
         desc = contiguous_desc(local_shape, value.dtype)
-        local = Tensor(None, pm, engine, ref, "main", desc=desc)
+        local = Tensor(None, home, engine, ref, "main", desc=desc)
         split.append((whole._md_ref, ref, k))
         inputs.append(ref)
         keep.append(whole)
@@ -756,13 +758,17 @@ def _rows(compiled: _Compiled, k: int, pm) -> dict[int, tuple[int, int]] | None:
 
 def _homes(plan: Plan) -> dict[str, tuple]:
     """For values that live on one pipeline stage: its ``on`` filter. Inputs: the stage of
-    their first user; results: the stage of the instruction that makes them."""
+    their users, where all are on one (a weight two stages use lives on the whole mesh);
+    results: the stage of the instruction that makes them."""
     out: dict[str, tuple] = {}
+    made: set[str] = set()
     for ins in plan.body:
         for u in ins.uses():
-            out.setdefault(u, ins.on)
+            if u not in made:
+                out[u] = out.get(u, ins.on) if out.get(u, ins.on) == ins.on else ()
         for o in ins.outs:
             out[o] = ins.on
+            made.add(o)
     return {k: v for k, v in out.items() if v}
 
 

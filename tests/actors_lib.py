@@ -114,6 +114,17 @@ class RefTable(md.Actor):
             return "failure", value.as_tuple()
         return ("missing", None) if value is None else ("tensor", tuple(value.shape))
 
+    @md.endpoint
+    def shapes(self):
+        """The shapes of the tensors this worker's ref table holds, sorted."""
+        import torch
+
+        from monarch_dsl.runtime import worker
+
+        table = worker.current.executor().refs
+        values = [table.get(k) for k in table.keys()]
+        return sorted(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
+
 
 class Hog(md.Actor):
     """Allocates on request (tests/test_memory.py: the workers' memory budgets)."""

@@ -17,7 +17,7 @@ from monarch_dsl import _build
 from monarch_dsl.runtime import worker
 
 sys.path.insert(0, str(Path(__file__).parent))
-from actors_lib import Plans, shared_last_run  # noqa: E402
+from actors_lib import Plans, RefTable, shared_last_run  # noqa: E402
 from compiler_helpers import (  # noqa: E402
     MEGATRON_MLP,
     Block,
@@ -222,6 +222,48 @@ def test_pipeline_on_workers(pm, layout, make):
     _, losses = _train_on_workers(pipe, make, _batches(), data_parallel=dp, micro_batches=4)
     # The loss is held by the last stage's ranks.
     assert losses[0].mesh.sizes == ({"dp": 2} if dp else {})
+
+
+class _Stages(nn.Module):
+    """Two stages whose parameters have shapes no other test's have: (23, 16), (23,) and
+    (21, 23), (21,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 23), nn.Linear(23, 21)
+
+    def forward(self, x):
+        with md.pipeline_stage(0):
+            h = torch.relu(self.first(x))
+        with md.pipeline_stage(1):
+            return self.second(h)
+
+
+def test_a_pipeline_stage_s_parameters_live_on_its_ranks_only(pm):
+    """Each rank of pp=2 holds its own stage's parameters (and gradients), not a stale copy of
+    the other stage's: a pipeline splits the model's memory. Pulled back, the values are
+    one process's."""
+    pipe = pm.rename(tp="pp").slice(dp=0)
+    make = _make(_Stages, lr=0.1)
+    model, opt, step_of = make()
+    ref, ref_opt = copy.deepcopy((model, opt))
+    step = md.mesh_fn(step_of(model, opt), micro_batches=2)
+    refs = pipe.spawn("stage_refs", RefTable)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 21, generator=g)) for _ in "abc"]
+    with pipe.activate():
+        losses = [md.inspect(step(x, y)) for x, y in batches]
+    held = refs.shapes.call().get(timeout=30).values()
+    first, second = [(23, 16), (23,)], [(21, 23), (21,)]
+    for rank, shapes in enumerate(held):
+        own, other = (first, second) if rank == 0 else (second, first)
+        assert all(s in shapes for s in own), (rank, shapes)
+        assert not any(s in shapes for s in other), (rank, shapes)
+    step.pull()
+    for (x, y), loss in zip(batches, losses, strict=True):
+        torch.testing.assert_close(loss, step_of(ref, ref_opt)(x, y).detach(), atol=ATOL, rtol=0)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
 class PlanRuntime(md.Actor):
