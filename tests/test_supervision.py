@@ -25,7 +25,7 @@ from monarch_dsl.tensor.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from actors_lib import Counter, RefTable, shared_last_run  # noqa: E402
-from compiler_helpers import mse_step  # noqa: E402
+from compiler_helpers import TwoStages, mse_step  # noqa: E402
 
 pytestmark = pytest.mark.procs
 NAMED = r"worker rank 1 \(dp=1, pid \d+\) was killed by signal SIGKILL"
@@ -115,6 +115,42 @@ def test_a_worker_killed_during_compiled_steps_is_named(dp2, sharded, warm):
     for loss in losses:
         kind, failure = _survivor_holds(dp2, table, loss._md_ref)
         assert kind == "failure" and failure[0] == 0, (kind, failure)
+
+
+def test_a_worker_killed_during_pipelined_steps_is_named(dp2):
+    """pp=2 with micro-batches: the second stage's rank dies between steps, while the first
+    stage's waits in the sends and receives of activations and gradients. That survivor's
+    step fails with the broken link as its value (its own stage's gradients, which live on it
+    alone), with no traceback; pulling the state back names the dead rank too."""
+    table = dp2.spawn("refs", RefTable)
+    pipe = dp2.rename(dp="pp")
+    torch.manual_seed(0)
+    model = TwoStages()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+
+    def train(x, y):
+        loss = mse_step(model, opt)(x, y)
+        return loss, model.first[0].weight.grad  # (stage 0's: on the survivor)
+
+    step = md.mesh_fn(train, micro_batches=2)
+    with pipe.activate():
+        assert torch.isfinite(md.inspect(step(x, y)[0]))
+    with pytest.raises(md.SupervisionError, match=PIPE_NAMED) as info:
+        with pipe.activate():
+            with _one_batch(pipe):
+                _die_on(1)
+                outs = [step(x, y) for _ in range(3)]
+            md.inspect(outs[-1][0])  # (the loss is the last stage's: the dead rank's)
+    assert info.value.rank == 1
+    for _, grad in outs:
+        kind, failure = _survivor_holds(dp2, table, grad._md_ref)
+        assert kind == "failure" and failure[0] == 0, (kind, failure)
+    with pytest.raises(md.SupervisionError, match=PIPE_NAMED):
+        step.pull()
+
+
+PIPE_NAMED = r"worker rank 1 \((dp|pp)=1, pid \d+\) was killed by signal SIGKILL"
 
 
 def test_a_worker_killed_during_eager_collectives_is_named(dp2):
