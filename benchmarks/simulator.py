@@ -48,10 +48,10 @@ bytes are known exactly (``rows_bytes``). Predicted: ``plan.simulate()``'s ``pea
 resident_memory`` (such a part is one of the plan's inputs, live for the whole call; a local
 argument sent whole is copied to the rank's part out of the message, whose buffer is the
 transport's and counted on neither side). Also printed: what
-stays between calls, predicted (``resident_memory``) and measured (live at the calls' start);
-the measured one also holds the buffers of the first call's plan (compiled from the local
-modules, then replaced by the plan for the state on the workers; the runtime keeps a plan's
-buffers while the plan exists). Resident set size (``VmHWM``) is no reference: it counts
+stays between calls, predicted (``resident_memory``) and measured (live at the calls' start;
+the first call's plan, compiled from the local modules and then replaced by the plan for the
+state on the workers, keeps no buffers: a plan keeps them from its second run). Resident set
+size (``VmHWM``) is no reference: it counts
 pages and allocator caches, and the profiler's own memory.
 
 Printed per case: predicted, measured, error ((predicted - measured) / measured). Goals (issue

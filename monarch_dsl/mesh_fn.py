@@ -765,7 +765,7 @@ def _homes(plan: Plan) -> dict[str, tuple]:
     for ins in plan.body:
         for u in ins.uses():
             if u not in made:
-                out[u] = out.get(u, ins.on) if out.get(u, ins.on) == ins.on else ()
+                out[u] = ins.on if out.get(u, ins.on) == ins.on else ()
         for o in ins.outs:
             out[o] = ins.on
             made.add(o)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ import torch.nn.functional as F
 
 import monarch_dsl as md
 from monarch_dsl.compiler.simulate import processor_sharing
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compiler_helpers import TwoStages, mse_step  # noqa: E402
 
 
 def _children() -> set[int]:
@@ -244,6 +249,22 @@ def test_a_compiled_step_continues_the_timeline():
     assert any("addmm" in e.name or "mm" in e.name for e in plan)
     assert {e.rank for e in plan if e.name == "all_reduce"} == {0, 1}
     assert min(e.start for e in plan) >= eager_end
+
+
+def test_a_pipelined_step_runs_on_the_simulator_with_each_stage_s_parameters_on_its_rank():
+    """Each stage's parameters live on its ranks only (as on workers: nothing on the other
+    stage's), which the simulator follows from call to call."""
+    sim = md.Simulator(gpus=2)
+    mesh = sim.mesh.flatten("pp")
+    model = TwoStages()
+    step = md.mesh_fn(mse_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                      micro_batches=2)  # fmt: skip
+    x, y = torch.rand(8, 16), torch.rand(8, 16)
+    with mesh.activate():
+        for _ in range(3):  # (the first call's plan, then the one for the state on the mesh)
+            assert md.inspect(step(x, y)).shape == ()
+    sends = [e for e in sim.events if e.name in ("send", "recv")]
+    assert {e.rank for e in sends} == {0, 1}
 
 
 def test_a_compiled_adamw_step_under_a_per_step_schedule_runs_on_the_simulator():

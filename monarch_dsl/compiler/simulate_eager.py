@@ -654,7 +654,9 @@ class EagerSimulator:
                 parts += part.numel() * part.element_size()
                 inputs.append(_type(part))
                 continue
-            value = next((self.refs[r][ref] for r in where.values() if ref in self.refs[r]), None)
+            # (a pipeline stage's parameter is None on the other stages' ranks)
+            held = (self.refs[r].get(ref) for r in where.values())
+            value = next((v for v in held if v is not None), None)
             inputs.append(_type(value))
         key = (ins.plan, tuple(inputs))
         types = self.plan_types.get(key)
