@@ -31,9 +31,13 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    step in one process on one intra-op thread at the per-rank batch (32), timed here, in this
    process -- plus the part of the gradient all-reduce that cannot be hidden behind compute.
    We count the all-reduce of the last gradient bucket of the compiled plan (it holds the
-   first layer's gradients, complete only when the backward pass is): a raw shared-memory
-   all-reduce (``ShmGroup.all_reduce``, what the workers use between processes of one host)
-   of that many float32s between the two worker processes, timed in them. The other buckets
+   first layer's gradients, complete only when the backward pass is) between the two worker
+   processes, timed in them, as the compiled step does it: in a block of shared memory both
+   ranks map (``monarch-dsl calibrate``'s probe of ``all_reduce_block``: a plan whose steps
+   write that many float32s into the block, which is reduced where it lies; the faster
+   rank's median, from the later rank's arrival), or -- where the ranks can have no block
+   (``MD_SHM_BLOCKS=0``) -- a raw shared-memory all-reduce (``ShmGroup.all_reduce``: through
+   the group's slots; the slower rank's median). The other buckets
    could in principle overlap the backward pass; on this 2-core machine they cannot (each
    rank's core does its own compute and its share of the shared-memory reduction), so the
    whole all-reduce is printed too, as ``compute + all buckets``. ``floor, 2 at once``: the
@@ -74,6 +78,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
+from monarch_dsl.calibrate import Probe  # noqa: E402
+from monarch_dsl.compiler.simulate import BLOCK_KIND  # noqa: E402
 
 WORLD, BATCH, LR = 2, 32, 0.01  # ranks, samples per rank
 MODELS = {"big": (1024, 8), "tiny": (64, 4)}  # name: (width, layers)
@@ -315,6 +321,15 @@ class RawAllReduce(md.Actor):
         return statistics.median(times)
 
 
+def block_all_reduce_secs(probe, raw, nbytes: int) -> float:
+    """The floor's all-reduce of ``nbytes`` (see the docstring): in a block of shared memory
+    (the faster rank's median), else through the slots (``raw``: the slower rank's)."""
+    got = list(probe.comm.call("shm", BLOCK_KIND, nbytes, 5, 0).get().values())
+    if all(got):
+        return min(statistics.median(t) for t in got)
+    return max(raw.secs.call(nbytes // 4, 5).get().values())
+
+
 class LocalSteps(md.Actor):
     """The floor's compute in every worker at once: each rank runs the step alone (its own
     model, its 32 rows, no communication) -- what a rank's compute costs while the other
@@ -339,7 +354,7 @@ class LocalSteps(md.Actor):
 # ---- the run -------------------------------------------------------------------------------
 
 
-def measure(pm, ddp_torch: TorchDDP, raw, both, name: str, blocks: int) -> dict:
+def measure(pm, ddp_torch: TorchDDP, raw, probe, both, name: str, blocks: int) -> dict:
     eager = md_eager(pm, name)
     eager_read = md_eager(pm, name, read_each_step=True)
     compiled = md_compiled(pm, name)
@@ -347,9 +362,10 @@ def measure(pm, ddp_torch: TorchDDP, raw, both, name: str, blocks: int) -> dict:
     buckets = bucket_bytes(name)
 
     def floor_comm() -> tuple[float, float]:
-        last = max(raw.secs.call(buckets[-1] // 4, 5).get().values())
-        whole = max(raw.secs.call(sum(buckets) // 4, 5).get().values())
-        return last, whole
+        return (
+            block_all_reduce_secs(probe, raw, buckets[-1]),
+            block_all_reduce_secs(probe, raw, sum(buckets)),
+        )
 
     sharded = md_compiled(pm, name, sharded=True)
     systems = {
@@ -396,8 +412,9 @@ def main() -> None:
     ddp_torch = TorchDDP()
     try:
         raw = pm.spawn("raw_all_reduce", RawAllReduce)
+        probe = pm.spawn("block_all_reduce", Probe, list(pm.ranks))
         both = pm.spawn("local_steps", LocalSteps)
-        results = {name: measure(pm, ddp_torch, raw, both, name, blocks) for name in MODELS}
+        results = {name: measure(pm, ddp_torch, raw, probe, both, name, blocks) for name in MODELS}
     finally:
         ddp_torch.close()
         pm.stop()
@@ -432,7 +449,7 @@ def main() -> None:
         whole = med["compute"] + med["all buckets"]
         print(
             f"{name}: floor = compute {med['compute'] * 1e3:.2f} ms (1 process, 1 thread, batch "
-            f"{BATCH}) + last bucket's shm all-reduce {med['last bucket'] * 1e3:.2f} ms; "
+            f"{BATCH}) + last bucket's all-reduce {med['last bucket'] * 1e3:.2f} ms; "
             f"compute + all buckets ({mib} MiB) {whole * 1e3:.2f} ms; the same compute in both "
             f"workers at once {med['compute, 2 at once'] * 1e3:.2f} ms "
             f"({med['compute, 2 at once'] / med['compute']:.2f}x alone); compiled / that floor "
