@@ -321,13 +321,15 @@ class RawAllReduce(md.Actor):
         return statistics.median(times)
 
 
-def block_all_reduce_secs(probe, raw, nbytes: int) -> float:
-    """The floor's all-reduce of ``nbytes`` (see the docstring): in a block of shared memory
-    (the faster rank's median), else through the slots (``raw``: the slower rank's)."""
+def block_all_reduce_secs(probe, raw, nbytes: int) -> tuple[float, str]:
+    """The floor's all-reduce of ``nbytes`` (see the docstring) and how it went: in a block
+    of shared memory (the faster rank's median), else through the slots (``raw``: the slower
+    rank's) -- wherever the ranks voted no to a block (``MD_SHM_BLOCKS=0``,
+    ``MD_SHM_SIZE_LIMIT``, no room in /dev/shm)."""
     got = list(probe.comm.call("shm", BLOCK_KIND, nbytes, 5, 0).get().values())
     if all(got):
-        return min(statistics.median(t) for t in got)
-    return max(raw.secs.call(nbytes // 4, 5).get().values())
+        return min(statistics.median(t) for t in got), "in a block"
+    return max(raw.secs.call(nbytes // 4, 5).get().values()), "through the slots"
 
 
 class LocalSteps(md.Actor):
@@ -361,11 +363,15 @@ def measure(pm, ddp_torch: TorchDDP, raw, probe, both, name: str, blocks: int) -
     compute = local_step(name)
     buckets = bucket_bytes(name)
 
+    ways: set[str] = set()
+
     def floor_comm() -> tuple[float, float]:
-        return (
+        (last, a), (whole, b) = (
             block_all_reduce_secs(probe, raw, buckets[-1]),
             block_all_reduce_secs(probe, raw, sum(buckets)),
         )
+        ways.update((f"last bucket {a}", f"all buckets {b}"))
+        return last, whole
 
     sharded = md_compiled(pm, name, sharded=True)
     systems = {
@@ -395,7 +401,7 @@ def measure(pm, ddp_torch: TorchDDP, raw, probe, both, name: str, blocks: int) -
     med["all buckets"] = statistics.median(all_buckets)
     med["floor"] = med["compute"] + med["last bucket"]
     med["floor, 2 at once"] = med["compute, 2 at once"] + med["last bucket"]
-    return {"med": med, "times": times, "steps": steps, "buckets": buckets}
+    return {"med": med, "times": times, "steps": steps, "buckets": buckets, "ways": ways}
 
 
 def main() -> None:
@@ -453,7 +459,8 @@ def main() -> None:
             f"compute + all buckets ({mib} MiB) {whole * 1e3:.2f} ms; the same compute in both "
             f"workers at once {med['compute, 2 at once'] * 1e3:.2f} ms "
             f"({med['compute, 2 at once'] / med['compute']:.2f}x alone); compiled / that floor "
-            f"{med['compiled'] / med['floor, 2 at once']:.2f}x"
+            f"{med['compiled'] / med['floor, 2 at once']:.2f}x (all-reduces timed: "
+            f"{', '.join(sorted(r['ways']))})"
         )
         for system, v in r["times"].items():
             print(
