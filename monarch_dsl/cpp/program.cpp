@@ -674,8 +674,8 @@ class CompiledPlan {
 
   // PlanRunner._comm in C++.
   // One of `c.buffers` that no tensor but it uses (not even a view) with this shape and
-  // type; else a new one, kept (but in a plan's first run_plan) in place of one that does not fit
-  // or, failing that, of the first (which stays alive while its holders need it).
+  // type; else a new one, kept (except in a plan's first run_plan) in place of one that does
+  // not fit or, failing that, of the first (which stays alive while its holders need it).
   at::Tensor result_buffer(CommStep& c, at::IntArrayRef sizes,
                            const at::TensorOptions& options) const {
     auto fits = [&](const at::Tensor& b) {
