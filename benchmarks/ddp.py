@@ -34,8 +34,9 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    first layer's gradients, complete only when the backward pass is) between the two worker
    processes, timed in them, as the compiled step does it: in a block of shared memory both
    ranks map (``monarch-dsl calibrate``'s probe of ``all_reduce_block``: a plan whose steps
-   write that many float32s into the block, which is reduced where it lies; the faster
-   rank's median, from the later rank's arrival), or -- where the ranks can have no block
+   write that many float32s into the block, which is reduced where it lies; read as
+   calibration reads it: the median over runs of the faster rank's time, from the later
+   rank's arrival), or -- where the ranks can have no block
    (``MD_SHM_BLOCKS=0``) -- a raw shared-memory all-reduce (``ShmGroup.all_reduce``: through
    the group's slots; the slower rank's median). The other buckets
    could in principle overlap the backward pass; on this 2-core machine they cannot (each
@@ -78,7 +79,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
-from monarch_dsl.calibrate import Probe  # noqa: E402
+from monarch_dsl.calibrate import Probe, comm_seconds  # noqa: E402
 from monarch_dsl.compiler.simulate import BLOCK_KIND  # noqa: E402
 
 WORLD, BATCH, LR = 2, 32, 0.01  # ranks, samples per rank
@@ -323,12 +324,13 @@ class RawAllReduce(md.Actor):
 
 def block_all_reduce_secs(probe, raw, nbytes: int) -> tuple[float, str]:
     """The floor's all-reduce of ``nbytes`` (see the docstring) and how it went: in a block
-    of shared memory (the faster rank's median), else through the slots (``raw``: the slower
-    rank's) -- wherever the ranks voted no to a block (``MD_SHM_BLOCKS=0``,
-    ``MD_SHM_SIZE_LIMIT``, no room in /dev/shm)."""
-    got = list(probe.comm.call("shm", BLOCK_KIND, nbytes, 5, 0).get().values())
-    if all(got):
-        return min(statistics.median(t) for t in got), "in a block"
+    of shared memory (as calibration reads the probe: ``comm_seconds``), else through the
+    slots (``raw``: the slower rank's median) -- wherever the ranks voted no to a block
+    (``MD_SHM_BLOCKS=0``, ``MD_SHM_SIZE_LIMIT``, no room in /dev/shm)."""
+    got = probe.comm.call("shm", BLOCK_KIND, nbytes, 5, 0).get().values()
+    seconds = comm_seconds(BLOCK_KIND, got)
+    if seconds is not None:
+        return seconds, "in a block"
     return max(raw.secs.call(nbytes // 4, 5).get().values()), "through the slots"
 
 

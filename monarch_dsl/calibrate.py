@@ -533,6 +533,18 @@ class Probe(Actor):
         return times
 
 
+def comm_seconds(kind: str, got: Iterable[list[float]]) -> float | None:
+    """One ``Probe.comm`` measurement from every rank's seconds per run: the median over the
+    runs of the slowest rank's time -- for ``BLOCK_KIND``, of the fastest's: the rank that came
+    last (the others' record holds their wait for it); None where no rank has one (a block
+    could not be had)."""
+    ranks = [r for r in got if r]
+    if not ranks:
+        return None
+    pick = min if kind == BLOCK_KIND else max
+    return statistics.median(pick(r[k] for r in ranks) for k in range(len(ranks[0])))
+
+
 def worker_rank() -> int:
     from monarch_dsl.runtime import worker
 
@@ -775,12 +787,9 @@ def _measure(
                     if backend in backends:
                         bar.show(label)
                         got = probe.comm.call(backend, kind, nbytes, s.reps, span).get().values()
-                        # (the slowest rank's; a block's: the rank that came last -- the
-                        # others' record has their wait for it)
-                        pick = min if kind == BLOCK_KIND else max
-                        if any(got):  # (none: a block could not be had)
-                            runs = [pick(r[k] for r in got if r) for k in range(s.reps)]
-                            comm[(backend, n, kind, nbytes)] = statistics.median(runs)
+                        seconds = comm_seconds(kind, got)
+                        if seconds is not None:  # (none: a block could not be had)
+                            comm[(backend, n, kind, nbytes)] = seconds
                     bar.step(label)
                 workers_cpu += sum(probe.cpu_seconds.call().get().values())
             finally:
