@@ -36,6 +36,12 @@ def rank_files(path, n=2):
     return out
 
 
+def both_started(path, n=2):
+    """Every rank has written its file (ranks.py writes ``<RANK>.tmp`` first, then renames it:
+    counting the folder's entries would count a rank still writing)."""
+    return all(os.path.exists(os.path.join(path, f"{r}.json")) for r in range(n))
+
+
 def assert_gone(pids):
     wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10, what=f"pids {pids} gone")
 
@@ -158,7 +164,7 @@ def test_timeout_stops_every_rank(pm, tmp_path):
         pm.run_spmd(RANKS, "sleep", str(tmp_path), timeout=1)
     assert time.monotonic() - start < 1 + spmd.STOP_GRACE
     assert info.value.timed_out and info.value.stopped == (0, 1) and info.value.failures == {}
-    wait_until(lambda: len(os.listdir(tmp_path)) == 2, what="both ranks' files")
+    wait_until(lambda: both_started(tmp_path), what="both ranks' files")
     assert_gone([s["pid"] for s in rank_files(tmp_path)])
 
 
@@ -168,7 +174,7 @@ def test_killing_a_worker_during_a_run_is_a_supervision_error(tmp_path):
         worker = mesh._job.pids[1]
 
         def kill_when_started():
-            wait_until(lambda: len(os.listdir(tmp_path)) == 2, what="both ranks started")
+            wait_until(lambda: both_started(tmp_path), what="both ranks started")
             os.kill(worker, signal.SIGKILL)
 
         killer = threading.Thread(target=kill_when_started, daemon=True)
@@ -386,7 +392,7 @@ def test_cli_killed_during_a_run_leaves_no_rank_behind(tmp_path, sig):
         env=cli_env(),
     )
     try:
-        wait_until(lambda: len(os.listdir(tmp_path)) == 2, timeout=60, what="both ranks started")
+        wait_until(lambda: both_started(tmp_path), timeout=60, what="both ranks started")
         proc.send_signal(sig)
         code = proc.wait(timeout=30)
     finally:
