@@ -38,9 +38,10 @@ Everything is measured on real local workers, through the runtime the steps use:
   call of a compiled step costs beyond its steps, called back to back while the ranks are
   busy (``_calls``, ``_call_costs``): the controller's CPU per call, per input and per result,
   a local argument's sending, the workers' ``plan_overhead``
-  (``compiler/simulate.py:steady_step_time``), and, on CPU workers, ``dispatch_overhead``: a
-  step's CPU in a plan of ``PLAN_STEPS`` tiny steps called back to back (1.6-2.3x the loop of
-  one op on a 2-core EPYC, whose cores the controller and the other rank share meanwhile).
+  (``compiler/simulate.py:steady_step_time``), and ``dispatch_overhead``: a step's CPU in a
+  plan of ``PLAN_STEPS`` tiny steps called back to back (1.6-2.3x the loop of one op on a
+  2-core EPYC, whose cores the controller and the other rank share meanwhile; on a GPU, its
+  launch: 1.2x the loop on an H200).
 - **Collectives** (a mesh of each ``--ranks`` size): float32 all-reduces of several sizes,
   each a communication step of a ``CompiledPlan`` run by ``run_plan`` on the group the
   runtime gives plan collectives on this host (``Executor.process_group``: shared memory,
@@ -152,9 +153,11 @@ QUICK = Settings(
     eager_rounds=3,
 )
 # --device cuda: one GPU. Larger sizes (a GPU reaches its rates only there: a 1024^3 matmul is
-# still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy.
+# still mostly launch); other dtypes at 4096, where bfloat16's tensor cores are busy. Small
+# matmuls too: below 256^3 a GPU's matmul takes about as long whatever its size (a launch, not
+# work: ``DeviceProfile.small_op_floor``), and a small model's steps are made of them.
 CUDA = Settings(
-    matmul=(256, 512, 1024, 2048, 4096, 8192),
+    matmul=(32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
     thin=(),  # (a GPU's matmuls are a roofline: no matmul_passes to fit)
     wide=(),
     shapes=(),
@@ -169,7 +172,7 @@ CUDA = Settings(
 )
 CUDA_QUICK = dataclasses.replace(
     CUDA,
-    matmul=(256, 2048),
+    matmul=(64, 2048),
     pointwise=(1 << 16, 1 << 22),
     reps=3,
     run_seconds=0.005,
@@ -803,7 +806,7 @@ def _measure(
     cal.eager_wall = eager_wall
     cal.loop_dispatch = cal.profile.dispatch_overhead
     if calls:
-        cal.profile = _call_costs(cal.profile, calls, sizes[0], in_plan_dispatch=not gpu)
+        cal.profile = _call_costs(cal.profile, calls, sizes[0])
         if gpu:  # a GPU computes: its ranks do not share the host's cores for it
             cal.profile = _replace(cal.profile, host_cores=0)
         cal.calls = {
@@ -867,9 +870,11 @@ def _call_costs(
     its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs,
     ``plan_issue_per_output`` from 14 more results, the ``"controller"`` link from the local
     arguments: latency + the bytes sent in all / bandwidth), each against the median of the
-    cases issued alike (``BASE_LIKE``). With ``in_plan_dispatch`` (CPU workers:
-    a step's time is CPU), ``dispatch_overhead``: the busiest worker's CPU in the steps of
-    the ``"plan steps"`` case over its steps, where more than the loop of one op. The
+    cases issued alike (``BASE_LIKE``). With ``in_plan_dispatch``, ``dispatch_overhead``:
+    the busiest worker's CPU in the steps of the ``"plan steps"`` case over its steps, where
+    more than the loop of one op (a step's CPU in a plan: on a CPU worker its time, on a GPU's
+    its launch, which sets a small step's pace there: on an H200 the calls of 200 ``add``s took
+    5.7 us an add, the loop 4.9). The
     workers: where their cores are shared with the controller, their CPU per call beyond the
     plan's steps, measured in them (median of the cases); else, with the ranks busy, calls of
     the chain once and twice took ``w + chain`` and ``w + 2 chain`` (the overhead measured,
@@ -1444,6 +1449,7 @@ def _gpu_profile(
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=0.0,
+        small_op_floor=True,
         notes=(
             f"calibrated by `monarch-dsl calibrate --device cuda{' --quick' if quick else ''}`"
             f" on {datetime.date.today().isoformat()}: {name}, torch {torch.__version__}, "

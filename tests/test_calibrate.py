@@ -96,6 +96,35 @@ def test_the_curve_is_interpolated_log_log_and_gives_monotone_times():
     assert BUILTIN["cpu-local"].bandwidth(1e7) == BUILTIN["cpu-local"].memory_bandwidth
 
 
+def test_below_the_smallest_measured_size_a_gpu_profile_keeps_its_time(tmp_path):
+    """``small_op_floor`` (a GPU's profile): an op smaller than the curves' first point takes
+    that point's time; without it (a CPU's) the first point's rate."""
+    (x0, r0), (b0, w0) = MATMUL[0], BANDWIDTH[0]
+    ones = {"matmul": 1.0, "pointwise": 1.0, "reduction": 1.0, "other": 1.0}
+    cpu = _calibrated(efficiency=ones, matmul_passes=0.0)  # (a roofline, as a GPU's)
+    gpu = dataclasses.replace(cpu, small_op_floor=True)
+    assert interpolate(MATMUL, x0 / 10, floor=True) == pytest.approx(r0 / 10)
+    for flops in (x0 / 10, x0 / 1000):
+        assert flops / gpu.matmul_flops_per_second(flops, "float32") == pytest.approx(x0 / r0)
+        assert flops / cpu.matmul_flops_per_second(flops, "float32") == pytest.approx(flops / r0)
+    assert 1.0 / gpu.bandwidth(1.0) == pytest.approx(b0 / w0)
+    assert 1.0 / cpu.bandwidth(1.0) == pytest.approx(1.0 / w0)
+    # at and above the first point both read the curve alike
+    for flops in (x0, 1e5, 1e9, 1e12):
+        assert gpu.matmul_flops_per_second(flops, "float32") == cpu.matmul_flops_per_second(
+            flops, "float32"
+        )
+    # in the simulator: a tiny matmul costs the smallest measured one's time (more than its
+    # bytes' floor, b0 / w0) and the dispatch
+    assert x0 / r0 > b0 / w0
+    types = [((2, 2), "float32"), ((2, 2), "float32"), ((2, 2), "float32")]
+    mm = isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,))
+    assert compute_time(mm, types, gpu) == pytest.approx(x0 / r0 + gpu.dispatch_overhead)
+    assert compute_time(mm, types, cpu) < compute_time(mm, types, gpu)
+    gpu.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json").small_op_floor
+
+
 def test_matmul_shapes_are_read_off_the_grid_and_interpolated_between_sizes(tmp_path):
     # seconds per multiply-add: 4 ns at m=16, 1 ns at m=64 (any k, n); k, n at 64 and 256
     grid = tuple(
@@ -563,7 +592,7 @@ def test_the_one_gpu_calibration_runs_on_one_cpu_worker():
     cal = calibrate._measure(s, (1,), {"MD_DEVICE": "cpu"}, False, True)
     p = cal.profile
     assert p.name == "cuda-local" and cal.device == "cuda" and not cal.comm
-    assert p.matmul_passes == 0 and p.host_cores == 0
+    assert p.matmul_passes == 0 and p.host_cores == 0 and p.small_op_floor
     assert set(cal.matmul) == {32, 128} and set(cal.dtypes) == {"float64", "bfloat16", "float16"}
     assert len(p.matmul_curve) >= 1 and len(p.bandwidth_curve) >= 1
     positive = [p.dispatch_overhead, p.memory_bandwidth, *p.peak_flops.values()]

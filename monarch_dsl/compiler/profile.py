@@ -85,10 +85,14 @@ class Link:
         return cls(**values)
 
 
-def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
+def interpolate(curve: Sequence[Sequence[float]], x: float, floor: bool = False) -> float:
     """The rate of ``curve`` at ``x``: linear in log-log between the points around it (a
-    power law between two measured sizes), the end point's rate beyond either end."""
+    power law between two measured sizes), the end point's rate beyond either end; with
+    ``floor``, below the first point the rate that takes that point's time (x0 / y0: a
+    smaller op takes no less time than the smallest measured one)."""
     if x <= curve[0][0]:
+        if floor and x > 0:
+            return float(curve[0][1]) * x / float(curve[0][0])
         return float(curve[0][1])
     for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         if x <= x1:
@@ -183,7 +187,14 @@ class DeviceProfile:
     more than it holds, as the weights of a model larger than the cache come from memory). A
     step whose inputs were touched recently enough to still be in the cache runs at the warm
     rates (``warm``; ``compiler/simulate.py:warm_fractions`` says which): a 16 x 512 x 512
-    matmul and a 512 x 512 ``add`` took 2x and 3x less so on a 2-core EPYC."""
+    matmul and a 512 x 512 ``add`` took 2x and 3x less so on a 2-core EPYC.
+
+    ``small_op_floor``: whether an op smaller than the curves' smallest measured size takes
+    that size's time, not its FLOPs or bytes at that size's rate. Set by ``monarch-dsl
+    calibrate --device cuda``: a GPU's small ops are launches and kernels' fixed costs, not
+    work (on an H200, in a plan of the C++ runtime, a 128^3 float32 ``mm`` took 13.8 us and a
+    256^3 one 15.7 us, where the 256^3 one's rate put the 128^3 one at 6 us). A CPU's small
+    ops shrink with their work: its curves keep the smallest size's rate below it."""
 
     name: str
     peak_flops: dict[str, float]
@@ -216,6 +227,7 @@ class DeviceProfile:
     cache_bytes: int = 0
     warm_bandwidth_curve: Curve = ()
     warm_matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
+    small_op_floor: bool = False
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -248,7 +260,7 @@ class DeviceProfile:
         if not self.matmul_curve:
             return self.flops_per_second(dtype)
         scale = self.flops_per_second(dtype) / self.peak_flops["float32"]
-        return interpolate(self.matmul_curve, flops) * scale
+        return interpolate(self.matmul_curve, flops, self.small_op_floor) * scale
 
     def matmul_seconds(self, m: int, k: int, n: int, dtype: str) -> float | None:
         """Seconds of an (m x k) @ (k x n) matmul from ``matmul_shapes`` (None without): its
@@ -287,7 +299,7 @@ class DeviceProfile:
         curve where there is one, else ``memory_bandwidth``."""
         if not self.bandwidth_curve:
             return self.memory_bandwidth
-        return interpolate(self.bandwidth_curve, moved)
+        return interpolate(self.bandwidth_curve, moved, self.small_op_floor)
 
     def link(self, cross_host: bool, n: int | None = None) -> Link:
         """The link of a collective across hosts or not; over ``n`` ranks: the link measured
