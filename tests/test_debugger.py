@@ -136,12 +136,14 @@ ENDPOINT_SCRIPT = """\
     pm = md.this_host().spawn_procs({"gpu": 2})
     am = pm.spawn("w", Worker)
     replies = am.work.stream(4)
-    print("first reply", next(replies), flush=True)  # rank 0's: rank 1 is stopped
+    # (one string, one write: with PYTHONUNBUFFERED print writes its pieces apart, and the
+    # table of stopped ranks, printed from another thread, can land between them)
+    print(f"first reply {next(replies)}", flush=True)  # rank 0's: rank 1 is stopped
     if sys.argv[1:] == ["--cli"]:  # the debugger in another terminal; this one just waits
-        print("second reply", next(replies), flush=True)
+        print(f"second reply {next(replies)}", flush=True)
     else:
         md.debug(wait=60)
-        print("second reply", next(replies), flush=True)
+        print(f"second reply {next(replies)}", flush=True)
     pm.stop()
 """
 
@@ -185,7 +187,7 @@ REMOTE_SCRIPT = """\
         y = scale(torch.ones(2))
         assert debugger.sessions().wait_stopped(2, timeout=60)
         md.debug(wait=60)
-        print("values", [md.inspect(y, gpu=i).tolist() for i in range(2)], flush=True)
+        print(f"values {[md.inspect(y, gpu=i).tolist() for i in range(2)]}", flush=True)
     pm.stop()
 """
 
