@@ -30,6 +30,7 @@ from monarch_dsl.compiler.simulate import (
     writes_out,
 )
 from monarch_dsl.isa import Slot
+from monarch_dsl.mesh_fn import _homes
 
 # ---- every step kind ---------------------------------------------------------------------------
 
@@ -387,6 +388,54 @@ def test_a_pipeline_sends_between_stages_and_keeps_each_stage_s_parameters():
     stage = [sum(p.numel() * 4 for p in m.parameters()) for m in (model.first, model.second)]
     peak = report.peak_memory
     assert peak[0] >= stage[0] and peak[1] >= stage[1] and peak[0] != peak[1]
+
+
+class _ThreeStages(nn.Module):
+    """Three stages; a buffer read by the first and, with ``shared``, the last."""
+
+    def __init__(self, shared: bool):
+        super().__init__()
+        self.shared = shared
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16, 16), 0.5))
+
+    def forward(self, x):
+        with md.pipeline_stage(0):
+            h = torch.relu(self.a(x)) @ self.scale
+        with md.pipeline_stage(1):
+            h = torch.relu(self.b(h))
+        with md.pipeline_stage(2):
+            h = self.c(h)
+            return h @ self.scale if self.shared else h
+
+
+def test_an_input_two_stages_of_three_read_is_resident_on_every_rank():
+    """The runtime's rule (``mesh_fn._homes``): an input the steps of one stage use lives on
+    that stage's ranks; one that steps of several use, on the whole mesh (the middle stage's
+    ranks too), which the simulator counts as resident there."""
+
+    def resident(shared: bool) -> dict[int, int]:
+        torch.manual_seed(0)
+        model = _ThreeStages(shared)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        x, y = mse_batches(1, (8, 16))[0]
+        plan, _ = compile_step(step, (x, y), {}, (("pp", 3),), micro_batches=2)
+        (name,) = [i.name for i in plan.inputs if i.name.endswith("scale")]
+        assert _homes(plan).get(name) == (None if shared else (("pp", 0),))
+        return plan.simulate(profile="h100").resident_memory
+
+    one, two = resident(False), resident(True)
+    scale = 16 * 16 * 4
+    assert two[1] - one[1] == scale  # the middle stage holds it too
+    assert two[0] == one[0]  # the first stage held it already
 
 
 # ---- profiles and traces -----------------------------------------------------------------------

@@ -727,13 +727,16 @@ def simulate_program(
             host_of = lambda c, r: r // prof.ranks_per_host  # noqa: E731
     hosts = {c: host_of(c, index[c]) for c in ranks}
     mem: dict[Coords, _Memory] = {c: _Memory() for c in ranks}
-    # An input lives on the ranks whose steps use it (a pipeline stage's parameters on that
-    # stage), or everywhere if no step does.
-    homes: dict[int, set[Coords]] = {s: set() for s in program.inputs}
+    # An input lives on the ranks of the steps that use it where they all run on the same
+    # ranks (a pipeline stage's parameters on that stage), else everywhere (also where no
+    # step uses it): the runtime's rule (``mesh_fn._homes``: a buffer two stages of three
+    # read is lifted onto the whole mesh, the middle stage's ranks too).
+    users: dict[int, set[frozenset[Coords]]] = {s: set() for s in program.inputs}
     for step in program.steps:
         for u in step.uses():
-            if u in homes:
-                homes[u].update(c for c in ranks if step.runs_on(c))
+            if u in users:
+                users[u].add(frozenset(c for c in ranks if step.runs_on(c)))
+    homes = {s: set(next(iter(on))) if len(on) == 1 else set() for s, on in users.items()}
     held = program.outputs if held is None else held
     resident: dict[int, int] = {}
     for c in ranks:
