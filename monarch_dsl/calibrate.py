@@ -863,16 +863,15 @@ def _call_costs(
     p: DeviceProfile,
     calls: dict[str, tuple[Any, float, float, float, float]],
     n: int,
-    in_plan_dispatch: bool = True,
 ) -> DeviceProfile:
     """``p`` with what a call of a compiled step costs beyond its steps
     (``compiler/simulate.py:steady_step_time``), from the calls of ``_calls``. The controller:
     its CPU per call (``plan_issue``, ``plan_issue_per_input`` from 14 more inputs,
     ``plan_issue_per_output`` from 14 more results, the ``"controller"`` link from the local
     arguments: latency + the bytes sent in all / bandwidth), each against the median of the
-    cases issued alike (``BASE_LIKE``). With ``in_plan_dispatch``, ``dispatch_overhead``:
-    the busiest worker's CPU in the steps of the ``"plan steps"`` case over its steps, where
-    more than the loop of one op (a step's CPU in a plan: on a CPU worker its time, on a GPU's
+    cases issued alike (``BASE_LIKE``). ``dispatch_overhead``: the busiest worker's CPU in the
+    steps of the ``"plan steps"`` case over its steps, where measured and more than the loop
+    of one op (a step's CPU in a plan: on a CPU worker its time, on a GPU's
     its launch, which sets a small step's pace there: on an H200 the calls of 200 ``add``s took
     5.7 us an add, the loop 4.9). The
     workers: where their cores are shared with the controller, their CPU per call beyond the
@@ -889,7 +888,7 @@ def _call_costs(
     per_output = max(0.0, (cpu[f"+{MORE} results"] - base) / MORE)
     issue = max(0.0, base - 3 * per_input - per_output)
     dispatch = p.dispatch_overhead
-    if in_plan_dispatch and calls["plan steps"][4] > 0:
+    if calls["plan steps"][4] > 0:
         dispatch = max(dispatch, calls["plan steps"][4] / PLAN_STEPS)
     cost = {b: cpu[f"local {_size(b)}"] - base for b in LOCAL_ARG_BYTES}
     small, large = LOCAL_ARG_BYTES

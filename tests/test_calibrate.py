@@ -97,8 +97,9 @@ def test_the_curve_is_interpolated_log_log_and_gives_monotone_times():
 
 
 def test_below_the_smallest_measured_size_a_gpu_profile_keeps_its_time(tmp_path):
-    """``small_op_floor`` (a GPU's profile): an op smaller than the curves' first point takes
-    that point's time; without it (a CPU's) the first point's rate."""
+    """``small_op_floor`` (a GPU's profile): a matmul smaller than the matmul curve's first
+    point takes that point's time; without it (a CPU's) the first point's rate. Pointwise ops
+    read the bandwidth curve alike in both (below its first point: the dispatch alone)."""
     (x0, r0), (b0, w0) = MATMUL[0], BANDWIDTH[0]
     ones = {"matmul": 1.0, "pointwise": 1.0, "reduction": 1.0, "other": 1.0}
     cpu = _calibrated(efficiency=ones, matmul_passes=0.0)  # (a roofline, as a GPU's)
@@ -107,20 +108,22 @@ def test_below_the_smallest_measured_size_a_gpu_profile_keeps_its_time(tmp_path)
     for flops in (x0 / 10, x0 / 1000):
         assert flops / gpu.matmul_flops_per_second(flops, "float32") == pytest.approx(x0 / r0)
         assert flops / cpu.matmul_flops_per_second(flops, "float32") == pytest.approx(flops / r0)
-    assert 1.0 / gpu.bandwidth(1.0) == pytest.approx(b0 / w0)
-    assert 1.0 / cpu.bandwidth(1.0) == pytest.approx(1.0 / w0)
+    for moved in (1.0, b0 / 10, b0, 1e9):
+        assert gpu.bandwidth(moved) == cpu.bandwidth(moved)
     # at and above the first point both read the curve alike
     for flops in (x0, 1e5, 1e9, 1e12):
         assert gpu.matmul_flops_per_second(flops, "float32") == cpu.matmul_flops_per_second(
             flops, "float32"
         )
-    # in the simulator: a tiny matmul costs the smallest measured one's time (more than its
-    # bytes' floor, b0 / w0) and the dispatch
-    assert x0 / r0 > b0 / w0
+    # in the simulator: a tiny matmul costs the smallest measured one's time and the
+    # dispatch; a tiny add, its bytes at the first point's bandwidth and the dispatch
     types = [((2, 2), "float32"), ((2, 2), "float32"), ((2, 2), "float32")]
     mm = isa.Compute(name="aten.mm.default", args=(Slot(0), Slot(1)), outs=(2,))
     assert compute_time(mm, types, gpu) == pytest.approx(x0 / r0 + gpu.dispatch_overhead)
     assert compute_time(mm, types, cpu) < compute_time(mm, types, gpu)
+    add = isa.Compute(name="aten.add.Tensor", args=(Slot(0), Slot(1)), outs=(2,))
+    assert compute_time(add, types, gpu) == compute_time(add, types, cpu)
+    assert compute_time(add, types, gpu) == pytest.approx(48 / w0 + gpu.dispatch_overhead)
     gpu.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json").small_op_floor
 
@@ -500,8 +503,10 @@ def test_call_costs_fit_inputs_results_local_arguments_and_a_steps_dispatch_in_a
     assert p.links["controller"].latency == pytest.approx(1e-5, rel=1e-3)
     assert p.links["controller"].bandwidth == pytest.approx(1e9, rel=1e-3)
     assert p.dispatch_overhead == pytest.approx(4.5e-6)  # a step in a plan, not in a loop
-    # a GPU's steps are kernels: the loop's dispatch stays
-    assert calibrate._call_costs(loop, calls, 2, in_plan_dispatch=False).dispatch_overhead == 2e-6
+    # (CPU and GPU workers alike: on a GPU the step's CPU is its launch); where the steps' CPU
+    # was not measured (no probe), the loop's dispatch stays
+    unmeasured = {**calls, "plan steps": case(2e-4, 0.0)}
+    assert calibrate._call_costs(loop, unmeasured, 2).dispatch_overhead == 2e-6
 
 
 def test_cpu_bound_counts_the_controller_and_the_ranks_only_where_cores_are_short():

@@ -136,14 +136,15 @@ ENDPOINT_SCRIPT = """\
     pm = md.this_host().spawn_procs({"gpu": 2})
     am = pm.spawn("w", Worker)
     replies = am.work.stream(4)
-    # (one string, one write: with PYTHONUNBUFFERED print writes its pieces apart, and the
-    # table of stopped ranks, printed from another thread, can land between them)
-    print(f"first reply {next(replies)}", flush=True)  # rank 0's: rank 1 is stopped
+    # (a line in one write: with PYTHONUNBUFFERED, print writes its pieces and its newline
+    # apart, and the table of stopped ranks, printed from another thread, can land between)
+    say = lambda line: (sys.stdout.write(line + "\\n"), sys.stdout.flush())  # noqa: E731
+    say(f"first reply {next(replies)}")  # rank 0's: rank 1 is stopped
     if sys.argv[1:] == ["--cli"]:  # the debugger in another terminal; this one just waits
-        print(f"second reply {next(replies)}", flush=True)
+        say(f"second reply {next(replies)}")
     else:
         md.debug(wait=60)
-        print(f"second reply {next(replies)}", flush=True)
+        say(f"second reply {next(replies)}")
     pm.stop()
 """
 
@@ -169,6 +170,8 @@ def test_breakpoint_in_an_endpoint_pauses_its_rank_only(terminals, tmp_path):
 
 
 REMOTE_SCRIPT = """\
+    import sys
+
     import torch
 
     import monarch_dsl as md
@@ -187,7 +190,9 @@ REMOTE_SCRIPT = """\
         y = scale(torch.ones(2))
         assert debugger.sessions().wait_stopped(2, timeout=60)
         md.debug(wait=60)
-        print(f"values {[md.inspect(y, gpu=i).tolist() for i in range(2)]}", flush=True)
+        values = [md.inspect(y, gpu=i).tolist() for i in range(2)]
+        sys.stdout.write(f"values {values}\\n")  # (one write: see ENDPOINT_SCRIPT)
+        sys.stdout.flush()
     pm.stop()
 """
 

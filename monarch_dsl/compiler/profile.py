@@ -189,12 +189,15 @@ class DeviceProfile:
     rates (``warm``; ``compiler/simulate.py:warm_fractions`` says which): a 16 x 512 x 512
     matmul and a 512 x 512 ``add`` took 2x and 3x less so on a 2-core EPYC.
 
-    ``small_op_floor``: whether an op smaller than the curves' smallest measured size takes
-    that size's time, not its FLOPs or bytes at that size's rate. Set by ``monarch-dsl
-    calibrate --device cuda``: a GPU's small ops are launches and kernels' fixed costs, not
-    work (on an H200, in a plan of the C++ runtime, a 128^3 float32 ``mm`` took 13.8 us and a
-    256^3 one 15.7 us, where the 256^3 one's rate put the 128^3 one at 6 us). A CPU's small
-    ops shrink with their work: its curves keep the smallest size's rate below it."""
+    ``small_op_floor``: whether a matmul smaller than the ``matmul_curve``'s smallest measured
+    size takes that size's time, not its FLOPs at that size's rate. Set by ``monarch-dsl
+    calibrate --device cuda``: a GPU's small matmuls are launches (cuBLAS, a split-K
+    reduction), not work (on an H200, in a plan of the C++ runtime, a 128^3 float32 ``mm``
+    took 13.8 us and a 256^3 one 15.7 us, where the 256^3 one's rate put the 128^3 one at 6
+    us). A CPU's small matmuls shrink with their work: its curve keeps the smallest size's
+    rate below it. (Not the bandwidth curve: its first point is the smallest ``add`` that
+    does work beyond the dispatch, the launch-bound ones being left out of it, and a smaller
+    pointwise op costs the dispatch alone.)"""
 
     name: str
     peak_flops: dict[str, float]
@@ -299,7 +302,7 @@ class DeviceProfile:
         curve where there is one, else ``memory_bandwidth``."""
         if not self.bandwidth_curve:
             return self.memory_bandwidth
-        return interpolate(self.bandwidth_curve, moved, self.small_op_floor)
+        return interpolate(self.bandwidth_curve, moved)
 
     def link(self, cross_host: bool, n: int | None = None) -> Link:
         """The link of a collective across hosts or not; over ``n`` ranks: the link measured
