@@ -547,6 +547,16 @@ class _Memory:
         if self.refs[r] == 0:
             self.live -= self.size.pop(r)
 
+    def keep_buffers(self, sizes: dict[int, int], makers: dict[int, int]) -> None:
+        """Allocate the buffers the runtime keeps between calls: step k's (``sizes``: step ->
+        bytes) as storage -(k + 1); ``makers``: each compute step that writes its result into
+        a block of shared memory -> that block's all-reduce step (among ``sizes``)."""
+        for k, size in sizes.items():
+            self.new(-(k + 1), size)
+            self.kept[k] = -(k + 1)
+        self.block_makers = makers
+        self.blocks = {k: -(k + 1) for k in set(makers.values())}
+
     def hold(self, results: Sequence[int], args: Sequence[int]) -> None:
         """Keep the storages of ``args`` until one of ``results`` is used (``settle``)."""
         keys = []
@@ -753,11 +763,7 @@ def simulate_program(
 
         kept, held_bytes, makers = _steady(program, types, c, inputs, held, one_host)
         m = mem[c]
-        for k, size in kept.items():
-            m.new(-(k + 1), size)
-            m.kept[k] = -(k + 1)
-        m.block_makers = makers
-        m.blocks = {k: -(k + 1) for k in set(makers.values())}
+        m.keep_buffers(kept, makers)
         m.live += held_bytes  # (freed by no step of this call)
         for s in inputs:
             if s not in args:
@@ -799,11 +805,7 @@ def _steady(
         dry = _Memory()
         for s in inputs:
             dry.new(s, nbytes(types[s]))
-        for k, size in {**kept, **sizes}.items():
-            dry.new(-(k + 1), size)
-            dry.kept[k] = -(k + 1)
-        dry.block_makers = makers
-        dry.blocks = {k: -(k + 1) for k in sizes}
+        dry.keep_buffers({**kept, **sizes}, makers)  # (every block has a maker)
         took = set()
         for k, step in enumerate(program.steps):
             if step.runs_on(coords):
