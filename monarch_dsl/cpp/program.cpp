@@ -59,14 +59,15 @@ struct Step {
   // argument's slot; -1 else.
   int64_t view_of = -1;
   // Makes the storage of a gradient bucket's argument (an all-reduce on shared memory):
-  // `made_sizes` (and contiguity, dtype) of its last result, recorded until the
-  // all-reduce's block is set up (`feeds_bucket`); from then on, where it was, the result
-  // is written into that block (CommStep::block), at `bucket_at` elements, with
+  // `made_sizes` (its elements `made_numel`, contiguity, dtype) of its last result, recorded
+  // until the all-reduce's block is set up (`feeds_bucket`); from then on, where it was, the
+  // result is written into that block (CommStep::block), at `bucket_at` elements, with
   // `made_sizes` (`bucket_comm` >= 0).
   bool feeds_bucket = false;
   bool made_contiguous = false;
   at::ScalarType made_dtype = at::kFloat;
   std::vector<int64_t> made_sizes;
+  int64_t made_numel = 0;
   int64_t bucket_comm = -1, bucket_at = 0;
 };
 
@@ -617,9 +618,7 @@ class CompiledPlan {
       // (a bucket's gradient, written where the all-reduce reads every rank's)
       const CommStep& c = *comms_[step.bucket_comm];
       const at::Tensor& flat = c.block_flats[c.block_half];
-      int64_t numel = 1;
-      for (auto d : step.made_sizes) numel *= d;
-      stack.push_back(flat.narrow(0, step.bucket_at, numel).view(step.made_sizes));
+      stack.push_back(flat.narrow(0, step.bucket_at, step.made_numel).view(step.made_sizes));
       step.out_op->callBoxed(&stack);
       ++reused_;
       buffer = at::Tensor();  // (its result of the runs before the block: not written again)
@@ -658,6 +657,7 @@ class CompiledPlan {
       step.made_contiguous = made.defined() && made.is_contiguous();
       if (step.made_contiguous) {
         step.made_sizes = made.sizes().vec();
+        step.made_numel = made.numel();
         step.made_dtype = made.scalar_type();
       }
     }
@@ -818,11 +818,7 @@ class CompiledPlan {
       // the maker and the argument changed it)
       bool made = m >= 0 && std::count(c.makers.begin(), c.makers.end(), m) == 1 &&
                   steps_[m]->made_contiguous && steps_[m]->made_dtype == dtype;
-      if (made) {
-        int64_t numel = 1;
-        for (auto d : steps_[m]->made_sizes) numel *= d;
-        made = numel == tensors[i].numel();
-      }
+      made = made && steps_[m]->made_numel == tensors[i].numel();
       copy.push_back(!made);
       at.push_back(count);
       count += (tensors[i].numel() + align - 1) / align * align;  // (shapes: alike on all)
