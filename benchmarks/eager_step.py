@@ -133,7 +133,7 @@ def measure_eager(pm, run, steps: int) -> dict:
 def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
     """The loop's controller main-thread CPU per step with nothing sent, on a model of its own
     (made and warmed up as usual first). Its handles then name values the workers never made:
-    the model is dropped after, and nothing of it is sent."""
+    the model is dropped after, and of its values only those the workers made are deleted."""
     batch = global_batch(name)
     with pm.activate():
         ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
@@ -143,6 +143,7 @@ def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
             loss = train_step(ddp, opt, xb, yb)
         md.inspect(loss)  # every rank is done: nothing of this model is in flight
     engine = Engine.of(pm)
+    first_dropped = next(engine.refs)  # values from here on are never made on the workers
     engine.append = lambda mesh, ins: None
     try:
         secs = []
@@ -162,7 +163,9 @@ def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
         return statistics.median(secs[1:])
     finally:
         del engine.append
-        engine._take_dead()  # the deletes of the dropped steps' values, never made there
+        # the deletes of the dropped steps' values go; those of values the workers made (the
+        # warm-up's, the model's) stay, for the next batch
+        engine.dead.extend(d for d in engine._take_dead() if d[0] < first_dropped)
 
 
 def main() -> None:
