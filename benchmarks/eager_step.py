@@ -19,8 +19,9 @@ Then two floors, in the same run:
 
 - ``controller, nothing sent``: the same loop with the engine's ``append`` dropping every
   instruction (a separate model, thrown away after). What is left is the controller's part
-  that a replay cannot remove: the user's loop runs its Python, autograd and the dispatch into
-  md.Tensor on every step, whatever the workers are sent;
+  that a replay would nearly all still run: the user's loop runs its Python, autograd and the
+  dispatch into md.Tensor on every step, whatever the workers are sent (a replay could skip
+  only the handlers' last part, building the instruction and finding the user's line);
 - ``compiled step``: ``@md.mesh_fn(data_parallel="dp")`` around the same body: the workers
   running the step as one plan (the C++ runtime), one message per step.
 
