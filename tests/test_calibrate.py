@@ -126,6 +126,14 @@ def test_below_the_smallest_measured_size_a_gpu_profile_keeps_its_time(tmp_path)
     assert compute_time(add, types, gpu) == pytest.approx(48 / w0 + gpu.dispatch_overhead)
     gpu.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json").small_op_floor
+    # an eager matmul's host part: its launches (the smallest measured one) where it floors
+    eager = cpu.dispatch_overhead + cpu.eager_op_overhead
+    assert gpu.host_seconds(matmul=True) == pytest.approx(eager + x0 / r0)
+    assert gpu.host_seconds(matmul=False) == cpu.host_seconds(matmul=True) == eager
+    dataclasses.replace(gpu, async_device=True).save(tmp_path / "q.json")
+    assert DeviceProfile.load(tmp_path / "q.json").async_device
+    assert BUILTIN["h100"].async_device and BUILTIN["h200"].async_device
+    assert not BUILTIN["cpu-local"].async_device
 
 
 def test_matmul_shapes_are_read_off_the_grid_and_interpolated_between_sizes(tmp_path):
@@ -597,7 +605,7 @@ def test_the_one_gpu_calibration_runs_on_one_cpu_worker():
     cal = calibrate._measure(s, (1,), {"MD_DEVICE": "cpu"}, False, True)
     p = cal.profile
     assert p.name == "cuda-local" and cal.device == "cuda" and not cal.comm
-    assert p.matmul_passes == 0 and p.host_cores == 0 and p.small_op_floor
+    assert p.matmul_passes == 0 and p.host_cores == 0 and p.small_op_floor and p.async_device
     assert set(cal.matmul) == {32, 128} and set(cal.dtypes) == {"float64", "bfloat16", "float16"}
     assert len(p.matmul_curve) >= 1 and len(p.bandwidth_curve) >= 1
     positive = [p.dispatch_overhead, p.memory_bandwidth, *p.peak_flops.values()]

@@ -752,6 +752,40 @@ def test_the_collective_wait_counts_only_on_a_host_short_of_cores():
     assert step_time(0, 0.5) > step_time(0, 0.0)
 
 
+def test_on_an_async_device_a_worker_launches_ops_while_the_device_runs_earlier_ones():
+    """``async_device`` (a GPU's profile): an eager op's host part (dispatch, the worker's
+    handling) overlaps the device's running of the ops launched before it. Large matmuls and
+    then views: the views' launches hide behind the matmuls, and each matmul's launch behind
+    the one before; on a CPU profile every op's whole time is in series."""
+    import dataclasses
+
+    def step_time(profile, matmuls: int, views: int) -> float:
+        sim = md.Simulator(gpus=1, profile=profile)
+        with sim.mesh.activate():
+            x = torch.ones(512, 512)
+            for _ in range(matmuls):
+                x = x @ x
+            for _ in range(views):
+                x = x.t()
+            md.inspect(x)
+        return sim.summary().step_time
+
+    serial = _costed(eager_op_overhead=3e-6)
+    overlapped = dataclasses.replace(serial, async_device=True)
+    host = serial.host_seconds(matmul=True)  # (no small_op_floor: the same for every op)
+    assert host > 0
+    for p in (serial, overlapped):
+        assert step_time(p, 4, 0) > step_time(p, 2, 0) > 40 * host  # (the device's chain)
+    # views: in series on a CPU, hidden behind the matmuls on a device
+    assert step_time(serial, 4, 20) - step_time(serial, 4, 0) == pytest.approx(20 * host)
+    assert step_time(overlapped, 4, 20) == pytest.approx(step_time(overlapped, 4, 0))
+    # two more matmuls: their kernels, and on a CPU their host parts too
+    more = step_time(serial, 4, 0) - step_time(serial, 2, 0)
+    assert step_time(overlapped, 4, 0) - step_time(overlapped, 2, 0) == pytest.approx(
+        more - 2 * host
+    )
+
+
 def test_a_fetch_and_a_compiled_call_end_the_window_before_a_collective():
     """The controller sends all it holds when the caller waits for a fetch, and a compiled
     call on several ranks ends with a collective of its own: the work before either is not

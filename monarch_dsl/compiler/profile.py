@@ -197,7 +197,12 @@ class DeviceProfile:
     us). A CPU's small matmuls shrink with their work: its curve keeps the smallest size's
     rate below it. (Not the bandwidth curve: its first point is the smallest ``add`` that
     does work beyond the dispatch, the launch-bound ones being left out of it, and a smaller
-    pointwise op costs the dispatch alone.)"""
+    pointwise op costs the dispatch alone.)
+
+    ``async_device``: the workers' ops run on a device that runs them on its own (a GPU), so
+    in an eager program a worker's part of an op (``host_seconds``) overlaps the device's
+    running of the ops it launched before (``compiler/simulate_eager.py``). False: an op runs
+    where it is dispatched, one after the other (CPU workers)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -231,6 +236,7 @@ class DeviceProfile:
     warm_bandwidth_curve: Curve = ()
     warm_matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     small_op_floor: bool = False
+    async_device: bool = False
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -256,6 +262,16 @@ class DeviceProfile:
 
     def flops_per_second(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def host_seconds(self, matmul: bool) -> float:
+        """With ``async_device``, what a worker's host spends to launch an eager op: the
+        dispatch and ``eager_op_overhead``, and for a matmul with ``small_op_floor`` its
+        launches too, the smallest measured matmul's time (a size the device runs at once)."""
+        seconds = self.dispatch_overhead + self.eager_op_overhead
+        if matmul and self.small_op_floor and self.matmul_curve:
+            x0, y0 = self.matmul_curve[0]
+            seconds += float(x0) / float(y0)
+        return seconds
 
     def matmul_flops_per_second(self, flops: float, dtype: str) -> float:
         """What a matmul of ``flops`` reaches: the measured curve (float32's, scaled by the
@@ -478,6 +494,7 @@ H100 = DeviceProfile(
     controller_backward=15e-6,
     controller_switch=90e-6,
     eager_op_overhead=6e-6,
+    async_device=True,
     notes="NVIDIA H100 SXM datasheet peaks; efficiencies and latencies are assumptions",
 )
 

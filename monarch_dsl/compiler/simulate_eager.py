@@ -30,6 +30,11 @@ inputs are the same meta tensors share one run). The model, per rank:
   the profile's ``eager_op_overhead`` (what a worker spends on an eager instruction beyond
   the op: receiving and decoding it, the executor's bookkeeping); a ``CallFunction``
   (``@md.remote``) costs the time to read its inputs and write its outputs, plus the same.
+  On an async device (``DeviceProfile.async_device``: a GPU) the stream's host thread has a
+  clock of its own: it launches the op in ``host_seconds`` (the dispatch, that overhead and a
+  matmul's launches), and the device runs it for the rest of its time once both it has
+  finished the ops before and the launch is done; the host thread goes on to the next op
+  meanwhile. Other instructions keep the one clock (the device's).
 - **Collectives** (``Reduce``): start when every member of the group has reached them, end
   together after ``comm_time`` (the alpha-beta model of the profile's link, intra-host or
   inter-host by the mesh dim ``host``) plus ``eager_op_overhead``.
@@ -88,6 +93,7 @@ from monarch_dsl.compiler.simulate import (
     comm_time,
     compute_time,
     cpu_bound,
+    family,
     play_program,
     receiving,
     sending,
@@ -234,6 +240,9 @@ class EagerSimulator:
         self.refs: list[dict[int, Any]] = [{} for _ in range(self.world)]
         self.memory = [_Storages() for _ in range(self.world)]
         self.clock: dict[tuple[int, str], float] = defaultdict(float)
+        # With an async device (``DeviceProfile.async_device``): when each stream's host
+        # thread is free to launch its next op (``clock`` is then the device's).
+        self.launch: dict[tuple[int, str], float] = defaultdict(float)
         self.floor: dict[tuple[int, str], tuple[float, str]] = {}  # wait for this first
         self.events: list[SimEvent] = []
         self.batch_window = batch_window
@@ -429,7 +438,7 @@ class EagerSimulator:
     def _calls(self, ins: Any, ranks: list[int], run: Callable[..., Any], name: str) -> None:
         """A call (an op or a remote function) on each rank: its result on meta tensors (one
         run per distinct input), its outputs stored, its time on its stream."""
-        done: dict[tuple[Any, ...], tuple[list[Any], float] | Failure] = {}
+        done: dict[tuple[Any, ...], tuple[list[Any], float, bool] | Failure] = {}
         received = receiving(self.prof, _carried(ins))  # (its local tensors, on each rank)
         for r in ranks:
             args, kwargs = self._resolve(r, ins.args), self._resolve(r, ins.kwargs)
@@ -457,14 +466,25 @@ class EagerSimulator:
                     cost_name = step_name(ins.op) if isinstance(ins, isa.CallOp) else "remote"
                     cost = op_time(cost_name, ins_t, [_type(x) for x in tensors], self.prof)
                     cost += self.prof.eager_op_overhead
-                    done[key] = (tensors, cost)
+                    done[key] = (tensors, cost, family(cost_name) == "matmul")
             got = done[key]
             if isinstance(got[0], list):
-                tensors, cost = got
+                tensors, cost, matmul = got
                 for ref, value in zip(ins.outs, tensors):
                     self._set(r, ref, value)
                 start = self._begin(r, ins.stream)
-                cost += received
+                if self.prof.async_device:
+                    # the stream's host thread launches it (its host part, after the data it
+                    # was sent), then the device runs it (the op's time but the dispatch and
+                    # the worker's handling) after what it launched before
+                    at = (r, ins.stream)
+                    launched = max(self.launch[at], self.issued) + received
+                    launched += self.prof.host_seconds(matmul)
+                    self.launch[at] = launched
+                    start = max(start, launched)
+                    cost = max(cost - self.prof.host_seconds(False), 0.0)
+                else:
+                    cost += received
                 self._busy(r, ins.stream, name, start, start + cost, "compute")
             else:
                 self._fail([r], ins.outs, got)
