@@ -272,6 +272,22 @@ def test_state_dict_round_trips_into_a_plain_module(dp2):
     torch.testing.assert_close(plain(probe), want)
 
 
+def test_a_dropped_wrapper_and_its_parameters_are_freed(dp2):
+    """Its gradient hooks held the wrapper strongly: parameter -> hook (kept by autograd, out
+    of the garbage collector's sight) -> wrapper -> parameter, so a dropped md.DDP and its
+    parameters (and their values on the workers) lived until the process ended."""
+    import gc
+    import weakref
+
+    with dp2.activate():
+        ddp = md.DistributedDataParallel(md.to_mesh(_mlp(), dp2))
+        F.mse_loss(ddp(torch.randn(4, 8)), torch.randn(4, 4)).backward()  # (hooks have run)
+        gone = [weakref.ref(ddp)] + [weakref.ref(p) for p in ddp.parameters()]
+        del ddp
+        gc.collect()
+        assert all(r() is None for r in gone)
+
+
 def test_different_parameter_shapes_on_the_ranks_are_refused(dp2):
     with dp2.activate():
         model = nn.Linear(4, 4)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -212,7 +213,15 @@ class DistributedDataParallel(nn.Module):
         return buckets
 
     def _hook(self, i: int):
+        # The hook holds the wrapper weakly: autograd keeps a parameter's hooks where the
+        # garbage collector cannot see them, so parameter -> hook -> wrapper -> parameter
+        # would keep a dropped wrapper, and its parameters on the workers, alive for good.
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
+            self = ref()
+            if self is None:
+                return
             if not self.require_backward_grad_sync:
                 return
             if not self._callback_queued:
