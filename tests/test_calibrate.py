@@ -134,6 +134,11 @@ def test_below_the_smallest_measured_size_a_gpu_profile_keeps_its_time(tmp_path)
     assert DeviceProfile.load(tmp_path / "q.json").async_device
     assert BUILTIN["h100"].async_device and BUILTIN["h200"].async_device
     assert not BUILTIN["cpu-local"].async_device
+    # a profile saved before the field: a GPU calibration's (small_op_floor) is async
+    for p, want in ((gpu, True), (cpu, False)):
+        old = p.to_json()
+        del old["async_device"]
+        assert DeviceProfile.from_json(old).async_device is want
 
 
 def test_matmul_shapes_are_read_off_the_grid_and_interpolated_between_sizes(tmp_path):

@@ -786,6 +786,38 @@ def test_on_an_async_device_a_worker_launches_ops_while_the_device_runs_earlier_
     )
 
 
+def test_on_an_async_device_launches_count_where_nothing_hides_them():
+    """What a launch cannot hide behind: the step's first op (with the data it was sent),
+    whose host part opens the step; and ops after a collective, whose failure flag the
+    worker's host thread reads, waiting for the device."""
+    import dataclasses
+
+    serial = _costed(eager_op_overhead=3e-6)
+    overlapped = dataclasses.replace(serial, async_device=True)
+    host = serial.host_seconds(matmul=True)
+
+    def first_op(profile) -> float:
+        sim = md.Simulator(gpus=1, profile=profile)
+        with sim.mesh.activate():
+            md.inspect(md.to_mesh(torch.ones(1 << 20), sim.mesh) + 1)
+        return sim.summary().step_time
+
+    assert first_op(overlapped) == pytest.approx(first_op(serial))
+
+    def after_reduce(profile, views: int) -> float:
+        sim = md.Simulator(gpus=2, profile=profile)
+        with sim.mesh.activate():
+            x = torch.ones(512, 512)
+            x = (x @ x).reduce("gpu", "avg")
+            for _ in range(views):
+                x = x.t()
+            md.inspect(x)
+        return sim.summary().step_time
+
+    for p in (serial, overlapped):
+        assert after_reduce(p, 20) - after_reduce(p, 0) == pytest.approx(20 * host)
+
+
 def test_a_fetch_and_a_compiled_call_end_the_window_before_a_collective():
     """The controller sends all it holds when the caller waits for a fetch, and a compiled
     call on several ranks ends with a collective of its own: the work before either is not

@@ -348,6 +348,8 @@ class DeviceProfile:
         if unknown:
             raise ValueError(f"unknown device profile fields: {sorted(unknown)}")
         values = dict(data)
+        # (a GPU calibration saved before the field: its small_op_floor says it is one)
+        values.setdefault("async_device", bool(values.get("small_op_floor", False)))
         values["links"] = {k: Link.from_json(v) for k, v in data["links"].items()}
         for k in ("matmul_curve", "bandwidth_curve", "warm_bandwidth_curve"):  # (JSON lists)
             if k in data:

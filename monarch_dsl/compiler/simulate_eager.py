@@ -34,7 +34,11 @@ inputs are the same meta tensors share one run). The model, per rank:
   clock of its own: it launches the op in ``host_seconds`` (the dispatch, that overhead and a
   matmul's launches), and the device runs it for the rest of its time once both it has
   finished the ops before and the launch is done; the host thread goes on to the next op
-  meanwhile. Other instructions keep the one clock (the device's).
+  meanwhile (its launches are ``"host"`` events, on a row ``<stream>:host``). Other
+  instructions keep the one clock (the device's); after a collective, a transfer or a
+  compiled step the host thread has waited for the device (it reads their failure flags).
+  (The shared-cores bound below counts every event's time, device time included: GPU
+  profiles set no ``host_cores``.)
 - **Collectives** (``Reduce``): start when every member of the group has reached them, end
   together after ``comm_time`` (the alpha-beta model of the profile's link, intra-host or
   inter-host by the mesh dim ``host``) plus ``eager_op_overhead``.
@@ -380,10 +384,18 @@ class EagerSimulator:
     def _busy(self, r: int, stream: str, name: str, start: float, end: float, kind: str) -> None:
         self.events.append(SimEvent(r, stream, name, start, end, kind))
         self.clock[(r, stream)] = end
+        if kind == "comm" and self.prof.async_device:
+            self._synced(r, stream)
         recent = self.recent[r]
         recent.append((self.issued, end - start))
         while recent[0][0] < self.issued - self.batch_window:
             recent.popleft()
+
+    def _synced(self, r: int, stream: str) -> None:
+        """The stream's host thread waited for the device (a collective's or a transfer's
+        failure flag, a plan's flag round, read on the host): its next launch comes after."""
+        at = (r, stream)
+        self.launch[at] = max(self.launch[at], self.clock[at])
 
     def _collective(self, r: int) -> None:
         """Rank ``r`` reaches a collective: its work in the batch window before it, since its
@@ -478,9 +490,13 @@ class EagerSimulator:
                     # was sent), then the device runs it (the op's time but the dispatch and
                     # the worker's handling) after what it launched before
                     at = (r, ins.stream)
-                    launched = max(self.launch[at], self.issued) + received
-                    launched += self.prof.host_seconds(matmul)
+                    begun = max(self.launch[at], self.issued)
+                    launched = begun + received + self.prof.host_seconds(matmul)
                     self.launch[at] = launched
+                    # (on a row of its own: the step's span starts with the first launch)
+                    self.events.append(
+                        SimEvent(r, f"{ins.stream}:host", name, begun, launched, "host")
+                    )
                     start = max(start, launched)
                     cost = max(cost - self.prof.host_seconds(False), 0.0)
                 else:
@@ -721,6 +737,8 @@ class EagerSimulator:
         made_by = {o: step for step in program.steps for o in step.outs}
         for c, r in where.items():
             self.clock[(r, ins.stream)] = ends[c]
+            if self.prof.async_device:
+                self._synced(r, ins.stream)
             if meets:
                 self.recent[r].clear()
             else:
