@@ -26,8 +26,9 @@ Then two floors, in the same run:
   running the step as one plan (the C++ runtime), one message per step.
 
 A replay that sent one message per step and ran the recorded step as a plan could at best take
-the larger of the two floors per step; ``replay bound`` prints wall / that. Not a test: the
-figures depend on the host.
+the larger of the two floors per step; ``replay bound`` prints wall / that. An optimistic bound:
+it takes the two as overlapping perfectly, where on a host with few cores the controller and
+the workers share them. Not a test: the figures depend on the host.
 """
 
 from __future__ import annotations
@@ -57,19 +58,17 @@ from ddp import (  # noqa: E402
 import monarch_dsl as md  # noqa: E402
 from monarch_dsl.tensor.engine import Engine  # noqa: E402
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
 
 def thread_cpu(pid: int) -> tuple[float, float]:
-    """(main thread, other threads) CPU seconds of process ``pid`` so far."""
+    """(main thread, other threads) CPU seconds of process ``pid`` so far (``schedstat``:
+    nanoseconds, where ``stat`` counts 10 ms ticks)."""
     main = others = 0.0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                secs = int(f.read().split()[0]) / 1e9
         except OSError:  # the thread ended meanwhile
             continue
-        secs = (int(fields[11]) + int(fields[12])) / _TICK
         if int(tid) == pid:
             main += secs
         else:
@@ -164,8 +163,9 @@ def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
         return statistics.median(secs[1:])
     finally:
         del engine.append
-        # the deletes of the dropped steps' values go; those of values the workers made (the
-        # warm-up's, the model's) stay, for the next batch
+        # Deletes of values the workers made (the warm-up's, the model's) stay for the next
+        # batch; those of the dropped steps' values go (the ones that died before the
+        # activation ended were sent with its flush: a worker ignores an unknown ref).
         engine.dead.extend(d for d in engine._take_dead() if d[0] < first_dropped)
 
 
