@@ -221,14 +221,21 @@ class TorchDDP:
 # ---- monarch_dsl ---------------------------------------------------------------------------
 
 
-def md_eager(pm, name: str, read_each_step: bool = False):
-    """``read_each_step``: ``md.inspect(loss)`` after every step (a loop that logs each loss),
-    else at the end of the block only, as the compiled step and torch DDP's ranks are timed."""
+def md_eager_training(pm, name: str):
+    """(``md.DistributedDataParallel`` of the model on ``pm``, its SGD, the global batch laid
+    out over dp) for ``train_step``."""
     batch = global_batch(name)  # local data (made before activating), each rank sent its half
     with pm.activate():
         ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         xb, yb = md.distribute(batch, {"dp": md.Shard(0)})
+    return ddp, opt, xb, yb
+
+
+def md_eager(pm, name: str, read_each_step: bool = False):
+    """``read_each_step``: ``md.inspect(loss)`` after every step (a loop that logs each loss),
+    else at the end of the block only, as the compiled step and torch DDP's ranks are timed."""
+    ddp, opt, xb, yb = md_eager_training(pm, name)
 
     def run(steps: int) -> None:
         with pm.activate():

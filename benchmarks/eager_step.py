@@ -45,12 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from ddp import (  # noqa: E402
-    LR,
     MODELS,
     WORLD,
-    global_batch,
-    make_model,
     md_compiled,
+    md_eager,
+    md_eager_training,
     timed,
     train_step,
 )
@@ -78,18 +77,7 @@ def thread_cpu(pid: int) -> tuple[float, float]:
 
 def eager_loop(pm, name: str):
     """A step function of the eager loop on ``pm`` (its model made here), warmed up."""
-    batch = global_batch(name)
-    with pm.activate():
-        ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        xb, yb = md.distribute(batch, {"dp": md.Shard(0)})
-
-    def run(steps: int) -> None:
-        with pm.activate():
-            for _ in range(steps):
-                loss = train_step(ddp, opt, xb, yb)
-            md.inspect(loss)
-
+    run = md_eager(pm, name)
     run(5)  # buckets rebuilt after the first step; caches warm
     return run
 
@@ -134,11 +122,8 @@ def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
     """The loop's controller main-thread CPU per step with nothing sent, on a model of its own
     (made and warmed up as usual first). Its handles then name values the workers never made:
     the model is dropped after, and of its values only those the workers made are deleted."""
-    batch = global_batch(name)
+    ddp, opt, xb, yb = md_eager_training(pm, name)
     with pm.activate():
-        ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        xb, yb = md.distribute(batch, {"dp": md.Shard(0)})
         for _ in range(5):
             loss = train_step(ddp, opt, xb, yb)
         md.inspect(loss)  # every rank is done: nothing of this model is in flight
