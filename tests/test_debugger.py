@@ -7,18 +7,22 @@ from __future__ import annotations
 import codecs
 import os
 import pty
+import queue
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 import monarch_dsl as md
-from monarch_dsl.runtime import debugger
+from monarch_dsl.runtime import debugger, transport
+from monarch_dsl.runtime.messages import DebugHello
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0  # for any one expected piece of output; the whole run takes seconds
@@ -256,3 +260,57 @@ def test_a_paused_worker_that_dies_fails_its_call_with_a_supervision_error():
         assert debugger.sessions().wait_stopped(0, timeout=10, exactly=True)  # gone from the table
     finally:
         pm.stop()
+
+
+def _hello(rank: int) -> DebugHello:
+    return DebugHello(rank, (("gpu", rank),), rank, os.getpid(), "vm", "W", "f", "x.py", 3)
+
+
+def test_a_console_that_opens_as_a_rank_stops_is_not_interrupted_by_the_table(capsys):
+    """The table goes to stderr only while no console is open; a console opening while a stop
+    is being admitted (the CI flake: the table landed in the middle of a pdb answer) shows the
+    table itself and is told nothing else."""
+    registry = debugger.Sessions()
+    lines: queue.Queue[str] = queue.Queue()
+    shown: list[str] = []
+    console = debugger.Console(lines.get, shown.append, registry)
+    ran = threading.Thread(target=console.run, kwargs={"wait": 30.0})
+    opened = threading.Event()
+
+    def server():  # the console opens while the stop is admitted
+        if not opened.is_set():
+            opened.set()
+            ran.start()
+            deadline = time.monotonic() + 10
+            while console not in registry.consoles and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return None
+
+    registry.server = server  # type: ignore[method-assign]
+    ours, theirs = socket.socketpair()
+    try:
+        registry.add(_hello(1), transport.Connection(ours, "test"))
+        lines.put("quit\n")
+        ran.join(timeout=30)
+        assert not ran.is_alive()
+        assert "stopped in breakpoint()" not in capsys.readouterr().err
+        assert re.search(r"  1 +W +gpu=1 +vm +f +x\.py:3\n", "".join(shown))
+    finally:
+        theirs.close()  # the session's reader thread ends
+        ours.close()
+
+
+def test_the_table_goes_to_stderr_before_a_waiter_goes_on(capsys):
+    registry = debugger.Sessions()
+    registry.server = lambda: None  # type: ignore[method-assign]
+    ours, theirs = socket.socketpair()
+    try:
+        registry.add(_hello(0), transport.Connection(ours, "test"))
+        assert registry.wait_stopped(1, 0)
+        err = capsys.readouterr().err
+        assert err.startswith("monarch_dsl: 1 rank stopped in breakpoint()\n")
+        assert re.search(r"  0 +W +gpu=0 +vm +f +x\.py:3\nattach with md\.debug\(\)", err)
+    finally:
+        theirs.close()
+        assert registry.wait_stopped(0, 10, exactly=True)  # the closed session left the table
+        ours.close()

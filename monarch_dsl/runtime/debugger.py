@@ -151,6 +151,7 @@ class Sessions:
 
     def add(self, hello: DebugHello, conn: transport.Connection) -> Session:
         """From ``Job._admit``: a worker's thread stopped in ``breakpoint()``."""
+        self.server()  # first: the table says how to attach from another terminal
         with self._cond:
             sid = str(hello.rank)
             for n in itertools.count(2):  # the same rank, stopped in two places (meshes, threads)
@@ -161,18 +162,18 @@ class Sessions:
             self.by_id[sid] = session
             # Consoles that showed their table already hear of it; the others will show it.
             consoles = [c for c in self.consoles if c.showing]
-            anyone = bool(self.consoles)
+            if not self.consoles:
+                # Under the lock: a console that starts now shows its table after this one,
+                # and one that started already (it reads ``by_id`` as soon as it is there)
+                # is not interrupted by it.
+                self.announce()
+            self._cond.notify_all()  # waiters go on once the table is out
         threading.Thread(
             target=session.read_forever, args=(self._remove,), name="md-debug-session", daemon=True
         ).start()
-        self.server()  # so that another terminal can attach too
         note = f"\n[rank {sid} stopped in {session.where[0]} at {session.location}]\n"
         for console in consoles:
             console.notify(note)
-        if not anyone:
-            self.announce()
-        with self._cond:  # waiters go on once the table is out (it goes before their output)
-            self._cond.notify_all()
         return session
 
     def _remove(self, session: Session) -> None:
