@@ -54,9 +54,7 @@ from monarch_dsl.mesh import Mesh, all_coords
 from monarch_dsl.runtime.serialize import PerRank, snapshot
 from monarch_dsl.tensor import Engine, Tensor, active_mesh, fetch, lift
 from monarch_dsl.tensor.handle import contiguous_desc
-
-_plan_ids = iter(range(1, 1 << 62))
-_plan_ids_lock = threading.Lock()
+from monarch_dsl.tensor.replay import new_plan_id
 
 
 def mesh_fn(
@@ -618,8 +616,7 @@ def _run(mf: MeshFunction, pm, args: tuple, kwargs: dict) -> Any:
     mesh_id = engine.mesh_id(pm)
     pid = compiled.ids.get(id(engine))
     if pid is None:
-        with _plan_ids_lock:
-            pid = next(_plan_ids)
+        pid = new_plan_id()
         compiled.ids[id(engine)] = pid
         engine.append(mesh_id, isa.DefinePlan(pid, compiled.program, compiled.placements))
     inputs, split, sent, parts, keep = [], [], [], [], []

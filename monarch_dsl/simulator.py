@@ -188,6 +188,12 @@ class _SimEngine(Engine):
         keep alive (and the simulated memory with them)."""
         return {}
 
+    def start_replay(self) -> None:  # type: ignore[override]
+        """No replay on a simulated mesh: its costs are those of the eager instructions."""
+
+    def stop_replay(self) -> None:
+        pass
+
     def append(self, mesh: int, ins: Any) -> None:
         thread = threading.get_ident()
         task = torch._C._current_graph_task_id()

@@ -300,6 +300,8 @@ def run_step(step: Compute, env: Env, device: Any = None) -> None:
     if device is not None and "device" in kwargs:
         kwargs["device"] = device
     result = resolve_op(step.name)(*args, **kwargs)
+    if not step.outs:  # (an op that only writes its arguments)
+        return
     if len(step.outs) == 1:
         env[step.outs[0]] = result
     else:

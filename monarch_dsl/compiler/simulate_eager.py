@@ -694,6 +694,7 @@ class EagerSimulator:
             held = (self.refs[r].get(ref) for r in where.values())
             value = next((v for v in held if v is not None), None)
             inputs.append(_type(value))
+        inputs.extend(_type(v) for v in ins.values)  # (numbers)
         key = (ins.plan, tuple(inputs))
         types = self.plan_types.get(key)
         if types is None:

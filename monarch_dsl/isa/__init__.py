@@ -208,7 +208,8 @@ class RunPlan(NamedTuple):
     of ``inputs`` is -1; no ref is made, so nothing is deleted after). ``parts``: (input
     index, part) — a local tensor argument whose ranks' parts are runs of its rows: each
     worker is sent its own part only, the input for this run (on the controller the value is
-    a ``serialize.PerRank``)."""
+    a ``serialize.PerRank``). ``values``: plain values (numbers) of the program's inputs after
+    those ``inputs`` names, in order (a replayed eager batch's floats, ``tensor/replay.py``)."""
 
     plan: int
     mesh: int
@@ -219,6 +220,7 @@ class RunPlan(NamedTuple):
     loc: str
     sent: tuple[tuple[int, Any], ...] = ()
     parts: tuple[tuple[int, Any], ...] = ()
+    values: tuple[Any, ...] = ()
 
 
 INSTRUCTIONS: tuple[type, ...] = (

@@ -40,6 +40,14 @@ the 2-core machine); the controller issues an instruction per parameter instead 
 bucket. Unlike torch's, the buffer is new at each backward: a ``.grad`` taken before it keeps
 the values it had.
 
+``replay=True`` (ours; the default): a step the loop repeats is recorded and replayed
+(``tensor/replay.py``): from the third time an identical step (the same ops on inputs of the
+same shapes; floats such as a learning rate may change) is issued, the workers are sent one
+plan run for it instead of its instructions, and run it as a compiled plan. Each ``forward()``
+starts a new batch of instructions, and batches are sent when the next step starts or the
+program waits for a value (not a moment after they start). ``replay=False`` keeps every step
+eager.
+
 Accepted for compatibility, with no effect because the single controller makes them moot:
 ``static_graph`` (the graph is seen whole), ``init_sync`` (the broadcast is one collective),
 ``check_reduction``, ``output_device``, ``device_ids`` of one device (each worker uses its own
@@ -55,6 +63,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from monarch_dsl import tensor as _tensor
@@ -102,6 +111,7 @@ class DistributedDataParallel(nn.Module):
         device_mesh: Any = None,
         init_sync: bool = True,
         check_reduction: bool = False,
+        replay: bool = True,
         **unsupported: Any,
     ):
         super().__init__()
@@ -156,9 +166,22 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
         ]
+        # Record and replay of repeated steps (tensor/replay.py): each forward starts a batch.
+        self._engine = _tensor.Engine.of(mesh) if replay else None
+        if self._engine is not None:
+            self._engine.start_replay()
+            weakref.finalize(self, self._engine.stop_replay)
 
     # ---- the parts a loop sees ---------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            # (the inputs' shapes tell steps apart: a plan's ops keep their shapes' buffers)
+            self._engine.cut(
+                tuple(
+                    (x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x)
+                    for x in pytree.tree_leaves((args, kwargs))
+                )
+            )
         if self.broadcast_buffers and torch.is_grad_enabled():
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:

@@ -63,22 +63,30 @@ class Flusher:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held: set[Any] = set()  # anything with flush(): connections, tensor batches
+        self._lazy: set[Any] = set()  # ... flushed only when a caller is about to wait
         self._thread: threading.Thread | None = None
         before_block.append(self.flush_all)
 
-    def hold(self, conn: Any) -> None:
+    def hold(self, conn: Any, lazy: bool = False) -> None:
+        """``lazy``: not on a timer; only when a caller is about to wait (or it flushes)."""
         with self._cond:
+            if lazy:
+                self._lazy.add(conn)
+                return
             self._held.add(conn)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="md-flusher", daemon=True)
                 self._thread.start()
             self._cond.notify()
 
-    def flush_all(self) -> None:
+    def flush_all(self, lazy: bool = True) -> None:
         # Flushing a tensor batch may hold a connection: loop until nothing is held.
-        while self._held:
+        while self._held or (lazy and self._lazy):
             with self._cond:
                 held, self._held = self._held, set()
+                if lazy:
+                    held |= self._lazy
+                    self._lazy = set()
             for conn in held:
                 try:
                     conn.flush()
@@ -99,7 +107,7 @@ class Flusher:
                 while not self._held:
                     self._cond.wait()
                 self._cond.wait(FLUSH_DELAY)  # the burst goes on a moment; then send its calls
-            self.flush_all()
+            self.flush_all(lazy=False)
 
 
 _flusher = Flusher()

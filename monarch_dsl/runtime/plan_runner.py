@@ -179,6 +179,8 @@ class PlanRunner:
         program, coords, sizes = call.program, call.coords, call.program.sizes
         self._split(ins, coords, sizes, call.placements)
         values = ex.values_of(ins.inputs)  # (-1: sent with the call, or None)
+        if ins.values:  # (numbers, the last inputs)
+            values = [*values, *ins.values]
         failure: Failure | None = None
         for k, v in enumerate(values):
             if isinstance(v, Failure):

@@ -21,6 +21,7 @@ from monarch_dsl.frames import user_line
 from monarch_dsl.mesh import Mesh
 from monarch_dsl.runtime import controller
 from monarch_dsl.runtime.messages import RunBatch, SetupCollectives
+from monarch_dsl.tensor.replay import Replay
 
 BATCH_MAX = 1000  # instructions; more are sent at once
 EXTENSION = "tensor"  # the engine's name in its job's extensions
@@ -46,6 +47,8 @@ class Engine:
         types = {hello.device for hello in job.hellos.values()}
         self.device = torch.device("cuda" if types == {"cuda"} else "cpu")
         self.batches_sent = 0
+        self.mesh_shapes: dict[int, tuple] = {}  # mesh id -> (dims, sizes)
+        self.replay: Replay | None = None  # see start_replay
 
     @classmethod
     def of(cls, mesh: Any) -> Engine:
@@ -83,7 +86,9 @@ class Engine:
         elif not self.held:  # flush clears it before taking the items: none is left behind
             self.held = True
             try:
-                controller.flusher().hold(self)  # sent at the latest a moment from now
+                # sent at the latest a moment from now; with replay on, when the program
+                # waits for something (or at the next cut)
+                controller.flusher().hold(self, lazy=self.replay is not None)
             except BaseException:
                 self.held = False
                 raise
@@ -102,6 +107,8 @@ class Engine:
                 del batch[: len(items)]
             if self.job.stopped or self.job.stopping:
                 return
+            if self.replay is not None:
+                items = self.replay.rewrite(items, self.mesh_shapes)
             self.batches_sent += 1
             try:
                 self.job.post(self.ranks, RunBatch(items))
@@ -131,6 +138,7 @@ class Engine:
         if mid is None:
             mid = self.meshes[key] = len(self.meshes)
             sizes = tuple(mesh.sizes.values())
+            self.mesh_shapes[mid] = (tuple(mesh.dims), sizes)
             self.append(-1, isa.DefineMesh(mid, mesh.dims, sizes, key[1]))
         return mid
 
@@ -163,6 +171,33 @@ class Engine:
         self.append(-1, isa.Fetch(call_id, -1, "main", user_line()))
         self.flush()
         fut.get(timeout)
+
+    # ---- replay (tensor/replay.py) ----------------------------------------------------------
+    def start_replay(self) -> Replay:
+        """Turn on record and replay of repeated batches (a user: ``stop_replay`` undoes it)."""
+        with self.send_lock:
+            if self.replay is None:
+                self.replay = Replay()
+            self.replay.users += 1
+            return self.replay
+
+    def stop_replay(self) -> None:
+        with self.send_lock:
+            if self.replay is not None:
+                self.replay.users -= 1
+                if self.replay.users <= 0:
+                    self.replay = None
+        self.flush()  # (what waits lazily goes now)
+
+    def cut(self, signature: Any = ()) -> None:
+        """A step starts (``md.DistributedDataParallel.forward``): what came before is one
+        batch, so that each step is a batch of its own, the same from one step to the next.
+        ``signature``: what the step's batches are told apart by besides their instructions
+        (the shapes of the step's inputs)."""
+        if self.batch or self.dead:
+            self.flush()
+        if self.replay is not None:
+            self.replay.signature = signature
 
     def new_ref(self) -> int:
         return next(self.refs)
