@@ -23,7 +23,9 @@ Systems, each timed in blocks of consecutive steps, the blocks of all systems in
    in order on the workers, so all of them are done) and as torch DDP's ranks, which read no
    loss: the controller issues the next step while the workers run this one. ``md eager,
    read``: the same loop with ``md.inspect(loss)`` after every step (a loop that logs each
-   loss), so each step's work is done before the next is issued.
+   loss), so each step's work is done before the next is issued. Both replay the repeated
+   step (md.DistributedDataParallel's default: from the third step, one plan run per step);
+   ``md eager, no replay``: the first loop with ``replay=False``, every instruction sent.
 3. ``compiled``: ``@md.mesh_fn(data_parallel="dp")`` around the same loop body, called with
    the global batch (each rank gets its 32 rows); the block ends with ``md.inspect`` of the
    last loss (steps run in order on the workers, so all of them are done).
@@ -221,21 +223,22 @@ class TorchDDP:
 # ---- monarch_dsl ---------------------------------------------------------------------------
 
 
-def md_eager_training(pm, name: str):
+def md_eager_training(pm, name: str, replay: bool = True):
     """(``md.DistributedDataParallel`` of the model on ``pm``, its SGD, the global batch laid
     out over dp) for ``train_step``."""
     batch = global_batch(name)  # local data (made before activating), each rank sent its half
     with pm.activate():
-        ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm))
+        ddp = md.DistributedDataParallel(md.to_mesh(make_model(name), pm), replay=replay)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         xb, yb = md.distribute(batch, {"dp": md.Shard(0)})
     return ddp, opt, xb, yb
 
 
-def md_eager(pm, name: str, read_each_step: bool = False):
+def md_eager(pm, name: str, read_each_step: bool = False, replay: bool = True):
     """``read_each_step``: ``md.inspect(loss)`` after every step (a loop that logs each loss),
-    else at the end of the block only, as the compiled step and torch DDP's ranks are timed."""
-    ddp, opt, xb, yb = md_eager_training(pm, name)
+    else at the end of the block only, as the compiled step and torch DDP's ranks are timed.
+    ``replay``: md.DistributedDataParallel's (the repeated step sent as one plan run)."""
+    ddp, opt, xb, yb = md_eager_training(pm, name, replay)
 
     def run(steps: int) -> None:
         with pm.activate():
@@ -368,6 +371,7 @@ class LocalSteps(md.Actor):
 def measure(pm, ddp_torch: TorchDDP, raw, probe, both, name: str, blocks: int) -> dict:
     eager = md_eager(pm, name)
     eager_read = md_eager(pm, name, read_each_step=True)
+    eager_off = md_eager(pm, name, replay=False)
     compiled = md_compiled(pm, name)
     compute = local_step(name)
     buckets = bucket_bytes(name)
@@ -387,6 +391,7 @@ def measure(pm, ddp_torch: TorchDDP, raw, probe, both, name: str, blocks: int) -
         "torch DDP": lambda n: ddp_torch.step_secs(name, n),
         "md eager": lambda n: timed(eager, n),
         "md eager, read": lambda n: timed(eager_read, n),
+        "md eager, no replay": lambda n: timed(eager_off, n),
         "compiled": lambda n: timed(compiled, n),
         "compute": lambda n: timed(compute, n),
         "compute, 2 at once": lambda n: max(both.secs.call(name, n).get().values()),
@@ -439,7 +444,7 @@ def main() -> None:
         f"torch {torch.__version__}; median of {blocks} interleaved blocks"
     )
     header = (
-        f"{'model':5s}  {'system':18s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
+        f"{'model':5s}  {'system':19s}  {'ms/step':>8s}  {'samples/s':>9s}  {'vs torch':>8s}  "
         f"{'vs floor':>8s}"
     )
     print(header)
@@ -448,13 +453,13 @@ def main() -> None:
         med = r["med"]
         rows = [
             (k, med[k], "torch DDP")
-            for k in ("torch DDP", "md eager", "md eager, read", "compiled")
+            for k in ("torch DDP", "md eager", "md eager, read", "md eager, no replay", "compiled")
         ]
         rows += [(k, med[k], "torch DDP") for k in ("floor", "floor, 2 at once")]
         rows += [(k, med[k], "torch FSDP") for k in ("torch FSDP", "md fully_shard")]
         for system, secs, peer in rows:
             print(
-                f"{name:5s}  {system:18s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
+                f"{name:5s}  {system:19s}  {secs * 1e3:8.2f}  {WORLD * BATCH / secs:9.0f}  "
                 f"{med[peer] / secs:7.2f}x  {secs / med['floor']:7.2f}x"
             )
     print()
@@ -473,7 +478,7 @@ def main() -> None:
         )
         for system, v in r["times"].items():
             print(
-                f"    {system:18s} blocks of {r['steps'][system]:4d} steps (ms/step): "
+                f"    {system:19s} blocks of {r['steps'][system]:4d} steps (ms/step): "
                 + ", ".join(f"{s * 1e3:.2f}" for s in v)
             )
     big, tiny = results["big"]["med"], results["tiny"]["med"]

@@ -319,7 +319,7 @@ def test_a_worker_killed_mid_replay_is_named():
 
 
 @pytest.mark.procs
-def test_replay_ends_with_the_wrapper_and_batches_go_on_the_timer_again():
+def test_replay_is_for_the_wrappers_that_ask_and_ends_with_them():
     pm = md.this_host().spawn_procs({"dp": 2})
     try:
         with pm.activate():
@@ -327,6 +327,15 @@ def test_replay_ends_with_the_wrapper_and_batches_go_on_the_timer_again():
             engine = Engine.of(pm)
             assert engine.replay is not None
             off = md.DistributedDataParallel(md.to_mesh(nn.Linear(4, 4), pm), replay=False)
+            x = md.to_mesh(torch.ones(2, 4), pm)
+            for _ in range(4):  # the wrapper that does not replay: its steps are not replayed
+                off(x).sum().backward()
+                md.inspect(off.module.weight.grad)
+            assert engine.replay.replayed == 0
+            for _ in range(4):
+                ddp(x).sum().backward()
+                md.inspect(ddp.module.weight.grad)
+            assert engine.replay.replayed >= 1
             del ddp, off
             gc.collect()
             assert engine.replay is None

@@ -46,7 +46,7 @@ same shapes; floats such as a learning rate may change) is issued, the workers a
 plan run for it instead of its instructions, and run it as a compiled plan. Each ``forward()``
 starts a new batch of instructions, and batches are sent when the next step starts or the
 program waits for a value (not a moment after they start). ``replay=False`` keeps every step
-eager.
+of this wrapper eager.
 
 Accepted for compatibility, with no effect because the single controller makes them moot:
 ``static_graph`` (the graph is seen whole), ``init_sync`` (the broadcast is one collective),
@@ -167,14 +167,15 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
         ]
         # Record and replay of repeated steps (tensor/replay.py): each forward starts a batch.
-        self._engine = _tensor.Engine.of(mesh) if replay else None
-        if self._engine is not None:
+        self._replay = replay
+        self._engine = _tensor.Engine.of(mesh)
+        if replay:
             self._engine.start_replay()
             weakref.finalize(self, self._engine.stop_replay)
 
     # ---- the parts a loop sees ---------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is not None:
+        if self._replay:
             # (the inputs' shapes tell steps apart: a plan's ops keep their shapes' buffers)
             self._engine.cut(
                 tuple(
@@ -182,6 +183,8 @@ class DistributedDataParallel(nn.Module):
                     for x in pytree.tree_leaves((args, kwargs))
                 )
             )
+        elif self._engine.replay is not None:
+            self._engine.cut(None)  # (another wrapper replays on this engine: not this step)
         if self.broadcast_buffers and torch.is_grad_enabled():
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:

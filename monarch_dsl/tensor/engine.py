@@ -193,7 +193,7 @@ class Engine:
         """A step starts (``md.DistributedDataParallel.forward``): what came before is one
         batch, so that each step is a batch of its own, the same from one step to the next.
         ``signature``: what the step's batches are told apart by besides their instructions
-        (the shapes of the step's inputs)."""
+        (the shapes of the step's inputs); None: the step's batches are not to be replayed."""
         if self.batch or self.dead:
             self.flush()
         if self.replay is not None:

@@ -491,7 +491,7 @@ class Replay:
     def rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
         """What to send for the batch ``items``: a plan run (with its definition, the second
         time), or ``items`` as they are."""
-        if not self.active:
+        if not self.active or self.signature is None:  # (None: a step not to replay)
             return items
         self.batches += 1
         try:
