@@ -73,23 +73,6 @@ class _NoOps(NotReplayable):
     """A batch of deletes and fetches only."""
 
 
-class _Name:
-    """A ref in a batch's description: one it made (``made``, by the order it was made) or one
-    from before it (by the order it is first read). Equal only to a name of the same kind."""
-
-    __slots__ = ("made", "i")
-
-    def __init__(self, made: bool, i: int):
-        self.made = made
-        self.i = i
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Name and other.made == self.made and other.i == self.i
-
-    def __hash__(self) -> int:
-        return hash((self.made, self.i))
-
-
 _PLAIN = frozenset((int, float, bool, str, complex))
 _TORCH_CONSTANTS = (torch.dtype, torch.memory_format, torch.layout)
 
@@ -102,7 +85,10 @@ class _Segment:
     def __init__(self, items: tuple, mesh_shapes: dict[int, tuple], signature: Any = ()):
         self.outer: list[int] = []
         self.made: list[int] = []
-        self._index: dict[int, _Name] = {}
+        # ref -> its name: a ref made in the batch i >= 0 (the order it was made), one from
+        # before it -1 - j (the order it is first read). (In a description every plain value
+        # is a (type, value) pair: a bare int is a name.)
+        self._index: dict[int, int] = {}
         self.body: list[tuple[int, Any]] = []
         self.outer_deletes: list[tuple[int, str]] = []
         self.tail: list[tuple[int, Any]] = []
@@ -116,9 +102,9 @@ class _Segment:
             kind = type(ins)
             if kind is isa.Delete:
                 for r in ins.refs:
-                    name = self._index.get(r)
-                    if name is not None and name.made:
-                        deleted_made.append(name.i)
+                    name = self._index.get(r, -1)
+                    if name >= 0:
+                        deleted_made.append(name)
                     else:
                         self.outer_deletes.append((r, ins.stream))
                 continue
@@ -154,20 +140,20 @@ class _Segment:
         )
         self.deleted_made = set(deleted_made)
 
-    def name(self, ref: int) -> Any:
-        """The description of a ref the batch reads."""
+    def name(self, ref: int) -> int:
+        """The name of a ref the batch reads."""
         name = self._index.get(ref)
         if name is None:
-            name = self._index[ref] = _Name(False, len(self.outer))
+            name = self._index[ref] = -1 - len(self.outer)
             self.outer.append(ref)
         return name
 
-    def make(self, ref: int) -> _Name:
-        """The description of a ref the batch makes (again, for an op in place)."""
+    def make(self, ref: int) -> int:
+        """The name of a ref the batch makes (again, for an op in place)."""
         name = self._index.get(ref)
         if name is not None:  # (made again by an op in place; an outer ref stays outer)
             return name
-        name = self._index[ref] = _Name(True, len(self.made))
+        name = self._index[ref] = len(self.made)
         self.made.append(ref)
         return name
 
@@ -180,25 +166,35 @@ def _describe(seg: _Segment, ins: Any) -> tuple:
     if kind is isa.CallOp:
         if ins.stream != "main":
             raise NotReplayable(f"an op on stream {ins.stream!r}")
-        positions, names, twin_positions, _ = _liftable(ins.op)
+        lifted, names, _, _ = _liftable(ins.op)
         values = seg.values
-        args = tuple(
-            (values.append(a), _LIFTED)[1]
-            if type(a) is float and (i in positions or i in twin_positions)
-            else _freeze(a, seg)
-            for i, a in enumerate(ins.args)
-        )
-        kwargs = tuple(
-            (
-                k,
-                (values.append(a), _LIFTED)[1]
-                if type(a) is float and k in names
-                else _freeze(a, seg),
+        index = seg._index
+        args: list[Any] = []
+        for i, a in enumerate(ins.args):  # (_freeze, inlined for the common arguments)
+            t = type(a)
+            if t is isa.Ref:
+                name = index.get(a.id)
+                args.append(seg.name(a.id) if name is None else name)
+            elif t is float and i in lifted:
+                values.append(a)
+                args.append(_LIFTED)
+            elif t in _PLAIN:
+                args.append((t, a))
+            else:
+                args.append(_freeze(a, seg))
+        kwargs: tuple = ()
+        if ins.kwargs:
+            kwargs = tuple(
+                (
+                    k,
+                    (values.append(a), _LIFTED)[1]
+                    if type(a) is float and k in names
+                    else _freeze(a, seg),
+                )
+                for k, a in ins.kwargs.items()
             )
-            for k, a in ins.kwargs.items()
-        )
         outs = tuple(None if r is None else seg.make(r) for r in ins.outs)
-        return ("op", ins.op, args, kwargs, outs, ins.loc)
+        return ("op", ins.op, tuple(args), kwargs, outs, ins.loc)
     if kind is isa.Reduce:
         if ins.scatter or ins.reduction not in _ALL_REDUCE or ins.src != ins.out:
             raise NotReplayable("a reduce other than an all-reduce in place")
@@ -228,9 +224,10 @@ _LIFTED = object()  # a float argument made an input of the plan
 
 def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], str]:
     """Where a float argument of ``op`` is an input of the plan (a learning rate, AdamW's
-    bias corrections) rather than part of the batch's description: (positions and names of
-    arguments typed ``Scalar`` or ``float``; positions typed ``Tensor`` where the op has a
-    twin overload taking a ``Scalar`` there, and that twin's name). A float where a Tensor goes
+    bias corrections) rather than part of the batch's description: (the positions of those
+    arguments, the names of those that are ``Scalar`` or ``float``; of the positions, those
+    typed ``Tensor`` where the op has a twin overload taking a ``Scalar`` there, and that
+    twin's name). A float where a Tensor goes
     (``div.Tensor(x, 0.5)``: a wrapped number) is lifted only through such a twin
     (``div.Scalar``), which computes the same."""
     found = _liftable_args.get(op)
@@ -265,7 +262,7 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
                         if str(x.type) != str(y.type) and i > 0 and not x.kwarg_only
                     )
                     twin = other._schema.name + "." + other._overloadname
-        found = _liftable_args[op] = (positions, names, twin_positions, twin)
+        found = _liftable_args[op] = (positions | twin_positions, names, twin_positions, twin)
     return found
 
 
@@ -348,14 +345,12 @@ def lower(seg: _Segment, pid: int) -> _Plan:
         kind = type(ins)
         if kind is isa.CallOp:
             # the floats _describe lifted, in its order
-            positions, names, twin_positions, twin = _liftable(ins.op)
+            lifted_at, names, twin_positions, twin = _liftable(ins.op)
             name = ins.op
             if any(type(ins.args[i]) is float for i in twin_positions if i < len(ins.args)):
                 name = twin  # div.Tensor(x, 0.5) -> div.Scalar(x, <input>)
             args = tuple(
-                isa.Slot(next(lifted))
-                if type(a) is float and (i in positions or i in twin_positions)
-                else to_slots(a)
+                isa.Slot(next(lifted)) if type(a) is float and i in lifted_at else to_slots(a)
                 for i, a in enumerate(ins.args)
             )
             kwargs = {
