@@ -1,10 +1,12 @@
-"""Where an eager ``md.DistributedDataParallel`` step's CPU goes, and what a record/replay of
-the step (issue 11, item 2) could buy at best.
+"""Where an eager ``md.DistributedDataParallel`` step's CPU goes, what the record/replay of
+the step (issue 11, item 2; ``tensor/replay.py``) buys, and what it could buy at best.
 
     python benchmarks/eager_step.py [--blocks N]
 
 The loop of ``benchmarks/ddp.py`` (SGD + MSE, batch 32 per rank, 2 ranks on this host), eager
-``md.DistributedDataParallel``, for its two models. Per step, medians of N blocks:
+``md.DistributedDataParallel``, for its two models, twice, blocks interleaved: ``eager``
+(``replay=False``: every instruction sent) and ``replay`` (the default: the repeated step sent
+as one plan run). Per step, medians of N blocks:
 
 - ``wall``: issuing the block's steps until the last one is done on every rank;
 - ``controller main`` / ``controller others``: the controller's CPU, on the loop's thread
@@ -25,10 +27,11 @@ Then two floors, in the same run:
 - ``compiled step``: ``@md.mesh_fn(data_parallel="dp")`` around the same body: the workers
   running the step as one plan (the C++ runtime), one message per step.
 
-A replay that sent one message per step and ran the recorded step as a plan could at best take
-the larger of the two floors per step; ``replay bound`` prints wall / that. An optimistic bound:
-it takes the two as overlapping perfectly, where on a host with few cores the controller and
-the workers share them. Not a test: the figures depend on the host.
+A replay that sends one message per step and runs the recorded step as a plan can at best take
+the larger of the two floors per step; ``bound`` prints the eager wall / that, beside what the
+replay got (eager wall / replay wall). An optimistic bound: it takes the two as overlapping
+perfectly, where on a host with few cores the controller and the workers share them. Not a
+test: the figures depend on the host.
 """
 
 from __future__ import annotations
@@ -75,9 +78,9 @@ def thread_cpu(pid: int) -> tuple[float, float]:
     return main, others
 
 
-def eager_loop(pm, name: str):
+def eager_loop(pm, name: str, replay: bool):
     """A step function of the eager loop on ``pm`` (its model made here), warmed up."""
-    run = md_eager(pm, name)
+    run = md_eager(pm, name, replay=replay)
     run(5)  # buckets rebuilt after the first step; caches warm
     return run
 
@@ -122,7 +125,7 @@ def controller_floor(pm, name: str, steps: int, blocks: int) -> float:
     """The loop's controller main-thread CPU per step with nothing sent, on a model of its own
     (made and warmed up as usual first). Its handles then name values the workers never made:
     the model is dropped after, and of its values only those the workers made are deleted."""
-    ddp, opt, xb, yb = md_eager_training(pm, name)
+    ddp, opt, xb, yb = md_eager_training(pm, name, replay=False)
     with pm.activate():
         for _ in range(5):
             loss = train_step(ddp, opt, xb, yb)
@@ -163,19 +166,23 @@ def main() -> None:
     rows = {}
     try:
         for name in MODELS:
-            eager = eager_loop(pm, name)
+            loops = {"eager": eager_loop(pm, name, False), "replay": eager_loop(pm, name, True)}
             compiled = md_compiled(pm, name)
             compiled(5)
-            steps = max(5, round(0.5 / timed(eager, 5)))
+            steps = max(5, round(0.5 / timed(loops["eager"], 5)))
             csteps = max(5, round(0.5 / timed(compiled, 5)))
-            runs, cwall = [], []
+            runs: dict[str, list[dict]] = {k: [] for k in loops}
+            cwall = []
             for _ in range(opts.blocks):
-                runs.append(measure_eager(pm, eager, steps))
+                for k, run in loops.items():
+                    runs[k].append(measure_eager(pm, run, steps))
                 cwall.append(timed(compiled, csteps))
-            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            row["compiled"] = statistics.median(cwall)
-            row["floor"] = controller_floor(pm, name, steps, opts.blocks)
-            rows[name] = row
+            floor = controller_floor(pm, name, steps, opts.blocks)
+            for k, done in runs.items():
+                row = {c: statistics.median(r[c] for r in done) for c in done[0]}
+                row["compiled"] = statistics.median(cwall)
+                row["floor"] = floor
+                rows[(name, k)] = row
     finally:
         pm.stop()
 
@@ -194,19 +201,24 @@ def main() -> None:
         "compiled",
     )
     label = {"floor": "ctl, nothing sent"}
-    header = f"{'model':5s}  {'instr':>5s}  " + "  ".join(f"{label.get(c, c):>17s}" for c in cols)
+    header = f"{'model':5s}  {'loop':6s}  {'instr':>5s}  " + "  ".join(
+        f"{label.get(c, c):>17s}" for c in cols
+    )
     print(header)
     print("-" * len(header))
-    for name, r in rows.items():
+    for (name, loop), r in rows.items():
         cells = "  ".join(f"{r[c] * 1e3:17.3f}" for c in cols)
-        print(f"{name:5s}  {r['instructions']:5.0f}  {cells}")
+        print(f"{name:5s}  {loop:6s}  {r['instructions']:5.0f}  {cells}")
     print()
-    for name, r in rows.items():
+    for name in MODELS:
+        r, done = rows[(name, "eager")], rows[(name, "replay")]
         best = max(r["floor"], r["compiled"])
         print(
-            f"{name}: replay bound {r['wall'] / best:.2f}x (today {r['wall'] * 1e3:.2f} ms/step; "
-            f"a replay takes at least max(controller with nothing sent {r['floor'] * 1e3:.2f}, "
-            f"compiled step {r['compiled'] * 1e3:.2f}) = {best * 1e3:.2f} ms/step)"
+            f"{name}: replay {r['wall'] / done['wall']:.2f}x faster than eager "
+            f"({done['wall'] * 1e3:.2f} vs {r['wall'] * 1e3:.2f} ms/step); bound "
+            f"{r['wall'] / best:.2f}x (a replay takes at least max(controller with nothing sent "
+            f"{r['floor'] * 1e3:.2f}, compiled step {r['compiled'] * 1e3:.2f}) = "
+            f"{best * 1e3:.2f} ms/step)"
         )
 
 

@@ -86,9 +86,11 @@ class Engine:
         elif not self.held:  # flush clears it before taking the items: none is left behind
             self.held = True
             try:
-                # sent at the latest a moment from now; with replay on, when the program
-                # waits for something (or at the next cut)
-                controller.flusher().hold(self, lazy=self.replay is not None)
+                # sent at the latest a moment from now; in a step being replayed, when the
+                # program waits for something (or at the next cut)
+                replay = self.replay
+                lazy = replay is not None and replay.signature is not None
+                controller.flusher().hold(self, lazy=lazy)
             except BaseException:
                 self.held = False
                 raise
