@@ -184,12 +184,15 @@ class Engine:
             return self.replay
 
     def stop_replay(self) -> None:
-        with self.send_lock:
-            if self.replay is not None:
-                self.replay.users -= 1
-                if self.replay.users <= 0:
-                    self.replay = None
-        self.flush()  # (what waits lazily goes now)
+        """From a wrapper's finalizer, so from any thread and in the middle of anything (a
+        garbage collection in a flush): no locks, no sending. A batch that waits lazily goes
+        when the program next waits for something; the next op's batch goes on the timer."""
+        replay = self.replay
+        if replay is not None:
+            replay.users -= 1
+            if replay.users <= 0:
+                self.replay = None
+                self.held = False
 
     def cut(self, signature: Any = ()) -> None:
         """A step starts (``md.DistributedDataParallel.forward``): what came before is one
