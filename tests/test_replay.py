@@ -253,8 +253,13 @@ def test_a_replayed_loop_trains_as_one_process(executor, opt, views, read_loss):
         got, replay = _train(pm, _mlp(), OPTIMIZERS[opt], batches, views, read_loss)
     finally:
         pm.stop()
+    # AdamW divides by the root of each gradient's running square: where a gradient is near
+    # zero, a last-bit difference of the gradient (an mm whose output buffer the C++ plan
+    # reused, with another alignment) moves the update by up to ~1e-4 of lr; a wrong step
+    # (a gradient not averaged, or stale) moves it by lr itself.
+    atol = 1e-4 if opt == "adamw" else 1e-5
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-5)
     # steps 3, 4, 5 (8 rows), then 7 (4 rows): the first two of each shape go as they are
     assert replay is not None and replay.replayed >= 4, replay.last_reason
 
