@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 import monarch_dsl as md
 from monarch_dsl import isa
+from monarch_dsl.runtime import controller
 from monarch_dsl.tensor.engine import Engine
 from monarch_dsl.tensor.replay import (
     GIVE_UP,
@@ -149,11 +151,45 @@ def _reduce_of(src: int, loc="x.py:2"):
             "view of an all-reduced value read",
         ),
         (_reduce_of(1)[:2] + [op("aten::relu.default", (isa.Ref(1),), (5,))], "ref 1|open|before"),
+        (  # a view written in place before the reduce of its base, read after it
+            [
+                op("aten::mul.Tensor", (isa.Ref(1), 1.0), (10,)),
+                op("aten::slice.Tensor", (isa.Ref(10), 0, 0, 4), (11,)),
+                op("aten::mul_.Tensor", (isa.Ref(11), 2.0), (11,)),
+                *_reduce_of(10),
+                op("aten::clone.default", (isa.Ref(11),), (12,)),
+            ],
+            "view of an all-reduced value read",
+        ),
+        (  # a value from before the batch, written in place, then reduced
+            [op("aten::add_.Tensor", (isa.Ref(1), 1.0), (1,)), *_reduce_of(1)],
+            "from before the batch",
+        ),
     ],
 )
 def test_batches_that_are_not_lowered(batch, why):
     with pytest.raises(NotReplayable, match=why):
         lower(_Segment(tuple(batch), MESHES), 1)
+
+
+def test_floats_are_told_apart_by_their_bits():
+    def clamp(low):
+        return (op("aten::clamp.Tensor", (isa.Ref(1), isa.Ref(1), low), (5,)),)
+
+    assert _Segment(clamp(0.0), MESHES).key != _Segment(clamp(-0.0), MESHES).key
+    nan = float("nan")
+    assert _Segment(clamp(nan), MESHES).key == _Segment(clamp(nan), MESHES).key
+
+
+def test_the_end_of_a_borrow_begun_before_the_batch_is_not_replayed():
+    """(A step cut inside a borrow, at BATCH_MAX: the origin stream's wait is the BorrowEnd's.)"""
+    batch = (
+        (0, isa.Reduce(50, 50, 0, ("dp",), "sum", False, (2,), "float32", "comms", "x.py:2")),
+        (0, isa.BorrowEnd(50, "main", "comms", 52, "x.py:2")),
+        op("aten::relu.default", (isa.Ref(40),), (53,)),
+    )
+    with pytest.raises(NotReplayable, match="borrow begun before"):
+        _Segment(batch, MESHES)
 
 
 def test_a_batch_goes_as_it_is_then_defined_then_as_one_run():
@@ -176,6 +212,39 @@ def test_a_batch_goes_as_it_is_then_defined_then_as_one_run():
     mesh = (-1, isa.DefineMesh(1, (), (), (0,)))
     fourth = replay.rewrite(step(400)[:3] + (mesh,) + step(400)[3:], MESHES)
     assert fourth[0] == mesh and type(fourth[1][1]) is isa.RunPlan
+
+
+def test_an_internal_error_sends_the_batch_as_it_is(monkeypatch, caplog):
+    replay = Replay()
+    replay.rewrite(step(100), MESHES)
+
+    def broken(seg, pid):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("monarch_dsl.tensor.replay.lower", broken)
+    batch = step(200)
+    assert replay.rewrite(batch, MESHES) == batch
+    assert not replay.active and "internal error" in caplog.text
+
+
+def test_a_lazily_held_batch_goes_when_a_caller_waits_or_at_the_latest_lazy_delay():
+    flusher = controller.Flusher()
+    controller.before_block.remove(flusher.flush_all)  # (this one is driven by hand)
+    flushed: list[float] = []
+
+    class Batch:
+        def flush(self):
+            flushed.append(time.monotonic())
+
+    flusher.hold(Batch(), lazy=True)
+    flusher.flush_all()  # a caller is about to wait
+    assert len(flushed) == 1
+    t0 = time.monotonic()
+    flusher.hold(Batch(), lazy=True)
+    deadline = t0 + 10
+    while len(flushed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(flushed) == 2 and flushed[1] - t0 >= controller.LAZY_DELAY
 
 
 def test_replay_stops_after_batches_that_never_repeat():

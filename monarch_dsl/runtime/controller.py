@@ -54,6 +54,9 @@ PEER_LOSS_WAIT = 2.0
 
 
 FLUSH_DELAY = 0.001  # longest time a held-back call waits before it is sent
+# ... and one held lazily (a replayed eager step's batch, sent when the step ends or a caller
+# waits): a step that takes longer is cut here (then sent as it is, not replayed)
+LAZY_DELAY = 0.1
 
 
 class Flusher:
@@ -63,30 +66,41 @@ class Flusher:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held: set[Any] = set()  # anything with flush(): connections, tensor batches
-        self._lazy: set[Any] = set()  # ... flushed only when a caller is about to wait
+        # ... flushed when a caller is about to wait, or LAZY_DELAY after it was held
+        self._lazy: dict[Any, float] = {}
         self._thread: threading.Thread | None = None
         before_block.append(self.flush_all)
 
     def hold(self, conn: Any, lazy: bool = False) -> None:
-        """``lazy``: not on a timer; only when a caller is about to wait (or it flushes)."""
+        """``lazy``: sent when a caller is about to wait (or it flushes itself), at the latest
+        ``LAZY_DELAY`` from now."""
         with self._cond:
             if lazy:
-                self._lazy.add(conn)
-                return
-            self._held.add(conn)
+                self._lazy[conn] = time.monotonic()  # (held once per batch: its start)
+            else:
+                self._held.add(conn)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="md-flusher", daemon=True)
                 self._thread.start()
             self._cond.notify()
 
     def flush_all(self, lazy: bool = True) -> None:
+        """``lazy``: those held lazily too (else only those held LAZY_DELAY already)."""
         # Flushing a tensor batch may hold a connection: loop until nothing is held.
-        while self._held or (lazy and self._lazy):
+        while True:
             with self._cond:
                 held, self._held = self._held, set()
                 if lazy:
-                    held |= self._lazy
-                    self._lazy = set()
+                    held.update(self._lazy)
+                    self._lazy = {}
+                elif self._lazy:
+                    late = time.monotonic() - LAZY_DELAY
+                    for conn, since in list(self._lazy.items()):
+                        if since <= late:
+                            held.add(conn)
+                            del self._lazy[conn]
+            if not held:
+                return
             for conn in held:
                 try:
                     conn.flush()
@@ -104,9 +118,14 @@ class Flusher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._held:
+                while not self._held and not self._lazy:
                     self._cond.wait()
-                self._cond.wait(FLUSH_DELAY)  # the burst goes on a moment; then send its calls
+                if self._held:
+                    self._cond.wait(FLUSH_DELAY)  # the burst goes on a moment; then send it
+                else:  # (only lazy ones: until the oldest is due, or something is held)
+                    due = min(self._lazy.values()) + LAZY_DELAY - time.monotonic()
+                    if due > 0:
+                        self._cond.wait(due)
             self.flush_all(lazy=False)
 
 

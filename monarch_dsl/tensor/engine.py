@@ -87,9 +87,9 @@ class Engine:
             self.held = True
             try:
                 # sent at the latest a moment from now; in a step being replayed, when the
-                # program waits for something (or at the next cut)
+                # program waits for something or at the next cut (at the latest LAZY_DELAY)
                 replay = self.replay
-                lazy = replay is not None and replay.signature is not None
+                lazy = replay is not None and replay.active and replay.signature is not None
                 controller.flusher().hold(self, lazy=lazy)
             except BaseException:
                 self.held = False
@@ -201,8 +201,9 @@ class Engine:
         (the shapes of the step's inputs); None: the step's batches are not to be replayed."""
         if self.batch or self.dead:
             self.flush()
-        if self.replay is not None:
-            self.replay.signature = signature
+        replay = self.replay  # (a finalizer in the flush may have stopped it)
+        if replay is not None:
+            replay.signature = signature
 
     def new_ref(self) -> int:
         return next(self.refs)

@@ -3,10 +3,11 @@ paying, on every step, for encoding and sending each instruction and for the wor
 and preparing each op.
 
 ``md.DistributedDataParallel`` turns it on for its engine (``Engine.start_replay``) and cuts
-the instruction stream at each ``forward()``. With replay on, batches are not sent on a timer:
-a batch goes when the next forward starts, when the program fetches a value or waits for
-anything (``before_block``), when it is full, or at ``pm.stop()``. So a loop's batches are its
-steps (or a step's parts between the fetches it makes), the same from one step to the next.
+the instruction stream at each ``forward()``. While such a step is issued, its batch is not
+sent a moment after it starts: it goes when the next forward starts, when the program fetches
+a value or waits for anything (``before_block``), when it is full, or at the latest
+``controller.LAZY_DELAY`` (0.1 s) after it started. So a loop's batches are its steps (or a
+step's parts between the fetches it makes), the same from one step to the next.
 
 Each batch is described without its ref numbers (``_Segment``): refs made in the batch are
 named by the order they are made, refs from before it by the order they are first used. A
@@ -179,7 +180,7 @@ def _describe(seg: _Segment, ins: Any) -> tuple:
                 values.append(a)
                 args.append(_LIFTED)
             elif t in _PLAIN:
-                args.append((t, a))
+                args.append((t, a.hex()) if t is float else (t, a))
             else:
                 args.append(_freeze(a, seg))
         kwargs: tuple = ()
@@ -214,7 +215,10 @@ def _describe(seg: _Segment, ins: Any) -> tuple:
     if kind is isa.BorrowBegin:
         src = seg.name(ins.src)
         return ("borrow", src, seg.make(ins.dst), ins.origin, ins.stream, seg.make(ins.event))
-    # BorrowEnd
+    # BorrowEnd: of a borrow the batch began (one begun before it ends on the origin stream's
+    # wait for the borrowing one, which a plan run would not keep)
+    if seg._index.get(ins.dst, -1) < 0:
+        raise NotReplayable("the end of a borrow begun before the batch")
     return ("end", seg.name(ins.dst), ins.origin, ins.stream, seg.make(ins.event))
 
 
@@ -234,7 +238,7 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
     if found is None:
         fn = resolve_op(op)
         args = fn._schema.arguments
-        lift = [isinstance(a.type, (torch.NumberType, torch.FloatType)) for a in args]
+        lift = [_number_typed(a.type) for a in args]
         positions = frozenset(
             i for i, (a, ok) in enumerate(zip(args, lift)) if ok and not a.kwarg_only
         )
@@ -266,16 +270,27 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
     return found
 
 
+def _number_typed(t: Any) -> bool:
+    """``Scalar``, ``float``, ``Scalar?`` or ``float?`` (a double goes there as it is)."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, (torch.NumberType, torch.FloatType))
+
+
 _liftable_args: dict[str, tuple[frozenset[int], frozenset[str], frozenset[int], str]] = {}
 
 
 def _freeze(x: Any, seg: _Segment) -> Any:
     """``x`` (an instruction's arguments) as a hashable description: refs by their names,
-    plain values with their types (``1`` and ``1.0`` differ to an op)."""
+    plain values with their types (``1`` and ``1.0`` differ to an op), floats by their bits."""
     t = type(x)
     if t is isa.Ref:
         return seg.name(x.id)
-    if t in _PLAIN:
+    if t in _PLAIN:  # (a float by its bits: -0.0 is not 0.0, and NaN is NaN)
+        if t is float:
+            return (t, x.hex())
+        if t is complex:
+            return (t, x.real.hex(), x.imag.hex())
         return (t, x)
     if x is None or x is isa.WORKER_DEVICE or isinstance(x, _TORCH_CONSTANTS):
         return x
@@ -375,6 +390,9 @@ def lower(seg: _Segment, pid: int) -> _Plan:
                     base[s] = view_of
                 if r is None:
                     continue
+                old = slot_of.get(r)
+                if old is not None:  # written in place: the new slot is the same storage
+                    base[s] = base.get(old, old)
                 if r in outer and r not in written_outer:
                     written_outer.append(r)
                 slot_of[r] = s
@@ -488,6 +506,14 @@ class Replay:
         time), or ``items`` as they are."""
         if not self.active or self.signature is None:  # (None: a step not to replay)
             return items
+        try:
+            return self._rewrite(items, mesh_shapes)
+        except Exception:  # noqa: BLE001 - an internal error: the batch goes as it is
+            self.active = False
+            log.exception("monarch_dsl: eager replay stopped by an internal error")
+            return items
+
+    def _rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
         self.batches += 1
         try:
             seg = _Segment(items, mesh_shapes, self.signature)
@@ -496,15 +522,13 @@ class Replay:
             if plan is None and seg.key in self.refused:
                 raise NotReplayable(self.refused[seg.key])
             if plan is None:
-                if seg.key not in self.seen or len(self.plans) >= MAX_PLANS:
+                if len(self.plans) >= MAX_PLANS:
+                    raise NotReplayable(f"{MAX_PLANS} plans kept already")
+                if seg.key not in self.seen:
                     if len(self.seen) >= _SEEN_MAX:
                         self.seen.clear()
                     self.seen[seg.key] = 1
-                    raise NotReplayable(
-                        "not seen before"
-                        if len(self.plans) < MAX_PLANS
-                        else f"{MAX_PLANS} plans kept already"
-                    )
+                    raise NotReplayable("not seen before")
                 del self.seen[seg.key]
                 try:
                     plan = lower(seg, new_plan_id())
