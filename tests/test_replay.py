@@ -181,15 +181,44 @@ def test_floats_are_told_apart_by_their_bits():
     assert _Segment(clamp(nan), MESHES).key == _Segment(clamp(nan), MESHES).key
 
 
-def test_the_end_of_a_borrow_begun_before_the_batch_is_not_replayed():
-    """(A step cut inside a borrow, at BATCH_MAX: the origin stream's wait is the BorrowEnd's.)"""
-    batch = (
-        (0, isa.Reduce(50, 50, 0, ("dp",), "sum", False, (2,), "float32", "comms", "x.py:2")),
-        (0, isa.BorrowEnd(50, "main", "comms", 52, "x.py:2")),
-        op("aten::relu.default", (isa.Ref(40),), (53,)),
-    )
-    with pytest.raises(NotReplayable, match="borrow begun before"):
-        _Segment(batch, MESHES)
+def test_the_body_ends_at_the_first_instruction_a_plan_cannot_hold():
+    """The rest goes as it is, after the run: the end of a borrow begun before the batch (a
+    step cut at BATCH_MAX: the origin stream's wait is the BorrowEnd's), a remote function."""
+    end = (0, isa.BorrowEnd(50, "main", "comms", 52, "x.py:2"))
+    call = (0, isa.CallFunction(b"", (), {}, (60,), 0, 0, 0, "main", "x.py:3"))
+    for stop, why in ((end, "borrow begun before"), (call, "CallFunction")):
+        batch = (
+            op("aten::relu.default", (isa.Ref(40),), (53,)),
+            stop,
+            op("aten::relu.default", (isa.Ref(53),), (54,)),
+        )
+        seg = _Segment(batch, MESHES)
+        assert [i for _, i in seg.body] == [batch[0][1]] and seg.tail == list(batch[1:])
+        assert why in seg.stop and seg.made == [53]  # (the one the tail reads: an output)
+        assert lower(seg, 1).outputs == [("made", 0)]
+    with pytest.raises(NotReplayable, match="CallFunction"):  # (nothing before it)
+        _Segment((call,), MESHES)
+
+
+def test_an_op_that_writes_its_arguments_and_returns_nothing_leaves_them_as_outputs():
+    """(So a failed run fails them, as it fails the refs an op in place returns.)"""
+    batch = (op("aten::_foreach_add_.Scalar", ([isa.Ref(1), isa.Ref(2)], 1.0), ()),)
+    plan = lower(_Segment(batch, MESHES), 1)
+    assert plan.outputs == [("outer", 0), ("outer", 1)]
+
+
+def test_a_program_the_runtime_cannot_make_is_not_replayed():
+    """``x[:, idx]``: ``aten::index.Tensor`` with ``[None, idx]``, which the C++ plan cannot
+    take: refused once, the batch sent as it is from then on."""
+    from monarch_dsl import _core
+
+    if _core.native() is None:
+        pytest.skip("the C++ runtime is not built")
+    replay = Replay()
+    batch = (op("aten::index.Tensor", (isa.Ref(1), [None, isa.Ref(2)]), (5,)),)
+    for _ in range(3):
+        assert replay.rewrite(batch, MESHES) == batch
+    assert "cannot make the plan" in replay.last_reason and not replay.plans
 
 
 def test_a_batch_goes_as_it_is_then_defined_then_as_one_run():

@@ -29,3 +29,18 @@ def resolve_op(name: str) -> Callable[..., Any]:
             ns, op, overload = name.split(".")
         fn = _ops[name] = getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
     return fn
+
+
+def written_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """Positions and names of the arguments ``func`` writes (in-place and out= ops)."""
+    found = _written_args.get(func)
+    if found is None:
+        found = _written_args[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
+
+
+_written_args: dict[Any, tuple[tuple[int, str], ...]] = {}

@@ -168,6 +168,7 @@ class DistributedDataParallel(nn.Module):
         ]
         # Record and replay of repeated steps (tensor/replay.py): each forward starts a batch.
         self._replay = replay
+        self._first: Any = None  # this rank is the first along dim (for broadcast_buffers)
         self._engine = _tensor.Engine.of(mesh)
         if replay:
             self._engine.start_replay()
@@ -188,7 +189,10 @@ class DistributedDataParallel(nn.Module):
         if self.broadcast_buffers and torch.is_grad_enabled():
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
-                _broadcast(buffers, self.mesh, self.dim)
+                if self._first is None:  # (made once: its instruction is one a plan lacks)
+                    with _tensor.activate(self.mesh):
+                        self._first = self.mesh.rank(self.dim) == 0
+                _broadcast(buffers, self.mesh, self.dim, self._first)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -444,11 +448,12 @@ def _shape(row: torch.Tensor) -> list[int]:
     return [int(v) for v in row[1 : 1 + n]]
 
 
-def _broadcast(tensors: list, mesh: Any, dim: str) -> None:
+def _broadcast(tensors: list, mesh: Any, dim: str, first: Any = None) -> None:
     """Every rank of ``dim`` takes the first rank's values (one flat all-reduce per dtype: the
-    first rank's values, zeros elsewhere)."""
+    first rank's values, zeros elsewhere). ``first``: ``mesh.rank(dim) == 0``, if made."""
     with _tensor.activate(mesh), torch.no_grad():
-        first = mesh.rank(dim) == 0
+        if first is None:
+            first = mesh.rank(dim) == 0
         by_dtype: dict[torch.dtype, list] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)

@@ -88,16 +88,17 @@ class Flusher:
         """``lazy``: those held lazily too (else only those held LAZY_DELAY already)."""
         # Flushing a tensor batch may hold a connection: loop until nothing is held.
         while True:
-            with self._cond:
-                held, self._held = self._held, set()
+            with self._cond:  # (those held on the timer first: theirs is the shorter wait)
+                held, self._held = list(self._held), set()
                 if lazy:
-                    held.update(self._lazy)
+                    held.extend(c for c in self._lazy if c not in held)
                     self._lazy = {}
                 elif self._lazy:
                     late = time.monotonic() - LAZY_DELAY
                     for conn, since in list(self._lazy.items()):
                         if since <= late:
-                            held.add(conn)
+                            if conn not in held:
+                                held.append(conn)
                             del self._lazy[conn]
             if not held:
                 return

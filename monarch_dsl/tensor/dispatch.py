@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from monarch_dsl import isa
 from monarch_dsl.frames import user_line
+from monarch_dsl.isa.opnames import written_args
 from monarch_dsl.tensor import active as _active
 from monarch_dsl.tensor.active import check_usable, current_stream
 from monarch_dsl.tensor.engine import Engine
@@ -28,7 +29,7 @@ from monarch_dsl.tensor.handle import (
     known_value,
     maker,
 )
-from monarch_dsl.tensor.meta import Alias, output_meta, written_args
+from monarch_dsl.tensor.meta import Alias, output_meta
 from monarch_dsl.tensor.movement import lift
 
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}

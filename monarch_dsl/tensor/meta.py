@@ -10,21 +10,6 @@ from torch.utils import _pytree as pytree
 
 from monarch_dsl.tensor.handle import META_CACHE_MAX, Tensor, describe, new_meta
 
-_written: dict[Any, tuple] = {}
-
-
-def written_args(func) -> tuple:
-    """Positions and names of the arguments ``func`` writes (in-place and out= ops)."""
-    found = _written.get(func)
-    if found is None:
-        found = _written[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    return found
-
-
 # Output metadata by (op, input metadata, other arguments): running an op on meta tensors goes
 # through torch's Python reference implementations (hundreds of microseconds); a loop (a
 # training step) repeats the same ops on the same shapes, so remember what they gave.

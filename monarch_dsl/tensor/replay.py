@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
-from monarch_dsl import isa
+from monarch_dsl import _core, isa
+from monarch_dsl.compiler.lower import core_steps
 from monarch_dsl.compiler.ops import ALIASING, base_name
-from monarch_dsl.isa.opnames import resolve_op
+from monarch_dsl.isa.opnames import resolve_op, written_args
 
 log = logging.getLogger("monarch_dsl")
 
@@ -94,6 +95,7 @@ class _Segment:
         self.outer_deletes: list[tuple[int, str]] = []
         self.tail: list[tuple[int, Any]] = []
         self.head: list[tuple[int, Any]] = []  # mesh definitions, sent first
+        self.stop = ""  # why the body ended before the first fetch ("": it did not)
         self.values: list[float] = []  # the floats of Scalar / float arguments, in order
         self.mesh = -1
         deleted_made: list[int] = []
@@ -114,18 +116,30 @@ class _Segment:
                 continue
             if kind is isa.Fetch:
                 break
+            # The body ends at the first instruction a plan cannot hold: from there on the
+            # batch goes as it is, after the run (the next step's data made on the mesh, a
+            # remote function, a collective of another kind...).
             if kind not in _BODY:
-                raise NotReplayable(f"a {kind.__name__} instruction")
-            if self.mesh < 0:
-                self.mesh = mesh
-            elif mesh != self.mesh:
-                raise NotReplayable("instructions on two meshes")
+                self.stop = f"a {kind.__name__} instruction"
+                break
+            if self.mesh >= 0 and mesh != self.mesh:
+                self.stop = "instructions on two meshes"
+                break
+            marks = (len(self.outer), len(self.made), len(self.values))
+            try:
+                desc.append(_describe(self, ins))
+            except NotReplayable as e:
+                self._forget(*marks)  # (what the instruction's description began)
+                self.stop = str(e)
+                break
+            self.mesh = mesh
             self.body.append((mesh, ins))
-            desc.append(_describe(self, ins))
         else:
             k = len(items)
         self.tail = list(items[k:])
         if not self.body:
+            if self.stop:
+                raise NotReplayable(self.stop)
             raise _NoOps("no op before the first fetch")
         dims_sizes = mesh_shapes.get(self.mesh)
         if dims_sizes is None:
@@ -140,6 +154,12 @@ class _Segment:
             frozenset(deleted_made),
         )
         self.deleted_made = set(deleted_made)
+
+    def _forget(self, outer: int, made: int, values: int) -> None:
+        """Back to ``outer`` outer refs, ``made`` made refs and ``values`` lifted floats."""
+        for r in self.outer[outer:] + self.made[made:]:
+            del self._index[r]
+        del self.outer[outer:], self.made[made:], self.values[values:]
 
     def name(self, ref: int) -> int:
         """The name of a ref the batch reads."""
@@ -270,6 +290,15 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
     return found
 
 
+def _written_refs(op: str, args: tuple, kwargs: dict) -> list[int]:
+    """The refs the op ``op`` writes in place among ``args`` / ``kwargs`` (by its schema)."""
+    found = []
+    for i, name in written_args(resolve_op(op)):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        found.extend(isa.refs_in(value))
+    return found
+
+
 def _number_typed(t: Any) -> bool:
     """``Scalar``, ``float``, ``Scalar?`` or ``float?`` (a double goes there as it is)."""
     if isinstance(t, torch.OptionalType):
@@ -368,6 +397,9 @@ def lower(seg: _Segment, pid: int) -> _Plan:
                 isa.Slot(next(lifted)) if type(a) is float and i in lifted_at else to_slots(a)
                 for i, a in enumerate(ins.args)
             )
+            for r in _written_refs(name, ins.args, ins.kwargs):  # (ops that return nothing)
+                if r in outer and r not in written_outer:
+                    written_outer.append(r)
             kwargs = {
                 k: isa.Slot(next(lifted))
                 if type(a) is float and k in names
@@ -481,6 +513,18 @@ def lower(seg: _Segment, pid: int) -> _Plan:
     return _Plan(pid, program, outputs)
 
 
+def _check_builds(program: isa.Program) -> None:
+    """``program`` as the workers' C++ runtime will take it (``runtime/plan_runner.py``): a
+    program it cannot make would fail every run, and every value each run writes."""
+    core = _core.native()
+    if core is None:
+        return
+    try:
+        core.CompiledPlan(core_steps(program, None, torch.device("cpu")), isa.Slot)
+    except Exception as e:  # noqa: BLE001 - the runtime's reason, as the refusal's
+        raise NotReplayable(f"the runtime cannot make the plan ({type(e).__name__}: {e})") from e
+
+
 # ------------------------------------------------------------------------------ the engine's
 
 
@@ -532,6 +576,7 @@ class Replay:
                 del self.seen[seg.key]
                 try:
                     plan = lower(seg, new_plan_id())
+                    _check_builds(plan.program)
                 except NotReplayable as e:
                     if len(self.refused) >= _SEEN_MAX:
                         self.refused.clear()
