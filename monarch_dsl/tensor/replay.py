@@ -21,19 +21,22 @@ all-reduce steps over slots -- sent once (``DefinePlan``), and from then on a ba
 description is sent as one ``RunPlan``: the refs it reads, the refs it leaves, and the deletes
 of older refs it carries. The workers run it as a compiled plan (the C++ runtime's
 ``CompiledPlan``, or the Python plan runner): no decoding, no per-op preparation, and its
-values freed at their last use. A batch that cannot be lowered (an instruction kind other
-than ops, reduces, borrows, deletes and mesh definitions before its first fetch, an op on a
-stream other than ``main``, a value an instruction holds that is not a plain one, a reduce of
-a value from before the batch) goes as it is; after ``GIVE_UP`` such batches or batches not
-seen before in a row, replay stops for the engine.
+values freed at their last use. The plan holds the batch up to its first fetch or its first
+instruction a plan cannot hold (a kind other than ops, reduces, borrows, deletes and mesh
+definitions; an op on a stream other than ``main``; a value that is not a plain one; the end
+of a borrow begun before the batch); the rest goes as it is, after the run. A batch whose
+plan cannot be made (a reduce of a value from before the batch, a view of a reduced value
+read after the reduce, a program the C++ runtime refuses: checked on the controller) goes as
+it is; after ``GIVE_UP`` such batches or batches not seen before in a row, replay stops for
+the engine.
 
 What the workers compute is what the eager instructions compute, with the plans' failure
 rule: an op that fails on one rank fails every value the run leaves on every rank (refs made,
-and refs written in place): on that rank with the op's error at the user's ``file:line``, on
-the others as failed on another rank. The shapes of the values a batch reads are not in its
-description; the signature ``Engine.cut`` is given (the shapes of the step's inputs) is: a
-step on a batch of another shape gets a plan of its own (a plan's ops keep buffers of the
-shapes they saw).
+and refs from before it that an op writes): on that rank with the op's error at the user's
+``file:line``, on the others as failed on another rank. The shapes of the values a batch
+reads are not in its description; the signature ``Engine.cut`` is given (the shapes of the
+step's inputs) is: a step on a batch of another shape gets a plan of its own (a plan's ops
+keep buffers of the shapes they saw).
 """
 
 from __future__ import annotations
