@@ -45,8 +45,8 @@ the values it had.
 same shapes; floats such as a learning rate may change) is issued, the workers are sent one
 plan run for it instead of its instructions, and run it as a compiled plan. Each ``forward()``
 starts a new batch of instructions, and batches are sent when the next step starts or the
-program waits for a value (not a moment after they start). ``replay=False`` keeps every step
-of this wrapper eager.
+program waits for a value (not a moment after they start; at the latest 0.1 s after).
+``replay=False`` keeps every step of this wrapper eager.
 
 Accepted for compatibility, with no effect because the single controller makes them moot:
 ``static_graph`` (the graph is seen whole), ``init_sync`` (the broadcast is one collective),

@@ -109,8 +109,9 @@ class Engine:
                 del batch[: len(items)]
             if self.job.stopped or self.job.stopping:
                 return
-            if self.replay is not None:
-                items = self.replay.rewrite(items, self.mesh_shapes)
+            replay = self.replay  # (read once: a finalizer may stop it meanwhile)
+            if replay is not None:
+                items = replay.rewrite(items, self.mesh_shapes)
             self.batches_sent += 1
             try:
                 self.job.post(self.ranks, RunBatch(items))
@@ -186,7 +187,8 @@ class Engine:
     def stop_replay(self) -> None:
         """From a wrapper's finalizer, so from any thread and in the middle of anything (a
         garbage collection in a flush): no locks, no sending. A batch that waits lazily goes
-        when the program next waits for something; the next op's batch goes on the timer."""
+        when the program next waits for something (at the latest ``LAZY_DELAY``); the next
+        op's batch goes on the timer."""
         replay = self.replay
         if replay is not None:
             replay.users -= 1
