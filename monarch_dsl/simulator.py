@@ -189,10 +189,8 @@ class _SimEngine(Engine):
         return {}
 
     def start_replay(self) -> None:  # type: ignore[override]
-        """No replay on a simulated mesh: its costs are those of the eager instructions."""
-
-    def stop_replay(self) -> None:
-        pass
+        """No replay on a simulated mesh: its costs are those of the eager instructions.
+        (``stop_replay`` then finds none to stop.)"""
 
     def append(self, mesh: int, ins: Any) -> None:
         thread = threading.get_ident()

@@ -148,15 +148,15 @@ class _Segment:
         if dims_sizes is None:
             raise NotReplayable("an unknown mesh")
         self.dims, self.sizes = dims_sizes
+        self.deleted_made = frozenset(deleted_made)  # (names of made refs)
         self.key = (
             signature,
             self.mesh,
             dims_sizes,
             tuple(desc),
             len(self.outer),
-            frozenset(deleted_made),
+            self.deleted_made,
         )
-        self.deleted_made = set(deleted_made)
 
     def _forget(self, outer: int, made: int, values: int) -> None:
         """Back to ``outer`` outer refs, ``made`` made refs and ``values`` lifted floats."""
@@ -344,7 +344,6 @@ class _Plan:
         self.pid = pid
         self.program = program
         self.outputs = outputs
-        self.runs = 0
 
 
 def lower(seg: _Segment, pid: int) -> _Plan:
@@ -545,7 +544,6 @@ class Replay:
         self.misses = 0  # batches in a row neither replayed nor defined
         self.batches = 0
         self.replayed = 0  # batches sent as a plan run
-        self.instructions_replayed = 0
         self.last_reason = ""  # why the last batch was sent as it is
 
     def rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
@@ -603,8 +601,6 @@ class Replay:
             return items
         self.misses = 0
         self.replayed += 1
-        self.instructions_replayed += len(seg.body)
-        plan.runs += 1
         made, outer = seg.made, seg.outer
         outputs = tuple(made[i] if kind == "made" else outer[i] for kind, i in plan.outputs)
         loc = seg.body[0][1].loc
