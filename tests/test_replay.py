@@ -256,15 +256,22 @@ def test_an_internal_error_sends_the_batch_as_it_is(monkeypatch, caplog):
     assert not replay.active and "internal error" in caplog.text
 
 
-def test_a_lazily_held_batch_goes_when_a_caller_waits_or_at_the_latest_lazy_delay():
+def _hand_flusher():
+    """A flusher driven by hand (not the process's), the times its batches were sent, and
+    a batch class."""
     flusher = controller.Flusher()
-    controller.before_block.remove(flusher.flush_all)  # (this one is driven by hand)
+    controller.before_block.remove(flusher.flush_all)
     flushed: list[float] = []
 
     class Batch:
         def flush(self):
             flushed.append(time.monotonic())
 
+    return flusher, flushed, Batch
+
+
+def test_a_lazily_held_batch_goes_when_a_caller_waits_or_at_the_latest_lazy_delay():
+    flusher, flushed, Batch = _hand_flusher()
     flusher.hold(Batch(), lazy=True)
     flusher.flush_all()  # a caller is about to wait
     assert len(flushed) == 1
@@ -274,6 +281,21 @@ def test_a_lazily_held_batch_goes_when_a_caller_waits_or_at_the_latest_lazy_dela
     while len(flushed) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(flushed) == 2 and flushed[1] - t0 >= controller.LAZY_DELAY
+
+
+def test_a_lazily_held_batch_is_not_sent_by_the_timer_of_the_batch_before_it():
+    """A batch held on the timer (FLUSH_DELAY) that its engine then sent itself (Engine.cut),
+    and its next batch held lazily (a replayed step): the first batch's timer, when due,
+    does not send the second one early (a step in two parts, not replayed)."""
+    flusher, flushed, Batch = _hand_flusher()
+    batch = Batch()
+    flusher.hold(batch)  # (and then sent by its engine, not by the flusher)
+    t0 = time.monotonic()
+    flusher.hold(batch, lazy=True)
+    flusher.flush_all(lazy=False)  # what the flusher's thread runs when a timer is due
+    assert all(t - t0 >= controller.LAZY_DELAY for t in flushed)  # (the thread's, if late)
+    flusher.flush_all()
+    assert len(flushed) == 1
 
 
 def test_replay_stops_after_batches_that_never_repeat():

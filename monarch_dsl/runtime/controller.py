@@ -74,10 +74,15 @@ class Flusher:
     def hold(self, conn: Any, lazy: bool = False) -> None:
         """``lazy``: sent when a caller is about to wait (or it flushes itself), at the latest
         ``LAZY_DELAY`` from now."""
+        # (Held once per batch, after its previous batch went -- maybe by its own flush, which
+        # leaves this its earlier hold: dropped, or a timer still set for a batch gone would
+        # send this one early, a replayed step in two parts.)
         with self._cond:
             if lazy:
-                self._lazy[conn] = time.monotonic()  # (held once per batch: its start)
+                self._held.discard(conn)
+                self._lazy[conn] = time.monotonic()  # (its start)
             else:
+                self._lazy.pop(conn, None)
                 self._held.add(conn)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="md-flusher", daemon=True)
