@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import statistics
@@ -253,8 +254,38 @@ def eager_ops(state, steps: int):
     return h
 
 
+def md_ddp_setup(mesh, replay: bool = True):
+    """``md.DistributedDataParallel`` of 4 x (Linear(64) + ReLU) over ``gpu``, its SGD and a
+    batch of 32 a rank (``benchmarks/ddp.py``'s tiny model); ``replay``: the wrapper's."""
+    torch.manual_seed(0)
+    model = md.to_mesh(_mlp(64, 4), mesh)
+    ddp = md.DistributedDataParallel(model, dim="gpu", replay=replay)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x, y = md.distribute((torch.randn(64, 64), torch.randn(64, 64)), {"gpu": md.Shard(0)}, mesh)
+    return ddp, opt, x, y
+
+
+def md_ddp(state, steps: int):
+    """The DDP benchmark's loop body, ``steps`` times: zero_grad, forward, MSE, backward (its
+    buckets all-reduced), SGD step. Returns the last loss."""
+    ddp, opt, x, y = state
+    loss = None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+    return loss
+
+
 # name: (its state, made once on the mesh; its steps on that state)
-EAGER = {"eager ddp": (eager_ddp_setup, eager_ddp), "eager small ops": (eager_ops_setup, eager_ops)}
+EAGER = {
+    "eager ddp": (eager_ddp_setup, eager_ddp),
+    "eager small ops": (eager_ops_setup, eager_ops),
+    # (md.DistributedDataParallel replays the repeated step: md.Simulator does too)
+    "md.DDP tiny, replayed": (md_ddp_setup, md_ddp),
+    "md.DDP tiny, no replay": (functools.partial(md_ddp_setup, replay=False), md_ddp),
+}
 
 
 def measure_eager(pm, case, blocks: int, steps: int) -> float:

@@ -763,6 +763,7 @@ def _measure(
                     span = info.get("span", span)
                 if i == 0:
                     eager, worker_op, eager_wall, wait_cpu = _eager_costs(pm, probe, s)
+                    eager.update(_replay_costs(pm, s))
                     bar.step("eager ops")
                     calls = _calls(pm, s.plan_calls, s.reps, probe)
                     bar.step("compiled step calls")
@@ -1067,6 +1068,87 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     wait = workers.get("wait")
     wait_cpu = statistics.median(wait) / reps_n["wait"] if wait else 0.0
     return terms, worker_op, wall_op, wait_cpu
+
+
+# Replayed programs (``tensor/replay.py``): runs of ``k`` ops each, for two ``k``; the
+# controller's CPU per run of the two gives its cost per replayed instruction
+# (``controller_replayed``) and per run (``replay_issue``).
+REPLAY_OPS = (2, 32)
+
+
+def _replay_body(engine: Any, state: Any, k: int, n: int) -> Any:
+    """``n`` steps of ``k`` ops each (``y = y + 1`` from ``state``), each cut as
+    ``md.DistributedDataParallel.forward`` cuts a step: from the third on, each is replayed
+    as one plan run. Returns the last ``y``; the engine is left cut with no signature."""
+    y = state
+    for _ in range(n):
+        engine.cut(("calibrate", k))
+        y = state
+        for _ in range(k):
+            y = y + 1
+    engine.cut(None)
+    return y
+
+
+def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
+    """``{"replayed": seconds per instruction, "replay": per run}``: the controller's CPU (all
+    its threads) for the programs ``_replay_body`` with each of ``REPLAY_OPS``, on ``pm`` and
+    on an ``md.Simulator`` (how many instructions and runs it charges: it must replay every
+    step, and the workers nearly every one); solved as two equations in the two unknowns
+    ({} where a program was not replayed: the profile then charges replayed instructions as
+    eager ones)."""
+    from monarch_dsl.simulator import Simulator
+    from monarch_dsl.tensor import inspect
+    from monarch_dsl.tensor.engine import Engine
+
+    reps = {k: max(8, s.eager_ops // k) for k in REPLAY_OPS}
+    counts: dict[int, tuple[int, int]] = {}  # k -> (instructions replayed, runs) per program
+    sim = Simulator(hosts=1, gpus=pm.sizes["r"], profile=BUILTIN["cpu-local"])
+    try:
+        engine = Engine.of(sim.mesh)
+        engine.start_replay()
+        with sim.mesh.activate():
+            for k in REPLAY_OPS:
+                state = _eager_setup("y = x + 1", sim.mesh)
+                inspect(_replay_body(engine, state, k, 3))
+                before = dict(sim.job.sim.charged)
+                inspect(_replay_body(engine, state, k, reps[k]))
+                after = sim.job.sim.charged
+                counts[k] = (
+                    after["replayed"] - before["replayed"],
+                    after["replay"] - before["replay"],
+                )
+    finally:
+        sim.mesh.stop()
+    if any(runs != reps[k] for k, (_, runs) in counts.items()):
+        return {}
+    cpu: dict[int, list[float]] = {k: [] for k in REPLAY_OPS}
+    engine = Engine.of(pm)
+    replay = engine.start_replay()
+    try:
+        with pm.activate():
+            states = {k: _eager_setup("y = x + 1", pm) for k in REPLAY_OPS}
+            for k in REPLAY_OPS:
+                inspect(_replay_body(engine, states[k], k, 3))
+            runs0 = replay.replayed
+            for _ in range(s.eager_rounds):
+                for k in REPLAY_OPS:
+                    c0 = time.process_time()
+                    inspect(_replay_body(engine, states[k], k, reps[k]))
+                    cpu[k].append(time.process_time() - c0)
+            replayed = replay.replayed - runs0
+    finally:
+        engine.stop_replay()
+    if replayed < 0.9 * s.eager_rounds * sum(reps.values()):  # (a step's batch split: rare)
+        return {}
+    (i1, r1), (i2, r2) = (counts[k] for k in REPLAY_OPS)
+    c1, c2 = (statistics.median(cpu[k]) for k in REPLAY_OPS)
+    det = i1 * r2 - i2 * r1
+    if det == 0:
+        return {}
+    per_ins = (c1 * r2 - c2 * r1) / det
+    per_run = (i1 * c2 - i2 * c1) / det
+    return {"replayed": max(0.0, per_ins), "replay": max(0.0, per_run)}
 
 
 def _wait_reps(s: Settings) -> int:
@@ -1445,6 +1527,8 @@ def _gpu_profile(
         controller_borrow=eager.get("borrow", base.controller_borrow),
         controller_backward=eager.get("backward", base.controller_backward),
         controller_switch=eager.get("switch", base.controller_switch),
+        controller_replayed=eager.get("replayed", 0.0),
+        replay_issue=eager.get("replay", 0.0),
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=0.0,
@@ -1535,6 +1619,8 @@ def _profile(
         controller_borrow=eager.get("borrow", 0.0),
         controller_backward=eager.get("backward", 0.0),
         controller_switch=eager.get("switch", 0.0),
+        controller_replayed=eager.get("replayed", 0.0),
+        replay_issue=eager.get("replay", 0.0),
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=c.matmul_passes,
@@ -1672,6 +1758,8 @@ def table(cal: Calibration) -> str:
         ("a borrow or its drop (controller_borrow)", p.controller_borrow),
         ("+ a backward node (controller_backward)", p.controller_backward),
         ("+ the issuing thread changed (controller_switch)", p.controller_switch),
+        ("an instruction replayed (controller_replayed)", p.controller_replayed),
+        ("a replayed step's run (replay_issue)", p.replay_issue),
     ):
         out.append(f"    {label:<48s} {_us(value):>10s}")
     out.append(f"  a worker, per eager op beyond its compute    {_us(p.eager_op_overhead):>10s}")

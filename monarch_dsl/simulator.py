@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
 from monarch_dsl.compiler.simulate import SimEvent, SimReport
-from monarch_dsl.compiler.simulate_eager import FREE, EagerSimulator, Issued
+from monarch_dsl.compiler.simulate_eager import FREE, EagerSimulator, Issued, Replayed
 from monarch_dsl.errors import SupervisionError
 from monarch_dsl.proc_mesh import ProcMesh, _root
 from monarch_dsl.remote import function_of
@@ -29,6 +29,7 @@ from monarch_dsl.runtime import controller, logs
 from monarch_dsl.runtime.future import Future
 from monarch_dsl.runtime.messages import Hello, RunBatch, SetupCollectives
 from monarch_dsl.tensor.engine import EXTENSION, Engine
+from monarch_dsl.tensor.replay import Replay
 
 TRACE_MODES = ("stream_only", "everything")  # everything: the controller's issue times too
 _call_ids = itertools.count(1)
@@ -85,6 +86,7 @@ class SimJob:
         self.observed: set[tuple] = set()
         self.pending: dict[int, tuple[Future, Callable[[list], Any] | None, list, list]] = {}
         self.issued: dict[int, Issued] = {}  # id(instruction) -> how it was issued (_SimEngine)
+        self.runs: dict[int, Replayed] = {}  # id(a replay's RunPlan) -> what it stands for
         self.lock = threading.RLock()
         self.sim = EagerSimulator(
             dims,
@@ -126,7 +128,10 @@ class SimJob:
         if isinstance(msg, RunBatch):
             # (from the user's thread under pm.activate(): the values made here are local)
             with self.lock, _disable_current_modes():
-                issued = [self.issued.pop(id(ins), None) for _, ins in msg.items]
+                issued = [
+                    self.runs.pop(id(ins), None) or self.issued.pop(id(ins), None)
+                    for _, ins in msg.items
+                ]
                 try:
                     self.sim.run(ranks, msg.items, issued)
                 except Exception as e:
@@ -138,6 +143,12 @@ class SimJob:
                     raise SupervisionError(self.broken) from e
         elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
             raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
+
+    def replayed(self, run: Any, body: list[Any]) -> None:
+        """``run`` (a replay's ``RunPlan``, about to be posted) stands for the instructions
+        ``body``: how each was issued goes with it."""
+        with self.lock:
+            self.runs[id(run)] = Replayed(tuple((i, self.issued.pop(id(i), None)) for i in body))
 
     def request(self, *args: Any, **kwargs: Any) -> Future:
         raise NotImplementedError(
@@ -188,9 +199,13 @@ class _SimEngine(Engine):
         keep alive (and the simulated memory with them)."""
         return {}
 
-    def start_replay(self) -> None:  # type: ignore[override]
-        """No replay on a simulated mesh: its costs are those of the eager instructions.
-        (``stop_replay`` then finds none to stop.)"""
+    def start_replay(self) -> Replay:
+        """Replay as on workers (``tensor/replay.py``); each run made is told to the job with
+        the instructions it stands for, which the controller issued all the same (their
+        costs: ``compiler/simulate_eager.py``)."""
+        replay = super().start_replay()
+        replay.on_run = self.job.replayed
+        return replay
 
     def append(self, mesh: int, ins: Any) -> None:
         thread = threading.get_ident()

@@ -338,7 +338,8 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in rates), rates
     latencies = [link.latency for link in p.links.values()]
     eager = [p.controller_reduce, p.controller_borrow, p.controller_backward]
-    eager += [p.controller_switch, p.eager_op_overhead, p.collective_wait]
+    eager += [p.controller_switch, p.eager_op_overhead, p.collective_wait, p.replay_issue]
+    assert p.controller_replayed > 0  # (the replayed programs were replayed, and measured)
     others = [p.plan_overhead, p.plan_issue, p.plan_issue_per_input, p.plan_issue_per_output]
     others += [*latencies, *eager]
     assert all(math.isfinite(v) and v >= 0 for v in others), others
@@ -368,7 +369,8 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
         assert set(factors) == {"all_gather", "reduce_scatter", "send", *block}, (key, factors)
         assert all(math.isfinite(f) and f > 0 for c in factors.values() for _, f in c), factors
     sections = ("matmul, float32", "memory-bound ops", "dispatch, per op", "links:", "shm  ")
-    for section in (*sections, "a reduce (controller_reduce)", "per eager op beyond"):
+    more = ("a reduce (controller_reduce)", "per eager op beyond", "(controller_replayed)")
+    for section in (*sections, *more):
         assert section in r.stdout, section
     assert f"wrote {out}" in r.stdout
     # the profile simulates a compiled step

@@ -454,6 +454,8 @@ def _costed(**terms) -> md.DeviceProfile:
         controller_borrow=0.0,
         controller_backward=0.0,
         controller_switch=0.0,
+        controller_replayed=0.0,
+        replay_issue=0.0,
         eager_op_overhead=0.0,
         host_cores=0,
     )
@@ -918,3 +920,64 @@ def test_a_ddp_training_loop_runs_on_the_simulator_with_its_buckets_on_the_comms
     text = str(report)
     assert text.startswith("SimReport: step ") and "SimEvent" not in text
     assert f"{len(report.events)} events" in text and len(text) < 300
+
+
+def _ddp_loop(profile, replay: bool, steps: int):
+    """md.DistributedDataParallel's loop (two Linear layers, SGD) on 2 simulated ranks,
+    ``steps`` steps on one batch: the simulator after it."""
+    sim = md.Simulator(gpus=2, profile=profile)
+    with sim.mesh.activate():
+        torch.manual_seed(0)
+        model = md.to_mesh(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), sim.mesh)
+        ddp = md.DistributedDataParallel(model, dim="gpu", replay=replay)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x = md.to_mesh(torch.rand(8, 32), sim.mesh)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = ddp(x).square().mean()
+            loss.backward()
+            opt.step()
+        assert md.inspect(loss).shape == ()
+        sim.summary()
+        # (read while the model lives: its deletes go with the next flush)
+        sim.held = [(m.live, m.peak) for m in sim.job.sim.memory]
+    return sim
+
+
+def test_a_replayed_ddp_step_is_one_plan_run_costing_the_controller_its_replayed_terms():
+    """md.Simulator replays md.DistributedDataParallel's repeated step as the workers do
+    (tensor/replay.py): from the third step on, one plan run, which costs the controller
+    replay_issue and each instruction it stands for controller_replayed (an instruction
+    that is no op: the same fraction of its eager cost), and the workers the plan's steps
+    without eager_op_overhead."""
+    profile = _costed(
+        controller_overhead=1e-3,
+        controller_replayed=1e-4,
+        replay_issue=5e-3,
+        eager_op_overhead=1e-3,
+    )
+    steps = 6
+    sim = _ddp_loop(profile, True, steps)
+    charged = sim.job.sim.charged
+    assert charged["replay"] == steps - 2  # (seen once, then made a plan and run)
+    per_step = charged["replayed"] / charged["replay"]
+    assert per_step > 20 and per_step == int(per_step)
+    eager = charged["op"] + charged["reduce"] + charged["borrow"]
+    expected = 1e-3 * eager + 1e-4 * charged["replayed"] + 5e-3 * charged["replay"]
+    assert sim.job.sim.issued == pytest.approx(expected)
+    assert not sim.job.runs and not sim.job.issued  # (nothing left behind per instruction)
+    # replay off: every step eager, and the workers' per-op overhead on every op
+    off = _ddp_loop(profile, False, steps)
+    assert off.job.sim.charged["replay"] == 0 and off.job.sim.charged["replayed"] == 0
+    assert max(sim.job.sim.busy()) < max(off.job.sim.busy()) - (steps - 2) * per_step * 0.5e-3
+
+
+def test_a_replayed_ddp_loop_leaves_the_memory_of_the_eager_one():
+    """A replay's run writes the parameters in place (their storage kept, gradients viewing
+    their bucket stay views): what each rank holds after the loop is what the eager loop
+    leaves, and its peak no more."""
+    profile = _costed()
+    on, off = _ddp_loop(profile, True, 6), _ddp_loop(profile, False, 6)
+    assert on.job.sim.charged["replay"] == 4
+    for (live, peak), (eager_live, eager_peak) in zip(on.held, off.held, strict=True):
+        assert live == eager_live > 0 and peak <= eager_peak

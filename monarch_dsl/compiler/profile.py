@@ -149,8 +149,12 @@ class DeviceProfile:
     are the node's, whatever ops the formula issues; a final callback's instructions are no
     node's), ``controller_switch`` each time the issuing thread
     changes (``md.grad_generator``'s helper thread handing a gradient over and taking it back:
-    a condition variable, the GIL). ``eager_op_overhead``: a worker's seconds per eager
-    instruction beyond the op's compute (receiving and decoding it, the executor's
+    a condition variable, the GIL). ``controller_replayed``: the controller's CPU per
+    instruction of a batch it replays (``tensor/replay.py``: issued and described, not
+    encoded or sent; an instruction of another kind than an op at the same fraction of its
+    eager cost; 0: uncalibrated, as eager), ``replay_issue`` per run that stands for such a
+    batch (the ``RunPlan`` made, encoded and sent). ``eager_op_overhead``: a worker's seconds
+    per eager instruction beyond the op's compute (receiving and decoding it, the executor's
     bookkeeping, its stream's queue). ``collective_wait``: where a host's ranks and its
     controller share its cores (``host_cores``), the fraction of a rank's work in the batch
     before an eager collective (the instructions the controller issued in the batch window
@@ -228,6 +232,8 @@ class DeviceProfile:
     controller_borrow: float = 0.0
     controller_backward: float = 0.0
     controller_switch: float = 0.0
+    controller_replayed: float = 0.0
+    replay_issue: float = 0.0
     eager_op_overhead: float = 0.0
     collective_wait: float = 0.0
     matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()

@@ -19,7 +19,11 @@ inputs are the same meta tensors share one run). The model, per rank:
   thread issuing instructions changed (``Issued.thread``: ``md.grad_generator`` hands each
   gradient from its helper thread to the caller and back). The instructions are issued one
   after another at that pace: one cannot start on a worker before it was issued. Time the
-  user's Python spends between ops is not modelled.
+  user's Python spends between ops is not modelled. A replayed batch (``tensor/replay.py``,
+  which ``md.Simulator``'s engine runs as the workers' does: ``Replayed``) costs
+  ``replay_issue`` for its run and, for each instruction it stands for, its eager cost
+  times ``controller_replayed / controller_overhead`` (the controller still issues and
+  describes it, and does not encode or send it), plus its autograd terms.
 - **Streams.** Each stream of each rank has a clock: an instruction starts when its stream has
   finished the previous one and the controller has issued it, and takes its cost.
 - **Local data sent** (``md.to_mesh``'s value, a compiled call's local arguments): the
@@ -47,9 +51,11 @@ inputs are the same meta tensors share one run). The model, per rank:
 - **Borrows.** ``BorrowBegin``: the borrowing stream waits until the origin stream has reached
   the point where the borrow was issued; ``BorrowEnd``: the origin waits, before its next
   instruction, until the borrowing stream has reached the drop. Waits are ``"wait"`` events.
-- **Compiled steps** (``RunPlan``): the program's timeline (``compiler/simulate.play_program``)
-  continues from the stream's clock on each rank; the stream is busy until the rank's last
-  step ends. The program's slot shapes come from running its steps on meta tensors.
+- **Compiled steps** (``RunPlan``, a replay's too): the program's timeline
+  (``compiler/simulate.play_program``) continues from the stream's clock on each rank; the
+  stream is busy until the rank's last step ends. The program's slot shapes come from
+  running its steps on meta tensors (a replay's lifted numbers: ``NUMBER``). A value the
+  run reads and leaves (a replay's parameters, written in place) keeps its storage.
 - **Memory.** A ref's storage is allocated when made; views and in-place results share their
   input's storage (the same meta storage); a storage is freed when the last ref on it is
   deleted. During a compiled step, the program's own peak comes on top of what is live.
@@ -130,8 +136,20 @@ class Issued(NamedTuple):
     node: bool = True
 
 
-# The controller's CPU seconds for an instruction are the sum of these terms (``charged``).
-CONTROLLER_TERMS = ("op", "reduce", "borrow", "backward", "switch", "plan")
+NUMBER = "number"  # the type of a plan input that is a float (RunPlan.values: a replay's)
+
+
+class Replayed(NamedTuple):
+    """A replay's ``RunPlan`` (``tensor/replay.py``): the instructions of the batch it stands
+    for, each with how it was issued (``Issued`` or None) -- the controller issued them all
+    the same, and described them, but did not encode or send them."""
+
+    body: tuple[tuple[Any, Issued | None], ...]
+
+
+# The controller's CPU seconds for an instruction are the sum of these terms (``charged``);
+# "replayed": an instruction of a replayed batch, "replay": the run that stands for them.
+CONTROLLER_TERMS = ("op", "reduce", "borrow", "backward", "switch", "plan", "replayed", "replay")
 
 
 class Failed(NamedTuple):
@@ -279,7 +297,7 @@ class EagerSimulator:
         self,
         ranks: Sequence[int],
         items: Sequence[tuple[int, Any]],
-        issued: Sequence[Issued | None] | None = None,
+        issued: Sequence[Issued | Replayed | None] | None = None,
     ) -> None:
         """A batch of (mesh id, instruction) sent to ``ranks``: each runs on those of its
         mesh's ranks (mesh -1: all of ``ranks``). ``issued``: how each was issued (None:
@@ -304,9 +322,50 @@ class EagerSimulator:
                     )
             handler(ins, here)
 
-    def controller_cost(self, ins: Any, how: Issued | None, ranks: int = 1) -> float:
+    def controller_cost(self, ins: Any, how: Issued | Replayed | None, ranks: int = 1) -> float:
         """The controller's CPU seconds for issuing ``ins`` to ``ranks`` workers (see the
         module's docstring), counted in ``charged``."""
+        if isinstance(how, Replayed):
+            return self._replayed_cost(how, ranks)
+        term, cost = self._cost(ins, ranks)
+        self.charged[term] += 1
+        return cost + self._autograd_cost(how)
+
+    def _replayed_cost(self, how: Replayed, ranks: int) -> float:
+        """A replay's run: ``replay_issue``, and each instruction of the batch it stands for
+        at ``controller_replayed / controller_overhead`` of its eager cost, plus its autograd
+        terms (uncalibrated, ``controller_replayed`` 0: at its eager cost)."""
+        p = self.prof
+        self.charged["replay"] += 1
+        scale = 1.0
+        if p.controller_replayed and p.controller_overhead:
+            scale = p.controller_replayed / p.controller_overhead
+        cost = p.replay_issue
+        for ins, issued in how.body:
+            if isinstance(ins, FREE):
+                continue
+            self.charged["replayed"] += 1
+            cost += self._cost(ins, ranks)[1] * scale + self._autograd_cost(issued)
+        return cost
+
+    def _autograd_cost(self, how: Issued | None) -> float:
+        """``controller_backward`` for the first instruction of a backward node,
+        ``controller_switch`` when the issuing thread changed (counted in ``charged``)."""
+        if how is None:
+            return 0.0
+        p, cost = self.prof, 0.0
+        if how.backward and how.node:
+            self.charged["backward"] += 1
+            cost += p.controller_backward
+        if self.thread is not None and how.thread != self.thread:
+            self.charged["switch"] += 1
+            cost += p.controller_switch
+        self.thread = how.thread
+        return cost
+
+    def _cost(self, ins: Any, ranks: int) -> tuple[str, float]:
+        """(the term, the controller's CPU seconds) of issuing ``ins`` eagerly, autograd's
+        terms aside."""
         p = self.prof
         if isinstance(ins, isa.Reduce):
             term, cost = "reduce", p.controller_reduce or p.controller_overhead
@@ -329,16 +388,7 @@ class EagerSimulator:
             carried = _carried(ins)
             if carried:  # local tensors in the instruction (md.to_mesh): sent to each rank
                 cost += sending(p, carried, ranks)
-        self.charged[term] += 1
-        if how is not None:
-            if how.backward and how.node:
-                self.charged["backward"] += 1
-                cost += p.controller_backward
-            if self.thread is not None and how.thread != self.thread:
-                self.charged["switch"] += 1
-                cost += p.controller_switch
-            self.thread = how.thread
-        return cost
+        return term, cost
 
     def report(self) -> SimReport:
         peak = {r: self.memory[r].peak for r in range(self.world)}
@@ -694,7 +744,7 @@ class EagerSimulator:
             held = (self.refs[r].get(ref) for r in where.values())
             value = next((v for v in held if v is not None), None)
             inputs.append(_type(value))
-        inputs.extend(_type(v) for v in ins.values)  # (numbers)
+        inputs.extend((None, NUMBER) for _ in ins.values)  # (a replay's numbers)
         key = (ins.plan, tuple(inputs))
         types = self.plan_types.get(key)
         if types is None:
@@ -736,6 +786,7 @@ class EagerSimulator:
         # waits are plan_overhead's, and the next eager collective counts the work after it)
         meets = len(where) > 1
         made_by = {o: step for step in program.steps for o in step.outs}
+        read = set(ins.inputs)
         for c, r in where.items():
             self.clock[(r, ins.stream)] = ends[c]
             if self.prof.async_device:
@@ -751,6 +802,13 @@ class EagerSimulator:
                 shape, dtype = types[slot]
                 if ref < 0 or shape is None or (step is not None and not step.runs_on(c)):
                     continue
+                old = self.refs[r].get(ref) if ref in read else None
+                if (
+                    isinstance(old, torch.Tensor)
+                    and tuple(old.shape) == shape
+                    and dtype_name(old.dtype) == dtype
+                ):
+                    continue  # a value the run read and wrote in place (a replay's): its storage
                 self._set(r, ref, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
 
 
@@ -761,6 +819,8 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
     for slot, (shape, dtype) in zip(program.inputs, inputs):
         if shape is not None:
             env[slot] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        elif dtype == NUMBER:
+            env[slot] = 1.0  # (its value changes no type)
     sizes = program.sizes
     for step in program.steps:
         first = next((c for c in all_coords(sizes) if step.runs_on(c)), None)

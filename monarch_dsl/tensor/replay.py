@@ -45,6 +45,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -545,6 +546,9 @@ class Replay:
         self.batches = 0
         self.replayed = 0  # batches sent as a plan run
         self.last_reason = ""  # why the last batch was sent as it is
+        # Told of each run made, with the instructions it stands for (md.Simulator's engine:
+        # the controller issued them all the same, and is charged for them).
+        self.on_run: Callable[[isa.RunPlan, list[Any]], None] | None = None
 
     def rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
         """What to send for the batch ``items``: a plan run (with its definition, the second
@@ -604,21 +608,12 @@ class Replay:
         made, outer = seg.made, seg.outer
         outputs = tuple(made[i] if kind == "made" else outer[i] for kind, i in plan.outputs)
         loc = seg.body[0][1].loc
-        out.append(
-            (
-                seg.mesh,
-                isa.RunPlan(
-                    plan.pid,
-                    seg.mesh,
-                    tuple(outer),
-                    outputs,
-                    (),
-                    "main",
-                    loc,
-                    values=tuple(seg.values),
-                ),
-            )
+        run = isa.RunPlan(
+            plan.pid, seg.mesh, tuple(outer), outputs, (), "main", loc, values=tuple(seg.values)
         )
+        if self.on_run is not None:
+            self.on_run(run, [ins for _, ins in seg.body])
+        out.append((seg.mesh, run))
         by_stream: dict[str, list[int]] = {}
         for ref, stream in seg.outer_deletes:
             by_stream.setdefault(stream, []).append(ref)
