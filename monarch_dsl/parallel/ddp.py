@@ -184,8 +184,11 @@ class DistributedDataParallel(nn.Module):
                     for x in pytree.tree_leaves((args, kwargs))
                 )
             )
-        elif self._engine.replay is not None:
-            self._engine.cut(None)  # (another wrapper replays on this engine: not this step)
+        else:
+            # A step is a batch of its own here too (not replayed: another wrapper may replay
+            # on this engine): the tensors the last step left are deleted as this one
+            # starts, not when a batch of several steps ends (the workers' peak memory).
+            self._engine.cut(None)
         if self.broadcast_buffers and torch.is_grad_enabled():
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
