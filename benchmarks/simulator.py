@@ -111,6 +111,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from eager_step import thread_cpu  # noqa: E402  (benchmarks/: the script's own directory)
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
@@ -288,29 +289,60 @@ EAGER = {
 }
 
 
-def measure_eager(pm, case, blocks: int, steps: int) -> float:
+def measure_eager(pm, case, blocks: int, steps: int) -> tuple[float, float, float]:
     """Seconds per step: blocks of ``steps`` steps on the state made once (as a training loop
-    makes its model once), each block ending when the workers have run its last step."""
+    makes its model once), each block ending when the workers have run its last step; and the
+    CPU seconds per step of the controller (all its threads) and of the busier worker (all
+    its threads), medians of the blocks."""
     setup, fn = case
     mesh = pm.rename(x="gpu")
+    workers = list(pm._job.pids.values())
+    times, controller, worker = [], [], []
+
+    def cpu() -> tuple[float, list[float]]:
+        return time.process_time(), [sum(thread_cpu(p)) for p in workers]
+
     with mesh.activate():
         state = setup(mesh)
         md.inspect(fn(state, 2))  # warm: shapes cached, the state on the workers
-        times = [_timed(lambda n: md.inspect(fn(state, n)), steps) for _ in range(blocks)]
-    return statistics.median(times)
+        for _ in range(blocks):
+            gc.collect()
+            gc.disable()  # (as _timed: no collection in a block)
+            try:
+                c0, w0 = cpu()
+                t0 = time.perf_counter()
+                md.inspect(fn(state, steps))
+                times.append((time.perf_counter() - t0) / steps)
+                c1, w1 = cpu()
+            finally:
+                gc.enable()
+            controller.append((c1 - c0) / steps)
+            worker.append(max(b - a for a, b in zip(w0, w1)) / steps)
+    return statistics.median(times), statistics.median(controller), statistics.median(worker)
 
 
-def predict_eager(case, profile, steps: int) -> float:
+def predict_eager(case, profile, steps: int) -> tuple[float, float, float]:
     """The simulated seconds per step: the same steps after the same set-up and warm-up,
-    from the simulated clock between the end of the warm-up and of the last step."""
+    from the simulated clock between the end of the warm-up and of the last step; and the
+    controller's CPU seconds per step, and the busier rank's (its busy time and its waits in
+    eager collectives on a host short of cores: what the shared-cores bound counts)."""
     setup, fn = case
     sim = md.Simulator(hosts=1, gpus=2, profile=profile)
+    job = sim.job.sim
+
+    def cpu() -> tuple[float, list[float]]:
+        wait = profile.collective_wait if profile.host_cores and profile.host_cores < 3 else 0.0
+        return job.issued, [b + wait * w for b, w in zip(job.busy(), job.window_work)]
+
     with sim.mesh.activate():
         state = setup(sim.mesh)
         md.inspect(fn(state, 2))
         before = sim.summary().step_time
+        c0, w0 = cpu()
         md.inspect(fn(state, steps))
-    return (sim.summary().step_time - before) / steps
+        step = (sim.summary().step_time - before) / steps
+        c1, w1 = cpu()
+    return step, (c1 - c0) / steps, max(b - a for a, b in zip(w0, w1)) / steps
 
 
 # ---- the workers' memory -----------------------------------------------------------------------
@@ -608,7 +640,12 @@ def main() -> None:
     eager = {n: fn for n, fn in EAGER.items() if opts.only is None or opts.only in n}
     pm = md.this_host().spawn_procs({"x": 2})
     steps = 20
-    predicted = {n: (predict_eager(fn, profile, steps), None, None) for n, fn in eager.items()}
+    # eager programs: (step, controller CPU, the busier worker's CPU) per step, seconds
+    eager_cpu: dict[str, tuple[float, float, float]] = {}
+    eager_measured: dict[str, list[tuple[float, float, float]]] = {n: [] for n in eager}
+    for n, fn in eager.items():
+        eager_cpu[n] = predict_eager(fn, profile, steps)
+    predicted = {n: (eager_cpu[n][0], None, None) for n in eager}
     # Beside each compiled case: its prediction without the cache model (compiled steps'
     # compute as if every operand came from memory, as before it), so what the model changes is
     # seen on the same runs.
@@ -634,7 +671,8 @@ def main() -> None:
             print(f"  run {run + 1}: bandwidth probe: a + b of {ADD_PROBE >> 18} MiB took "
                   f"{bandwidths[-1]:.2f}x the profile's time", file=sys.stderr)  # fmt: skip
             for name, fn in eager.items():
-                times[name].append(measure_eager(pm, fn, opts.blocks, steps))
+                eager_measured[name].append(measure_eager(pm, fn, opts.blocks, steps))
+                times[name].append(eager_measured[name][-1][0])
             for case in cases:
                 m_time, m_mem, m_res, m_kinds = measure_compiled(pm, case, opts.blocks)
                 times[case.name].append(m_time)
@@ -687,6 +725,16 @@ def main() -> None:
     if mem_errors:
         print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip
+    if eager:
+        print("where an eager step's CPU goes, ms per step, predicted/measured (measured: all "
+              "threads of the process, median of the blocks, then of the runs; predicted: the "
+              "controller's issue clock, the busier rank's busy time and collective "
+              "waits):")  # fmt: skip
+        print(f"{'case':<24}{'wall':>20}{'controller CPU':>20}{'busier worker CPU':>20}")
+        for name in eager:
+            got = [statistics.median(m[i] for m in eager_measured[name]) for i in range(3)]
+            cells = [f"{p * 1e3:8.3f} /{m * 1e3:8.3f}" for p, m in zip(eager_cpu[name], got)]
+            print(f"{name:<24}" + "".join(f"{c:>20}" for c in cells))
     if where:
         # The same prediction against the typical call of a loop rather than the blocks'
         # mean: on a shared host, a few calls stretched by the host's other work move a
