@@ -1148,7 +1148,9 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
         return {}
     per_ins = (c1 * r2 - c2 * r1) / det
     per_run = (i1 * c2 - i2 * c1) / det
-    return {"replayed": max(0.0, per_ins), "replay": max(0.0, per_run)}
+    if per_ins <= 0 or per_run < 0:  # (the machine's noise: 0 would say "uncalibrated")
+        return {}
+    return {"replayed": per_ins, "replay": per_run}
 
 
 def _wait_reps(s: Settings) -> int:

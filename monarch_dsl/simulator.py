@@ -219,7 +219,8 @@ class _SimEngine(Engine):
             if not isinstance(ins, FREE):  # (the node's first costed one is charged)
                 first = key is not None and key != self._last_node.get(thread)
                 self._last_node[thread] = key
-        self.job.issued[id(ins)] = Issued(thread, task != -1, first)
+        if not isinstance(ins, FREE):  # (free ones cost nothing: no entry to leave behind)
+            self.job.issued[id(ins)] = Issued(thread, task != -1, first)
         super().append(mesh, ins)
 
 

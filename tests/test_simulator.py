@@ -994,3 +994,43 @@ def test_an_eager_ddp_loop_frees_each_step_s_values_as_the_next_step_starts():
         # (by the sixth step the same every step; a batch the flusher's timer sent early
         # deletes sooner: a little lower)
         assert peak_after_more <= 1.1 * peak
+
+
+def _replayed_steps(step, steps: int = 5, replay: bool = True):
+    """``step(x)`` ``steps`` times on 2 simulated ranks, each cut as md.DistributedDataParallel
+    cuts a step (replayed from the second on, with ``replay``): the last result's shape, and
+    each rank's live memory after it."""
+    from monarch_dsl.tensor.engine import Engine
+
+    sim = md.Simulator(gpus=2)
+    engine = Engine.of(sim.mesh)
+    if replay:
+        engine.start_replay()
+    with sim.mesh.activate():
+        x = md.to_mesh(torch.ones(256, 256), sim.mesh)
+        kept = []
+        for _ in range(steps):
+            engine.cut(("step",) if replay else None)
+            kept.append(step(x))
+        engine.cut(None)
+        shape = md.inspect(kept[-1]).shape
+        sim.summary()
+        live = [m.live for m in sim.job.sim.memory]
+    if replay:
+        assert sim.job.sim.charged["replay"] == steps - 1  # (all but the first sight)
+    return shape, live
+
+
+def test_a_replayed_step_runs_on_this_run_s_numbers():
+    """A float a replay lifts into the plan's inputs may set a shape (arange's bounds): the
+    simulator runs the step with the run's own numbers."""
+    shape, _ = _replayed_steps(lambda x: x[0, :8] + torch.arange(0.0, 8.0))
+    assert shape == (8,)
+
+
+def test_a_view_a_replayed_step_keeps_is_on_its_input_s_storage():
+    """What a replayed run leaves is where the eager instructions would have left it: a view
+    of an input on that input's storage, not a new allocation."""
+    eager = _replayed_steps(lambda x: x.view(-1)[:1000], replay=False)
+    replayed = _replayed_steps(lambda x: x.view(-1)[:1000])
+    assert replayed == eager and eager[1][0] == 256 * 256 * 4

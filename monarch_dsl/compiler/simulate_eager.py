@@ -54,8 +54,9 @@ inputs are the same meta tensors share one run). The model, per rank:
 - **Compiled steps** (``RunPlan``, a replay's too): the program's timeline
   (``compiler/simulate.play_program``) continues from the stream's clock on each rank; the
   stream is busy until the rank's last step ends. The program's slot shapes come from
-  running its steps on meta tensors (a replay's lifted numbers: ``NUMBER``). A value the
-  run reads and leaves (a replay's parameters, written in place) keeps its storage.
+  running its steps on meta tensors; a replay's run runs them on the rank's own values and
+  this run's numbers, as its eager instructions would have: what it leaves (parameters
+  written in place, views of its inputs) is on the storage it would be on.
 - **Memory.** A ref's storage is allocated when made; views and in-place results share their
   input's storage (the same meta storage); a storage is freed when the last ref on it is
   deleted. During a compiled step, the program's own peak comes on top of what is live.
@@ -256,6 +257,7 @@ class EagerSimulator:
         ]
         self.meshes: dict[int, isa.DefineMesh] = {}
         self.plans: dict[int, isa.DefinePlan] = {}
+        self.replays: set[int] = set()  # plans a replay runs (tensor/replay.py)
         self.plan_types: dict[tuple[int, tuple[SlotType, ...]], list[SlotType]] = {}
         # (those keys, the ranks that run it) -> simulate.warm_fractions: the same every call
         self.plan_warm: dict[tuple[Any, ...], dict[tuple[int, ...], dict[int, float]]] = {}
@@ -313,6 +315,8 @@ class EagerSimulator:
                 here = [r for r in self.meshes[mesh].ranks if r in posted]
             if not isinstance(ins, FREE):
                 how = issued[i] if issued is not None else None
+                if isinstance(how, Replayed):
+                    self.replays.add(ins.plan)
                 start = self.issued
                 self.issued += self.controller_cost(ins, how, len(here))
                 if self.trace_controller:
@@ -338,8 +342,8 @@ class EagerSimulator:
         p = self.prof
         self.charged["replay"] += 1
         scale = 1.0
-        if p.controller_replayed and p.controller_overhead:
-            scale = p.controller_replayed / p.controller_overhead
+        if p.controller_replayed:  # (an op's share; with no op cost, the replayed cost)
+            scale = p.controller_replayed / (p.controller_overhead or p.controller_replayed)
         cost = p.replay_issue
         for ins, issued in how.body:
             if isinstance(ins, FREE):
@@ -746,8 +750,20 @@ class EagerSimulator:
             inputs.append(_type(value))
         inputs.extend((None, NUMBER) for _ in ins.values)  # (a replay's numbers)
         key = (ins.plan, tuple(inputs))
+        # A replay's run: its steps on the ranks' own values, as the eager instructions ran
+        # (its numbers are this run's, which may set a shape; its views and in-place results
+        # are on their inputs' storage); ranks holding the same values share one run.
+        ran: dict[tuple[int, ...], list[Any]] = {}
+        if ins.plan in self.replays:
+            for r in where.values():
+                values = [self.refs[r].get(ref) for ref in ins.inputs]
+                at = tuple(map(id, values))
+                if at not in ran:
+                    ran[at] = program_values(program, [*values, *ins.values])
         types = self.plan_types.get(key)
-        if types is None:
+        if types is None and ran:
+            types = self.plan_types[key] = [_type(v) for v in next(iter(ran.values()))]
+        elif types is None:
             types = self.plan_types[key] = program_types(program, inputs)
         # each rank takes in the local arguments first: the whole (and keeps its part), or
         # its own rows
@@ -786,7 +802,6 @@ class EagerSimulator:
         # waits are plan_overhead's, and the next eager collective counts the work after it)
         meets = len(where) > 1
         made_by = {o: step for step in program.steps for o in step.outs}
-        read = set(ins.inputs)
         for c, r in where.items():
             self.clock[(r, ins.stream)] = ends[c]
             if self.prof.async_device:
@@ -797,30 +812,38 @@ class EagerSimulator:
                 self.recent[r].append((self.issued, work[r]))
             own = self.memory[r]
             own.peak = max(own.peak, own.live + parts + mem[c].peak)
+            env = ran.get(tuple(id(self.refs[r].get(ref)) for ref in ins.inputs)) if ran else None
             for slot, ref in zip(program.outputs, ins.outputs):
                 step = made_by.get(slot)
                 shape, dtype = types[slot]
                 if ref < 0 or shape is None or (step is not None and not step.runs_on(c)):
                     continue
-                old = self.refs[r].get(ref) if ref in read else None
-                if (
-                    isinstance(old, torch.Tensor)
-                    and tuple(old.shape) == shape
-                    and dtype_name(old.dtype) == dtype
-                ):
-                    continue  # a value the run read and wrote in place (a replay's): its storage
+                if env is not None:
+                    if self.refs[r].get(ref) is not env[slot]:  # (written in place: as it is)
+                        self._set(r, ref, env[slot])
+                    continue
                 self._set(r, ref, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
 
 
 def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[SlotType]:
     """Each slot's local shape and dtype in a run of ``program`` whose inputs have ``inputs``:
     its steps run on meta tensors (a step's first rank's, for a chunk that depends on it)."""
+    values = [
+        torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        if shape is not None
+        else None
+        for shape, dtype in inputs
+    ]
+    return [_type(v) for v in program_values(program, values)]
+
+
+def program_values(program: isa.Program, inputs: Sequence[Any]) -> list[Any]:
+    """Each slot's value in a run of ``program`` on ``inputs`` (meta tensors, numbers): its
+    steps run on them (a step's first rank's, for a chunk that depends on it), so a view or
+    an in-place result is on its input's meta storage."""
     env: list[Any] = [None] * program.n_slots
-    for slot, (shape, dtype) in zip(program.inputs, inputs):
-        if shape is not None:
-            env[slot] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-        elif dtype == NUMBER:
-            env[slot] = 1.0  # (its value changes no type)
+    for slot, value in zip(program.inputs, inputs):
+        env[slot] = value
     sizes = program.sizes
     for step in program.steps:
         first = next((c for c in all_coords(sizes) if step.runs_on(c)), None)
@@ -855,7 +878,7 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
             outs = []
         for slot, value in zip(step.outs, outs):
             env[slot] = value
-    return [_type(v) for v in env]
+    return env
 
 
 __all__ = [
