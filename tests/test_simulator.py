@@ -251,6 +251,26 @@ def test_a_compiled_step_continues_the_timeline():
     assert min(e.start for e in plan) >= eager_end
 
 
+def test_a_compiled_call_costs_each_rank_plan_overhead_after_its_steps():
+    """A call's cost to a worker beyond its steps (steady_step_time's plan_overhead): an
+    "overhead" event on each rank after its last step, which the stream's next work follows."""
+    profile = _costed(plan_overhead=2e-3)
+    sim = md.Simulator(gpus=2, profile=profile)
+    model = _mlp()
+    step = _compiled_mse_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with sim.mesh.flatten("dp").activate():
+        for _ in range(3):
+            loss = step(torch.rand(8, 32), torch.rand(8, 8))
+        after = loss + 1  # eager, after the calls
+        md.inspect(after)
+    for r in range(2):
+        over = _busy(sim, "overhead", rank=r)
+        assert len(over) == 3 and all(e.end - e.start == pytest.approx(2e-3) for e in over)
+        *steps, add = _busy(sim, "compute", rank=r)  # (the last: the eager add)
+        assert over[-1].start == pytest.approx(max(e.end for e in steps))
+        assert add.start >= over[-1].end
+
+
 def test_a_pipelined_step_runs_on_the_simulator_with_each_stage_s_parameters_on_its_rank():
     """Each stage's parameters live on its ranks only (as on workers: nothing on the other
     stage's), which the simulator follows from call to call."""

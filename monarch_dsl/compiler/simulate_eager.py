@@ -53,10 +53,13 @@ inputs are the same meta tensors share one run). The model, per rank:
   instruction, until the borrowing stream has reached the drop. Waits are ``"wait"`` events.
 - **Compiled steps** (``RunPlan``, a replay's too): the program's timeline
   (``compiler/simulate.play_program``) continues from the stream's clock on each rank; the
-  stream is busy until the rank's last step ends. The program's slot shapes come from
-  running its steps on meta tensors; a replay's run runs them on the rank's own values and
-  this run's numbers, as its eager instructions would have: what it leaves (parameters
-  written in place, views of its inputs) is on the storage it would be on.
+  stream is busy until the rank's last step ends, and then for the profile's
+  ``plan_overhead`` (an ``"overhead"`` event: taking in the call, the plan runner's
+  bookkeeping, the failure-flag round; as ``steady_step_time`` counts it). The program's
+  slot shapes come from running its steps on meta tensors; a replay's run runs them on the
+  rank's own values and this run's numbers, as its eager instructions would have: what it
+  leaves (parameters written in place, views of its inputs) is on the storage it would be
+  on.
 - **Memory.** A ref's storage is allocated when made; views and in-place results share their
   input's storage (the same meta storage); a storage is freed when the last ref on it is
   deleted. During a compiled step, the program's own peak comes on top of what is live.
@@ -803,7 +806,12 @@ class EagerSimulator:
         meets = len(where) > 1
         made_by = {o: step for step in program.steps for o in step.outs}
         for c, r in where.items():
-            self.clock[(r, ins.stream)] = ends[c]
+            end = ends[c]
+            if self.prof.plan_overhead:  # the rank's cost of a call beyond its steps
+                over = self.prof.plan_overhead
+                self.events.append(SimEvent(r, ins.stream, "plan", end, end + over, "overhead"))
+                end += over
+            self.clock[(r, ins.stream)] = end
             if self.prof.async_device:
                 self._synced(r, ins.stream)
             if meets:
