@@ -75,6 +75,11 @@ def test_a_batch_is_described_without_its_ref_numbers():
     assert _Segment((half,), MESHES).key != _Segment((quarter,), MESHES).key
     # the step's signature (its inputs' shapes) tells steps apart
     assert _Segment(step(100), MESHES, ((4, 8),)).key != one.key
+    # a factory's numbers may set its shape: part of the description
+    eight = op("aten::arange.start", (0.0, 8.0), (9,))
+    nine = op("aten::arange.start", (0.0, 9.0), (9,))
+    assert _Segment((eight,), MESHES).key != _Segment((nine,), MESHES).key
+    assert _Segment((eight,), MESHES).values == []
 
 
 def test_a_float_where_a_tensor_goes_is_lifted_through_the_scalar_overload():

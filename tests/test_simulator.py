@@ -1042,8 +1042,9 @@ def _replayed_steps(step, steps: int = 5, replay: bool = True):
 
 
 def test_a_replayed_step_runs_on_this_run_s_numbers():
-    """A float a replay lifts into the plan's inputs may set a shape (arange's bounds): the
-    simulator runs the step with the run's own numbers."""
+    """A replayed run's steps run on its own numbers (a float in a step's arguments, or one
+    lifted into the plan's inputs): here arange's bounds, which set its shape (as a
+    factory's, not lifted: a stand-in number once gave it no elements)."""
     shape, _ = _replayed_steps(lambda x: x[0, :8] + torch.arange(0.0, 8.0))
     assert shape == (8,)
 

@@ -257,12 +257,16 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
     typed ``Tensor`` where the op has a twin overload taking a ``Scalar`` there, and that
     twin's name). A float where a Tensor goes
     (``div.Tensor(x, 0.5)``: a wrapped number) is lifted only through such a twin
-    (``div.Scalar``), which computes the same."""
+    (``div.Scalar``), which computes the same. A factory op's floats are not lifted
+    (``arange(0.0, n)``: its shape)."""
     found = _liftable_args.get(op)
     if found is None:
         fn = resolve_op(op)
         args = fn._schema.arguments
-        lift = [_number_typed(a.type) for a in args]
+        # (a factory -- no tensor argument: arange, linspace, full -- may take its shape from
+        # its numbers: they stay part of the description)
+        factory = not any("Tensor" in str(a.type) for a in args)
+        lift = [_number_typed(a.type) and not factory for a in args]
         positions = frozenset(
             i for i, (a, ok) in enumerate(zip(args, lift)) if ok and not a.kwarg_only
         )
