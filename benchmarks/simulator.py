@@ -27,7 +27,14 @@ blocks). Cases:
   steps, each ending when the workers have run its last one; predicted: the simulated clock
   from the end of the same warm-up to the last step's end), which on a host with
   fewer cores than ranks + controller is at least the time they take sharing the cores
-  fairly, as a compiled step's (``compiler/simulate.py:cpu_bound``).
+  fairly, as a compiled step's (``compiler/simulate.py:cpu_bound``); ``md.DDP tiny, ...``:
+  the DDP benchmark's tiny model under ``md.DistributedDataParallel``, its step replayed
+  (the default; md.Simulator replays it too) and with ``replay=False``.
+
+Where an eager step's CPU goes (the table after the first): per step, the controller's CPU
+(all its threads, ``process_time``) against the simulator's issue clock, and the busier
+worker's (all its threads, from ``/proc``) against its simulated busy time and collective
+waits: what tells a miss of the controller's model from one of the workers'.
 
 The last lines also give the compiled cases' errors without the cache model (every operand
 from memory, as before the profile measured the rates with operands in the cache: a step of
