@@ -26,6 +26,7 @@ from monarch_dsl.tensor.replay import (
     GIVE_UP,
     NotReplayable,
     Replay,
+    _liftable,
     _Segment,
     lower,
 )
@@ -80,6 +81,8 @@ def test_a_batch_is_described_without_its_ref_numbers():
     nine = op("aten::arange.start", (0.0, 9.0), (9,))
     assert _Segment((eight,), MESHES).key != _Segment((nine,), MESHES).key
     assert _Segment((eight,), MESHES).values == []
+    assert _liftable("aten::arange.start_out")[0] == frozenset()  # (any overload)
+    assert _liftable("aten::full.default")[0] == {1}  # (a fill value sets no shape)
 
 
 def test_a_float_where_a_tensor_goes_is_lifted_through_the_scalar_overload():

@@ -1055,3 +1055,53 @@ def test_a_view_a_replayed_step_keeps_is_on_its_input_s_storage():
     eager = _replayed_steps(lambda x: x.view(-1)[:1000], replay=False)
     replayed = _replayed_steps(lambda x: x.view(-1)[:1000])
     assert replayed == eager and eager[1][0] == 256 * 256 * 4
+
+
+def test_a_replayed_run_that_cannot_run_fails_its_values_and_the_simulated_mesh_goes_on():
+    """A replayed run the simulator cannot run on a rank (here: an input it lost on rank 1;
+    shapes that do not fit fail on the controller before anything is sent) fails what it
+    leaves on every rank, as the plans' rule says, and the mesh takes the next
+    instructions."""
+    from monarch_dsl.errors import SupervisionError
+    from monarch_dsl.tensor.engine import Engine
+
+    sim = md.Simulator(gpus=2)
+    engine = Engine.of(sim.mesh)
+    engine.start_replay()
+    with sim.mesh.activate():
+        w = md.to_mesh(torch.ones(16, 4), sim.mesh)
+        x = md.to_mesh(torch.ones(8, 16), sim.mesh)
+        for k in range(4):
+            if k == 3:
+                sim.job.sim.refs[1].pop(w._md_ref)
+            engine.cut(("step",))
+            y = (x @ w).relu()
+        engine.cut(None)
+        assert sim.job.sim.charged["replay"] == 3
+        with pytest.raises(Exception, match="is not on rank 1") as failed:
+            md.inspect(y)
+        assert not isinstance(failed.value, SupervisionError)
+        assert md.inspect(md.to_mesh(torch.ones(2), sim.mesh) + 1).shape == (2,)
+
+
+def test_an_in_place_change_of_shape_in_a_replayed_step_applies_once():
+    """Ranks that hold different values run a replayed step apart; a tensor they all hold (a
+    factory's, made on the mesh) gets an in-place change of its shape once, as eagerly."""
+    from monarch_dsl.tensor.engine import Engine
+
+    def shape(replay: bool) -> tuple:
+        sim = md.Simulator(gpus=2)
+        engine = Engine.of(sim.mesh)
+        if replay:
+            engine.start_replay()
+        with sim.mesh.activate():
+            x = md.to_mesh(torch.ones(4), sim.mesh)  # (each rank its own value)
+            w = torch.zeros(4)  # (one value every rank holds)
+            for _ in range(5):
+                engine.cut(("step",) if replay else None)
+                w.unsqueeze_(0)
+                x + 1
+            engine.cut(None)
+            return tuple(md.inspect(w).shape)
+
+    assert shape(True) == shape(False) == (1, 1, 1, 1, 1, 4)

@@ -87,7 +87,9 @@ OTHER = set(
 @dataclass(frozen=True)
 class SimEvent:
     """One step on one rank's stream: ``start`` / ``end`` in seconds; ``kind`` is
-    ``"compute"``, ``"comm"`` or ``"wait"`` (the stream stands still for a value)."""
+    ``"compute"``, ``"comm"`` or ``"wait"`` (the stream stands still for a value); in
+    ``md.Simulator``'s timelines also ``"overhead"`` (a compiled call's cost to a rank beyond
+    its steps), ``"host"`` (an async device's launches) and ``"controller"`` (rank -1)."""
 
     rank: int
     stream: str

@@ -345,8 +345,8 @@ class EagerSimulator:
         p = self.prof
         self.charged["replay"] += 1
         scale = 1.0
-        if p.controller_replayed:  # (an op's share; with no op cost, the replayed cost)
-            scale = p.controller_replayed / (p.controller_overhead or p.controller_replayed)
+        if p.controller_replayed and p.controller_overhead:  # (an op's share of its cost)
+            scale = p.controller_replayed / p.controller_overhead
         cost = p.replay_issue
         for ins, issued in how.body:
             if isinstance(ins, FREE):
@@ -758,11 +758,30 @@ class EagerSimulator:
         # are on their inputs' storage); ranks holding the same values share one run.
         ran: dict[tuple[int, ...], list[Any]] = {}
         if ins.plan in self.replays:
+            used: set[int] = set()  # values an earlier run took (a tensor every rank holds)
             for r in where.values():
                 values = [self.refs[r].get(ref) for ref in ins.inputs]
                 at = tuple(map(id, values))
-                if at not in ran:
-                    ran[at] = program_values(program, [*values, *ins.values])
+                if at in ran:
+                    continue
+                try:
+                    if None in values:
+                        missing = ins.inputs[values.index(None)]
+                        raise RuntimeError(f"%{missing} is not on rank {r}")
+                    # (another run's in-place change of a shape must not apply twice)
+                    mine = [
+                        torch.ops.aten.alias(v)
+                        if isinstance(v, torch.Tensor) and id(v) in used
+                        else v
+                        for v in values
+                    ]
+                    used.update(at)
+                    ran[at] = program_values(program, [*mine, *ins.values])
+                except Exception as err:  # noqa: BLE001 - the program's op failed: its values
+                    # fail on every rank (the plans' rule), the mesh goes on
+                    failure = self._root_failure(r, ins.loc, "a replayed step", err)
+                    self._fail(list(where.values()), ins.outputs, failure)
+                    return
         types = self.plan_types.get(key)
         if types is None and ran:
             types = self.plan_types[key] = [_type(v) for v in next(iter(ran.values()))]
@@ -811,6 +830,7 @@ class EagerSimulator:
                 over = self.prof.plan_overhead
                 self.events.append(SimEvent(r, ins.stream, "plan", end, end + over, "overhead"))
                 end += over
+                work[r] += over
             self.clock[(r, ins.stream)] = end
             if self.prof.async_device:
                 self._synced(r, ins.stream)
@@ -839,6 +859,8 @@ def program_types(program: isa.Program, inputs: Sequence[SlotType]) -> list[Slot
     values = [
         torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
         if shape is not None
+        else 1.0  # (a number: its value changes no type where it is not a replay's)
+        if dtype == NUMBER
         else None
         for shape, dtype in inputs
     ]

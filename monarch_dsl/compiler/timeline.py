@@ -14,8 +14,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-GLYPH = {"compute": "#", "comm": "=", "wait": "."}
-COLOR = {"compute": "#4c78a8", "comm": "#f58518", "wait": "#d0d0d0"}
+GLYPH = {"compute": "#", "comm": "=", "wait": ".", "overhead": "+"}
+COLOR = {"compute": "#4c78a8", "comm": "#f58518", "wait": "#d0d0d0", "overhead": "#b279a2"}
 
 
 # An event is a ``simulate.SimEvent`` (which imports this module, hence ``Any``).

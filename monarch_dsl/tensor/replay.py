@@ -248,6 +248,7 @@ def _describe(seg: _Segment, ins: Any) -> tuple:
 
 _ALL_REDUCE = frozenset(("sum", "avg", "min", "max", "prod"))
 _LIFTED = object()  # a float argument made an input of the plan
+_SHAPED_BY_NUMBERS = frozenset(("arange", "range"))  # ops whose floats set their shape
 
 
 def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], str]:
@@ -257,16 +258,15 @@ def _liftable(op: str) -> tuple[frozenset[int], frozenset[str], frozenset[int], 
     typed ``Tensor`` where the op has a twin overload taking a ``Scalar`` there, and that
     twin's name). A float where a Tensor goes
     (``div.Tensor(x, 0.5)``: a wrapped number) is lifted only through such a twin
-    (``div.Scalar``), which computes the same. A factory op's floats are not lifted
-    (``arange(0.0, n)``: its shape)."""
+    (``div.Scalar``), which computes the same. The floats of an op whose shape they set
+    (``arange(0.0, n)``, any overload) are not lifted."""
     found = _liftable_args.get(op)
     if found is None:
         fn = resolve_op(op)
         args = fn._schema.arguments
-        # (a factory -- no tensor argument: arange, linspace, full -- may take its shape from
-        # its numbers: they stay part of the description)
-        factory = not any("Tensor" in str(a.type) for a in args)
-        lift = [_number_typed(a.type) and not factory for a in args]
+        # (arange's and range's numbers set their shape: they stay part of the description)
+        shaped = fn._schema.name.partition("::")[2] in _SHAPED_BY_NUMBERS
+        lift = [_number_typed(a.type) and not shaped for a in args]
         positions = frozenset(
             i for i, (a, ok) in enumerate(zip(args, lift)) if ok and not a.kwarg_only
         )
