@@ -338,8 +338,7 @@ def predict_eager(case, profile, steps: int) -> tuple[float, float, float]:
     job = sim.job.sim
 
     def cpu() -> tuple[float, list[float]]:
-        wait = profile.collective_wait if profile.host_cores and profile.host_cores < 3 else 0.0
-        return job.issued, [b + wait * w for b, w in zip(job.busy(), job.window_work)]
+        return job.issued, job.rank_cpu()
 
     with sim.mesh.activate():
         state = setup(sim.mesh)

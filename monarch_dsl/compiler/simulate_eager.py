@@ -403,19 +403,30 @@ class EagerSimulator:
         # Shared cores: the CPU of each host's ranks (and of the controller, on the first
         # host) over its cores bounds the step time; where they are more processes than its
         # cores, each rank's CPU includes its waits in eager collectives (collective_wait).
-        busy = self.busy()
+        cpu = self.rank_cpu()
         first = min(self.host, default=0)
-        cores = self.prof.host_cores
         bound = 0.0
         for h in set(self.host):
             controller = self.issued if h == first else 0.0
-            on = [r for r in range(self.world) if self.host[r] == h]
-            shared = cores and len(on) + (h == first) > cores
-            wait = self.prof.collective_wait if shared else 0.0
-            ranks = [busy[r] + wait * self.window_work[r] for r in on]
+            ranks = [cpu[r] for r in range(self.world) if self.host[r] == h]
             bound = max(bound, cpu_bound(controller, ranks, self.prof))
         if bound > out.step_time:
             out = dataclasses.replace(out, step_time=bound)
+        return out
+
+    def rank_cpu(self) -> list[float]:
+        """Each rank's CPU seconds so far, as the shared-cores bound counts them: its busy
+        time and, where its host's ranks (and the controller, on the first host) are more
+        processes than the host's cores, its waits in eager collectives."""
+        busy = self.busy()
+        first = min(self.host, default=0)
+        cores = self.prof.host_cores
+        out = []
+        for r, h in enumerate(self.host):
+            shared = cores and self.host.count(h) + (h == first) > cores
+            out.append(
+                busy[r] + (self.prof.collective_wait * self.window_work[r] if shared else 0.0)
+            )
         return out
 
     def busy(self) -> list[float]:
