@@ -94,16 +94,16 @@ class Flusher:
         # Flushing a tensor batch may hold a connection: loop until nothing is held.
         while True:
             with self._cond:  # (those held on the timer first: theirs is the shorter wait)
+                # (hold keeps a conn in one of the two: none is flushed twice)
                 held, self._held = list(self._held), set()
                 if lazy:
-                    held.extend(c for c in self._lazy if c not in held)
+                    held.extend(self._lazy)
                     self._lazy = {}
                 elif self._lazy:
                     late = time.monotonic() - LAZY_DELAY
                     for conn, since in list(self._lazy.items()):
                         if since <= late:
-                            if conn not in held:
-                                held.append(conn)
+                            held.append(conn)
                             del self._lazy[conn]
             if not held:
                 return
