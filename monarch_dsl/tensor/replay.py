@@ -80,6 +80,7 @@ class _NoOps(NotReplayable):
 
 
 _PLAIN = frozenset((int, float, bool, str, complex))
+_EXACT = frozenset((int, bool, str))  # plain values described as they are
 _TORCH_CONSTANTS = (torch.dtype, torch.memory_format, torch.layout)
 
 
@@ -203,9 +204,11 @@ def _describe(seg: _Segment, ins: Any) -> tuple:
             elif t is float and i in lifted:
                 values.append(a)
                 args.append(_LIFTED)
-            elif t in _PLAIN:
-                args.append((t, a.hex()) if t is float else (t, a))
-            else:
+            elif t is float:
+                args.append((t, a.hex()))
+            elif t in _EXACT:
+                args.append((t, a))
+            else:  # (a complex too: by its bits, as _freeze describes it)
                 args.append(_freeze(a, seg))
         kwargs: tuple = ()
         if ins.kwargs:
