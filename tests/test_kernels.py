@@ -470,3 +470,36 @@ def test_bucket_ops_match_the_functions_and_check_on_meta_tensors():
         torch.ops.monarch_dsl.flatten_scale([], 1.0)
     with pytest.raises(ValueError, match="elements"):
         torch.ops.monarch_dsl.unflatten_into(torch.empty(3, device="meta"), meta, 1.0)
+
+
+def test_the_ops_on_cpu_run_the_cpp_kernels_with_the_torch_paths_bits():
+    """A worker's runtime calls the bucket ops on CPU tensors without Python: the C++ runtime
+    registers their CPU kernels (cpp/kernels.cpp) when it loads. They give the torch path's
+    results bit for bit (odd sizes, a transposed tensor, a scale), cast into targets of another
+    dtype as it does, and refuse a bad bucket with its ValueError."""
+    from monarch_dsl import _core
+
+    _core.require()  # setup built it; loading it registers the kernels
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("monarch_dsl::flatten_scale", "CPU")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("monarch_dsl::unflatten_into", "CPU")
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in ODD_SHAPES] + [torch.randn(6, 5).t()]
+    want = torch.empty(sum(t.numel() for t in tensors))
+    kernels._flatten_scale_torch(tensors, 0.3, want)
+    below = torch._C._AutoDispatchBelowADInplaceOrView  # (as the plan runner calls them)
+    for guard in (torch.no_grad, below):
+        with guard():
+            flat = torch.ops.monarch_dsl.flatten_scale(tensors, 0.3)
+            assert flat.dtype == torch.float32 and torch.equal(flat, want)
+            back = [torch.empty(t.shape, dtype=torch.float64) for t in tensors]
+            back[-1] = torch.empty(5, 6, dtype=torch.float64).t()  # (non-contiguous)
+            expected = [torch.empty_like(t) for t in back]
+            kernels._unflatten_into_torch(flat, expected, 1.7)
+            torch.ops.monarch_dsl.unflatten_into(flat, back, 1.7)
+            assert all(torch.equal(a, b) for a, b in zip(back, expected))
+    with pytest.raises(ValueError, match="one dtype on one device"):
+        torch.ops.monarch_dsl.flatten_scale([tensors[0], tensors[2].double()], 1.0)
+    with pytest.raises(ValueError, match="expected 2"):
+        torch.ops.monarch_dsl.unflatten_into(torch.zeros(3), [torch.zeros(2)], 1.0)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        torch.ops.monarch_dsl.unflatten_into(torch.zeros(2, 1), [torch.zeros(2)], 1.0)

@@ -788,6 +788,11 @@ def _adamw_triton(
 # executor calls the op through the dispatcher, so a CUDA worker runs the Triton kernels
 # (benchmarks/kernels.py: faster than torch.cat / per-tensor copies on an H200) and a CPU worker
 # torch. Workers import this module at start, so the ops exist before the first instruction.
+# On CPU the C++ runtime registers the ops' CPU kernels when it loads (cpp/kernels.cpp:
+# _flatten_scale_torch / _unflatten_into_torch's passes, the same bits, without Python
+# or the GIL; through these Python kernels a call cost a CPU worker 60-170 us for a 64 KiB
+# bucket): the functions above, and the ops where it is not loaded, keep the choices of
+# KERNELS.
 
 
 @torch.library.custom_op(
