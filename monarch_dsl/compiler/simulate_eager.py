@@ -51,6 +51,8 @@ inputs are the same meta tensors share one run). The model, per rank:
 - **Borrows.** ``BorrowBegin``: the borrowing stream waits until the origin stream has reached
   the point where the borrow was issued; ``BorrowEnd``: the origin waits, before its next
   instruction, until the borrowing stream has reached the drop. Waits are ``"wait"`` events.
+  On a CPU worker each costs ``eager_op_overhead`` on the borrowing stream (an ``"overhead"``
+  event: taken in and decoded as any instruction, its events queued on the streams).
 - **Compiled steps** (``RunPlan``, a replay's too): the program's timeline
   (``compiler/simulate.play_program``) continues from the stream's clock on each rank; the
   stream is busy until the rank's last step ends, and then for the profile's
@@ -705,16 +707,27 @@ class EagerSimulator:
             # wait it had to do first).
             at = max(self.clock[(r, ins.origin)], self.floor.get((r, ins.origin), (0.0, ""))[0])
             self._wait_for(r, ins.stream, at, f"wait borrow from {ins.origin}")
-            self._begin(r, ins.stream)
+            self._taken_in(r, ins.stream, "borrow", self._begin(r, ins.stream))
             if ins.src in self.refs[r]:
                 self._set(r, ins.dst, self.refs[r][ins.src])
 
     def borrow_end(self, ins: isa.BorrowEnd, ranks: list[int]) -> None:
         for r in ranks:
-            at = self._begin(r, ins.stream)
+            at = self._taken_in(r, ins.stream, "drop", self._begin(r, ins.stream))
             self._wait_for(r, ins.origin, at, f"wait borrow by {ins.stream}")
             self.refs[r].pop(ins.dst, None)
             self.memory[r].drop(ins.dst)
+
+    def _taken_in(self, r: int, stream: str, name: str, start: float) -> float:
+        """An instruction with no work of its own (a borrow, a drop) still costs rank ``r``
+        ``eager_op_overhead`` on ``stream`` (receiving, decoding it, queueing its events on
+        the streams' threads: a borrow and its drop measured 30 us of a CPU worker's time,
+        two instructions' overhead); when it ends."""
+        over = self.prof.eager_op_overhead
+        if over <= 0 or self.prof.async_device:  # (a GPU's host thread: not the stream's)
+            return start
+        self._busy(r, stream, name, start, start + over, "overhead")
+        return start + over
 
     def run_plan(self, ins: isa.RunPlan, ranks: list[int]) -> None:
         defined = self.plans[ins.plan]
