@@ -28,7 +28,8 @@ Everything is measured on real local workers, through the runtime the steps use:
   x + 1``, ``reduce_``, a borrow and its drop, ``autograd.grad`` of a chain of ops,
   ``md.grad_generator`` over a chain of layers), each run on the mesh (the controller's CPU,
   all its threads, and the workers') and on an ``md.Simulator`` (how often it charges each
-  term), give the controller's CPU per instruction (``controller_overhead``,
+  term, and the program's own Python it measured as it ran there), give the controller's CPU
+  per instruction beyond that Python (``controller_measured``; ``controller_overhead``,
   ``controller_reduce``, ``controller_borrow``, ``controller_backward``,
   ``controller_switch``: each program's CPU less what the terms before it explain) and the
   workers' per eager op beyond its compute (``eager_op_overhead``); where the ranks and the
@@ -1014,15 +1015,18 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
 
     Each program of ``EAGER_TERMS`` is run on ``pm`` (the controller's CPU, all its threads,
     and the workers' over ``n`` repetitions) and on an ``md.Simulator`` (how many times it
-    charges each term for the same repetitions); each program's CPU less what the terms
-    solved before it explain, over the times it charges its own term, is that term. The
+    charges each term for the same repetitions, and the program's own Python it measured:
+    ``simulate_eager.Issued.python``); each program's CPU less that Python and what the terms
+    solved before it explain, over the times it charges its own term, is that term (what the
+    controller spends beyond the Python it runs: a profile's ``controller_measured``). The
     programs take turns (``Settings.eager_rounds`` rounds; medians)."""
     from monarch_dsl.simulator import Simulator
     from monarch_dsl.tensor import inspect
 
     n = pm.sizes["r"]
-    sim = Simulator(hosts=1, gpus=n, profile=BUILTIN["cpu-local"])  # (counts only)
+    sim = Simulator(hosts=1, gpus=n, profile=BUILTIN["cpu-local"])  # (counts, its Python)
     counts: dict[str, dict[str, int]] = {}
+    python: dict[str, float] = {}  # the program's own Python, measured as it is simulated
     reps_n = {term: max(4, s.eager_ops // EAGER_DIVISOR[term]) for _, term in EAGER_TERMS}
     reps_n["wait"] = _wait_reps(s)
     try:
@@ -1030,9 +1034,10 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
             with sim.mesh.activate():
                 state = _eager_setup(name, sim.mesh)
                 inspect(_eager_body(name, state, "gpu", 2))
-                before = dict(sim.job.sim.charged)
+                before, py0 = dict(sim.job.sim.charged), sim.job.sim.python
                 inspect(_eager_body(name, state, "gpu", reps_n[term]))
                 counts[term] = {k: v - before[k] for k, v in sim.job.sim.charged.items()}
+                python[term] = sim.job.sim.python - py0
     finally:
         sim.mesh.stop()
 
@@ -1060,7 +1065,7 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
                 workers[term].append(statistics.mean(used) if term == "wait" else max(used))
     terms: dict[str, float] = {}
     for _, term in EAGER_TERMS:
-        explained = sum(terms[k] * counts[term][k] for k in terms)
+        explained = python[term] + sum(terms[k] * counts[term][k] for k in terms)
         got = statistics.median(cpu[term])
         terms[term] = max(0.0, (got - explained) / max(1, counts[term][term]))
     worker_op = statistics.median(workers["op"]) / reps_n["op"]
@@ -1103,6 +1108,7 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
 
     reps = {k: max(8, s.eager_ops // k) for k in REPLAY_OPS}
     counts: dict[int, tuple[int, int]] = {}  # k -> (instructions replayed, runs) per program
+    python: dict[int, float] = {}  # k -> the program's own Python, measured in the simulator
     sim = Simulator(hosts=1, gpus=pm.sizes["r"], profile=BUILTIN["cpu-local"])
     try:
         engine = Engine.of(sim.mesh)
@@ -1111,9 +1117,10 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
             for k in REPLAY_OPS:
                 state = _eager_setup("y = x + 1", sim.mesh)
                 inspect(_replay_body(engine, state, k, 3))
-                before = dict(sim.job.sim.charged)
+                before, py0 = dict(sim.job.sim.charged), sim.job.sim.python
                 inspect(_replay_body(engine, state, k, reps[k]))
                 after = sim.job.sim.charged
+                python[k] = sim.job.sim.python - py0
                 counts[k] = (
                     after["replayed"] - before["replayed"],
                     after["replay"] - before["replay"],
@@ -1142,7 +1149,7 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
     if replayed < 0.9 * s.eager_rounds * sum(reps.values()):  # (a step's batch split: rare)
         return {}
     (i1, r1), (i2, r2) = (counts[k] for k in REPLAY_OPS)
-    c1, c2 = (statistics.median(cpu[k]) for k in REPLAY_OPS)
+    c1, c2 = (statistics.median(cpu[k]) - python[k] for k in REPLAY_OPS)  # (beyond its Python)
     det = i1 * r2 - i2 * r1
     if det == 0:
         return {}
@@ -1531,6 +1538,7 @@ def _gpu_profile(
         controller_switch=eager.get("switch", base.controller_switch),
         controller_replayed=eager.get("replayed", 0.0),
         replay_issue=eager.get("replay", 0.0),
+        controller_measured="op" in eager,  # (the terms are beyond the measured Python)
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=0.0,
@@ -1623,6 +1631,7 @@ def _profile(
         controller_switch=eager.get("switch", 0.0),
         controller_replayed=eager.get("replayed", 0.0),
         replay_issue=eager.get("replay", 0.0),
+        controller_measured="op" in eager,  # (the terms are beyond the measured Python)
         matmul_curve=c.matmul_curve,
         bandwidth_curve=c.bandwidth_curve,
         matmul_passes=c.matmul_passes,
@@ -1753,7 +1762,8 @@ def table(cal: Calibration) -> str:
     out.append("overheads")
     out.append(f"  dispatch, per op of a compiled plan (C++)   {_us(p.dispatch_overhead):>10s}")
     out.append(f"    (in a loop of one op                      {_us(cal.loop_dispatch):>10s})")
-    out.append("  eager programs: the controller's CPU (all its threads) per instruction")
+    beyond = ", beyond its own Python" if p.controller_measured else ""
+    out.append(f"  eager programs: the controller's CPU (all its threads) per instruction{beyond}")
     for label, value in (
         ("an op (controller_overhead)", p.controller_overhead),
         ("a reduce (controller_reduce)", p.controller_reduce),

@@ -7,12 +7,16 @@ unchanged; the simulated job below them executes the instructions with costs ins
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import os
 import pickle
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,6 +37,46 @@ from monarch_dsl.tensor.replay import Replay
 
 TRACE_MODES = ("stream_only", "everything")  # everything: the controller's issue times too
 _call_ids = itertools.count(1)
+QUEUED_MAX = 2000  # instructions the simulated job holds before it simulates them (post)
+
+# Per thread: the CPU seconds of work that is not the simulated program's (the simulators'
+# own: own_work; Python's garbage collections, whose cost here is the simulator's heap) so
+# far, and how deep in own_work it is.
+_OWN: dict[int, float] = {}
+_DEPTH: dict[int, int] = {}
+_GC_START: dict[int, float] = {}
+
+
+@contextmanager
+def own_work() -> Iterator[None]:
+    """The simulator's own work on this thread (simulating a batch, a report): its CPU seconds
+    are left out of the controller's measured Python (``Issued.python``)."""
+    thread = threading.get_ident()
+    depth = _DEPTH.get(thread, 0)
+    _DEPTH[thread] = depth + 1
+    start = time.thread_time() if depth == 0 else 0.0
+    try:
+        yield
+    finally:
+        _DEPTH[thread] = depth
+        if depth == 0:
+            _OWN[thread] = _OWN.get(thread, 0.0) + time.thread_time() - start
+
+
+def _collecting(phase: str, info: dict) -> None:
+    """``gc.callbacks``: a collection's CPU time counts as the simulator's own (outside
+    ``own_work``: inside it, it is counted already). Its cost scales with the heap, and the
+    simulator's (every event, the meta values) is not the controller's."""
+    thread = threading.get_ident()
+    if _DEPTH.get(thread, 0):
+        return
+    if phase == "start":
+        _GC_START[thread] = time.thread_time()
+    elif (start := _GC_START.pop(thread, None)) is not None:
+        _OWN[thread] = _OWN.get(thread, 0.0) + time.thread_time() - start
+
+
+gc.callbacks.append(_collecting)
 
 
 def _function_shapes(payload: bytes, args: tuple, kwargs: dict) -> Any:
@@ -87,6 +131,8 @@ class SimJob:
         self.pending: dict[int, tuple[Future, Callable[[list], Any] | None, list, list]] = {}
         self.issued: dict[int, Issued] = {}  # id(instruction) -> how it was issued (_SimEngine)
         self.runs: dict[int, Replayed] = {}  # id(a replay's RunPlan) -> what it stands for
+        self.queue: deque[tuple[Sequence[int], tuple, list]] = deque()  # batches to simulate
+        self.queued = 0  # instructions in them
         self.lock = threading.RLock()
         self.sim = EagerSimulator(
             dims,
@@ -124,25 +170,46 @@ class SimJob:
         return call_id, fut
 
     def post(self, ranks: Sequence[int], msg: Any) -> None:
+        """A batch is queued, and the queue simulated when a call awaits its reply (a
+        fetch, a remote function's result: its caller is about to wait for it) or the queue
+        holds ``QUEUED_MAX`` instructions (``drain``):
+        the simulator's work, between stretches of the program, slowed the program's own
+        measured Python by up to 1.5x (the caches it leaves cold); in fewer, longer runs,
+        less."""
         self.check_alive(ranks)
         if isinstance(msg, RunBatch):
-            # (from the user's thread under pm.activate(): the values made here are local)
-            with self.lock, _disable_current_modes():
+            with self.lock:
                 issued = [
                     self.runs.pop(id(ins), None) or self.issued.pop(id(ins), None)
                     for _, ins in msg.items
                 ]
+                self.queue.append((ranks, msg.items, issued))
+                self.queued += len(msg.items)
+                if self.queued >= QUEUED_MAX or self.pending:  # (a call awaits its reply)
+                    self.drain()
+        elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
+            raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
+
+    def drain(self) -> None:
+        """Simulate the queued batches, in order."""
+        # (from the user's thread under pm.activate(): the values made here are local)
+        with own_work(), self.lock, _disable_current_modes():
+            while self.queue:
+                ranks, items, issued = self.queue.popleft()
+                self.queued -= len(items)
+                if self.broken:
+                    continue
                 try:
-                    self.sim.run(ranks, msg.items, issued)
+                    self.sim.run(ranks, items, issued)
                 except Exception as e:
                     # The simulator's own failure (a program the workers would run that it
                     # cannot): the mesh is done, its waiting calls fail saying so, and the
                     # thread that flushed the batch (maybe the flusher) gets a
                     # SupervisionError, which it survives, instead of dying of e.
+                    self.queue.clear()
+                    self.queued = 0
                     self._break(e)
                     raise SupervisionError(self.broken) from e
-        elif not isinstance(msg, SetupCollectives):  # (no process groups to set up)
-            raise TypeError(f"the simulator has no handler for {type(msg).__name__}")
 
     def replayed(self, run: Any, body: list[Any]) -> None:
         """``run`` (a replay's ``RunPlan``, about to be posted) stands for the instructions
@@ -187,10 +254,38 @@ class SimJob:
 
 class _SimEngine(Engine):
     """The tensor engine of a simulated mesh: records how each instruction was issued (its
-    thread; in autograd's backward pass or not, and the first of its backward node or not)
-    for the controller's costs (``compiler/simulate_eager.py``)."""
+    thread; in autograd's backward pass or not, and the first of its backward node or not;
+    the thread's CPU seconds since its previous instruction, the simulator's own work left
+    out) for the controller's costs (``compiler/simulate_eager.py``).
+
+    Its batches are simulated on the thread that issues them, not on the flusher's: the
+    simulator's work beside the program (on another thread, taking the GIL back and forth)
+    made the program's own Python measure 2-3x what it takes on a real controller. A batch
+    is sent as a real one is, its deadline read off the measured Python instead of the wall
+    clock (the simulation of earlier batches makes the wall clock meaningless here): once
+    the issuing threads have run ``FLUSH_DELAY`` of it since its first instruction (a
+    replayed step's, held lazily: ``LAZY_DELAY``), at a cut, or when a caller is about to
+    wait (the flusher's ``before_block``, which it is held with lazily)."""
 
     job: SimJob
+
+    def __init__(self, job: SimJob) -> None:
+        super().__init__(job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
+        # per thread: its CPU time and own work (_OWN) at its last append's end
+        self._last: dict[int, tuple[float, float]] = {}
+        self._carried: dict[int, float] = {}  # measured before free instructions: the next's
+        self._python = 0.0  # measured seconds of all threads: the batches' clock
+        self._held_at = 0.0  # the clock at the held batch's first instruction
+        self._deadline = controller.FLUSH_DELAY
+
+    def _hold(self, lazy: bool) -> None:
+        self._held_at = self._python
+        self._deadline = controller.LAZY_DELAY if lazy else controller.FLUSH_DELAY
+        controller.flusher().hold(self, lazy=True)  # (sent before a caller waits)
+
+    def flush(self) -> None:
+        with own_work():
+            super().flush()
 
     @functools.cached_property
     def _last_node(self) -> dict[int, tuple[int, int, str] | None]:
@@ -208,7 +303,23 @@ class _SimEngine(Engine):
         return replay
 
     def append(self, mesh: int, ins: Any) -> None:
+        now = time.thread_time()
         thread = threading.get_ident()
+        last = self._last.get(thread)
+        python = 0.0
+        if last is not None:  # (the thread's first instruction: nothing measured before it)
+            python = max(0.0, now - last[0] - (_OWN.get(thread, 0.0) - last[1]))
+        self._python += python
+        python += self._carried.pop(thread, 0.0)
+        try:
+            with own_work():
+                if self.held and self._python - self._held_at >= self._deadline:
+                    self.flush()  # (its deadline passed while the program ran: sent before)
+                self._append(thread, mesh, ins, python)
+        finally:
+            self._last[thread] = (time.thread_time(), _OWN.get(thread, 0.0))
+
+    def _append(self, thread: int, mesh: int, ins: Any, python: float) -> None:
         task = torch._C._current_graph_task_id()
         first = False
         if task == -1:
@@ -220,7 +331,9 @@ class _SimEngine(Engine):
                 first = key is not None and key != self._last_node.get(thread)
                 self._last_node[thread] = key
         if not isinstance(ins, FREE):  # (free ones cost nothing: no entry to leave behind)
-            self.job.issued[id(ins)] = Issued(thread, task != -1, first)
+            self.job.issued[id(ins)] = Issued(thread, task != -1, first, python)
+        else:
+            self._carried[thread] = python
         super().append(mesh, ins)
 
 
@@ -250,7 +363,7 @@ class Simulator:
         self.profile = DeviceProfile.get(profile)
         self.trace_mode = trace_mode
         self.job = SimJob(("host", "gpu"), (hosts, gpus), self.profile, trace_mode)
-        engine = _SimEngine(self.job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
+        engine = _SimEngine(self.job)
         engine.store = "simulated"  # collectives need no store: there are no process groups
         self.job.extensions[EXTENSION] = engine
         self.job.before_stop.append(engine.sync)
@@ -259,24 +372,28 @@ class Simulator:
 
     def _flush(self) -> None:
         self._engine.flush()
+        self.job.drain()
 
     @property
     def events(self) -> list[SimEvent]:
         """The timeline so far (``md.SimEvent``s, seconds)."""
-        self._flush()
-        with self.job.lock:
-            return list(self.job.sim.events)
+        with own_work():
+            self._flush()
+            with self.job.lock:
+                return list(self.job.sim.events)
 
     def summary(self) -> SimReport:
         """The ``md.SimReport`` of everything issued so far."""
-        self._flush()
-        with self.job.lock:
-            return self.job.sim.report()
+        with own_work():
+            self._flush()
+            with self.job.lock:
+                return self.job.sim.report()
 
     def display(self, **kwargs: Any) -> dict[str, str]:
         """``sim.summary().display(**kwargs)``: the timeline in the terminal, a trace JSON and
         a PNG (``path=`` their prefix, default ``md-sim``; ``path=None``: none)."""
-        return self.summary().display(**kwargs)
+        with own_work():
+            return self.summary().display(**kwargs)
 
     def __repr__(self) -> str:
         sizes = dict(zip(self.job.dims, self.job.sizes))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -553,6 +555,96 @@ def test_a_borrow_and_its_drop_cost_each_worker_an_instructions_overhead():
     assert not [e for e in free.events if e.kind == "overhead"]
 
 
+def _burn(seconds: float) -> None:
+    """The user's own Python: ``seconds`` of this thread's CPU."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def test_a_measured_profile_charges_the_controller_the_programs_own_python(monkeypatch):
+    """With controller_measured (a calibrated profile), each instruction also costs the issuing
+    thread's CPU since the one before, measured as the program runs in the simulator: 30 ms of
+    the user's Python between two ops is 30 ms more on the controller's clock. The
+    simulator's own work on that thread is not: each batch simulated here also burns 50 ms."""
+    from monarch_dsl.compiler.simulate_eager import EagerSimulator
+
+    run = EagerSimulator.run
+    threads = set()
+
+    def slow_run(self, *args, **kwargs):
+        threads.add(threading.get_ident())
+        _burn(0.05)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagerSimulator, "run", slow_run)
+
+    def program(mesh):
+        x = torch.ones(8) + 1
+        md.inspect(x)  # (a batch simulated: its 50 ms are the simulator's)
+        _burn(0.03)
+        y = x * 2
+        md.inspect(y)
+
+    def twice(profile):  # (the first time: the process's first ops, one-time work)
+        sim = md.Simulator(gpus=2, profile=profile)
+        with sim.mesh.activate():
+            program(sim.mesh)
+            clock, python = sim.job.sim.issued, sim.job.sim.python
+            program(sim.mesh)
+        return sim.job.sim.issued - clock, sim.job.sim.python - python
+
+    clock, python = twice(_costed(controller_measured=True))
+    assert 0.03 <= clock < 0.05 and clock == python, clock
+    clock, python = twice(_costed())
+    assert clock == 0.0  # (not charged without the flag)
+    assert 0.03 <= python < 0.05  # (measured all the same)
+    # every batch was simulated on the program's thread, none on the flusher's
+    assert threads == {threading.get_ident()}
+
+
+def test_a_simulated_batch_goes_after_flush_delay_of_the_programs_python():
+    """md.Simulator sends a batch as the controller does, its deadline (FLUSH_DELAY) read off
+    the program's measured Python: ops with 3 ms of the user's Python between them go one
+    per batch; the same ops issued back to back go together, when the caller waits."""
+    sim = md.Simulator(gpus=2, profile=_costed())
+    engine = sim._engine
+    with sim.mesh.activate():
+        x = torch.ones(8)
+        md.inspect(x)
+        sent = engine.batches_sent
+        for _ in range(4):
+            x = x + 1
+        md.inspect(x)
+        assert engine.batches_sent - sent == 1
+        sent = engine.batches_sent
+        for _ in range(4):
+            x = x + 1
+            _burn(0.003)
+        assert engine.batches_sent - sent >= 3  # (the last may wait for the fetch)
+        md.inspect(x)
+
+
+def test_the_simulated_job_simulates_its_queue_at_a_wait_or_when_it_is_long(monkeypatch):
+    """Batches wait in the simulated job's queue (simulated apart from the program's Python,
+    in longer runs) until a call awaits its reply or the queue holds QUEUED_MAX
+    instructions; the order is kept."""
+    from monarch_dsl import simulator
+
+    monkeypatch.setattr(simulator, "QUEUED_MAX", 40)
+    sim = md.Simulator(gpus=2, profile=_costed())
+    job = sim.job
+    with sim.mesh.activate():
+        x = torch.ones(8)
+        for _ in range(100):
+            x = x + 1
+            sim._engine.flush()  # (a batch an op)
+            assert job.queued < 40
+        assert job.sim.charged["op"] >= 60  # (simulated without a wait)
+        assert md.inspect(x).shape == (8,) and job.queued == 0
+    assert job.sim.charged["op"] == 101 + 1  # (the fetch too)
+
+
 def test_backward_and_a_change_of_issuing_thread_cost_the_controller_more():
     """Ops autograd's backward pass issues cost controller_backward more; md.grad_generator's
     handing of each gradient between its thread and the caller's costs controller_switch at
@@ -1090,10 +1182,12 @@ def test_a_replayed_run_that_cannot_run_fails_its_values_and_the_simulated_mesh_
         x = md.to_mesh(torch.ones(8, 16), sim.mesh)
         for k in range(4):
             if k == 3:
+                sim.job.drain()  # (the batches sent so far are simulated: the state is theirs)
                 sim.job.sim.refs[1].pop(w._md_ref)
             engine.cut(("step",))
             y = (x @ w).relu()
         engine.cut(None)
+        sim.job.drain()
         assert sim.job.sim.charged["replay"] == 3
         with pytest.raises(Exception, match="is not on rank 1") as failed:
             md.inspect(y)

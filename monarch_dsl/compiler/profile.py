@@ -153,7 +153,13 @@ class DeviceProfile:
     instruction of a batch it replays (``tensor/replay.py``: issued and described, not
     encoded or sent; an instruction of another kind than an op at the same fraction of its
     eager cost; 0: uncalibrated, as eager), ``replay_issue`` per run that stands for such a
-    batch (the ``RunPlan`` made, encoded and sent). ``eager_op_overhead``: a worker's seconds
+    batch (the ``RunPlan`` made, encoded and sent). ``controller_measured``: the eager
+    simulator also charges the controller each instruction's measured Python (the issuing
+    thread's CPU since its previous instruction as the simulated program ran: the user's loop,
+    modules, optimizer, autograd, the dispatch and handlers -- ``simulate_eager.Issued``), and
+    the terms above are what it spends beyond that (calibrated so: each program's CPU less the
+    Python measured in the simulator); False (the built-ins): the terms are the whole cost and
+    the user's Python is not modelled. ``eager_op_overhead``: a worker's seconds
     per eager instruction beyond the op's compute (receiving and decoding it, the executor's
     bookkeeping, its stream's queue). ``collective_wait``: where a host's ranks and its
     controller share its cores (``host_cores``), the fraction of a rank's work in the batch
@@ -243,6 +249,7 @@ class DeviceProfile:
     warm_matmul_shapes: tuple[tuple[int, int, int, float], ...] = ()
     small_op_floor: bool = False
     async_device: bool = False
+    controller_measured: bool = False
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

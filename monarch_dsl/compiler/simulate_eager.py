@@ -18,8 +18,14 @@ inputs are the same meta tensors share one run). The model, per rank:
   whatever ops the formula issues), and ``controller_switch`` more when the
   thread issuing instructions changed (``Issued.thread``: ``md.grad_generator`` hands each
   gradient from its helper thread to the caller and back). The instructions are issued one
-  after another at that pace: one cannot start on a worker before it was issued. Time the
-  user's Python spends between ops is not modelled. A replayed batch (``tensor/replay.py``,
+  after another at that pace: one cannot start on a worker before it was issued. With a
+  profile's ``controller_measured`` (a calibrated one), the controller's own Python is not
+  modelled but measured: each instruction also costs the issuing thread's CPU since its
+  previous one as the simulated program ran (``Issued.python``: the user's loop, nn.Module
+  calls, the optimizer, autograd's engine, the dispatch into md.Tensor and the handlers,
+  which the controller runs the same on a real mesh), and the terms above are then what the
+  controller spends beyond that (encoding, sending: calibrated as the rest). Without it, the
+  user's Python between ops is not modelled. A replayed batch (``tensor/replay.py``,
   which ``md.Simulator``'s engine runs as the workers' does: ``Replayed``) costs
   ``replay_issue`` for its run and, for each instruction it stands for, its eager cost
   times ``controller_replayed / controller_overhead`` (the controller still issues and
@@ -135,11 +141,16 @@ class Issued(NamedTuple):
     a node of the pass issued on that thread (``node``: a node's formula issues several,
     ``AddmmBackward0`` a ``t`` and an ``mm`` for each input; the graph walk and the formula's
     Python are the node's; an instruction of the pass outside any node, a final callback's,
-    is no node's) -- ``md.Simulator``'s engine records them."""
+    is no node's) -- ``md.Simulator``'s engine records them. ``python``: the issuing thread's
+    CPU seconds since its previous instruction, measured as the simulated program ran (the
+    user's Python, autograd, the dispatch into md.Tensor and the engine's handlers: what the
+    controller runs the same on a real mesh; the simulator's own work left out), which a
+    profile with ``controller_measured`` charges."""
 
     thread: int
     backward: bool
     node: bool = True
+    python: float = 0.0
 
 
 NUMBER = "number"  # the type of a plan input that is a float (RunPlan.values: a replay's)
@@ -284,6 +295,7 @@ class EagerSimulator:
         # How many times each of CONTROLLER_TERMS was charged (calibration attributes measured
         # CPU time to the terms with these counts).
         self.charged: dict[str, int] = dict.fromkeys(CONTROLLER_TERMS, 0)
+        self.python = 0.0  # the measured seconds of the instructions issued (Issued.python)
         self.handlers: dict[type, Callable[[Any, list[int]], None]] = {
             isa.CallOp: self.call_op,
             isa.CallFunction: self.call_function,
@@ -338,7 +350,15 @@ class EagerSimulator:
             return self._replayed_cost(how, ranks)
         term, cost = self._cost(ins, ranks)
         self.charged[term] += 1
-        return cost + self._autograd_cost(how)
+        return cost + self._autograd_cost(how) + self._python(how)
+
+    def _python(self, how: Issued | None) -> float:
+        """The issuing thread's measured seconds before the instruction (``Issued.python``),
+        counted in ``python``; charged where the profile has ``controller_measured``."""
+        if how is None:
+            return 0.0
+        self.python += how.python
+        return how.python if self.prof.controller_measured else 0.0
 
     def _replayed_cost(self, how: Replayed, ranks: int) -> float:
         """A replay's run: ``replay_issue``, and each instruction of the batch it stands for
@@ -355,6 +375,7 @@ class EagerSimulator:
                 continue
             self.charged["replayed"] += 1
             cost += self._cost(ins, ranks)[1] * scale + self._autograd_cost(issued)
+            cost += self._python(issued)
         return cost
 
     def _autograd_cost(self, how: Issued | None) -> float:

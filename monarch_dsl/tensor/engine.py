@@ -90,10 +90,14 @@ class Engine:
                 # program waits for something or at the next cut (at the latest LAZY_DELAY)
                 replay = self.replay
                 lazy = replay is not None and replay.active and replay.signature is not None
-                controller.flusher().hold(self, lazy=lazy)
+                self._hold(lazy)
             except BaseException:
                 self.held = False
                 raise
+
+    def _hold(self, lazy: bool) -> None:
+        """The batch has its first instruction: the flusher sends it (``controller.Flusher``)."""
+        controller.flusher().hold(self, lazy=lazy)
 
     def flush(self) -> None:
         # The caller's thread and the flusher thread both flush: taking a batch and sending it
