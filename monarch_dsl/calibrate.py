@@ -1099,9 +1099,9 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
     """``{"replayed": seconds per instruction, "replay": per run}``: the controller's CPU (all
     its threads) for the programs ``_replay_body`` with each of ``REPLAY_OPS``, on ``pm`` and
     on an ``md.Simulator`` (how many instructions and runs it charges: it must replay every
-    step, and the workers nearly every one); solved as two equations in the two unknowns
-    ({} where a program was not replayed: the profile then charges replayed instructions as
-    eager ones)."""
+    step, and the workers nearly every one); each program's CPU less its Python measured in
+    the simulator, solved as two equations in the two unknowns ({} where a program was not
+    replayed: the profile then charges replayed instructions as eager ones)."""
     from monarch_dsl.simulator import Simulator
     from monarch_dsl.tensor import inspect
     from monarch_dsl.tensor.engine import Engine
@@ -1155,9 +1155,10 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
         return {}
     per_ins = (c1 * r2 - c2 * r1) / det
     per_run = (i1 * c2 - i2 * c1) / det
-    if per_ins <= 0 or per_run < 0:  # (the machine's noise: 0 would say "uncalibrated")
-        return {}
-    return {"replayed": per_ins, "replay": per_run}
+    # Beyond the measured Python a replayed instruction costs little (describing it at the
+    # flush), and the machine's noise can solve it to <= 0: then nothing beyond its Python,
+    # stored as 1 ns (0 would read as uncalibrated: charged as an eager instruction).
+    return {"replayed": max(per_ins, 1e-9), "replay": max(per_run, 0.0)}
 
 
 def _wait_reps(s: Settings) -> int:
