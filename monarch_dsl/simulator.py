@@ -14,6 +14,7 @@ import pickle
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from monarch_dsl.errors import SupervisionError
 from monarch_dsl.proc_mesh import ProcMesh, _root
 from monarch_dsl.remote import function_of
 from monarch_dsl.runtime import controller, logs
-from monarch_dsl.runtime.future import Future
+from monarch_dsl.runtime.future import Future, before_block
 from monarch_dsl.runtime.messages import Hello, RunBatch, SetupCollectives
 from monarch_dsl.tensor.engine import EXTENSION, Engine
 from monarch_dsl.tensor.replay import Replay
@@ -76,7 +77,16 @@ def _collecting(phase: str, info: dict) -> None:
         _OWN[thread] = _OWN.get(thread, 0.0) + time.thread_time() - start
 
 
-gc.callbacks.append(_collecting)
+_HELD: weakref.WeakSet[Any] = weakref.WeakSet()  # simulated engines holding a batch
+
+
+def _flush_held() -> None:
+    """``future.before_block``: a caller is about to wait; the simulated engines send what
+    they hold (on its thread)."""
+    for engine in list(_HELD):
+        _HELD.discard(engine)
+        if engine.held:
+            engine.flush()
 
 
 def _function_shapes(payload: bytes, args: tuple, kwargs: dict) -> Any:
@@ -262,10 +272,11 @@ class _SimEngine(Engine):
     simulator's work beside the program (on another thread, taking the GIL back and forth)
     made the program's own Python measure 2-3x what it takes on a real controller. A batch
     is sent as a real one is, its deadline read off the measured Python instead of the wall
-    clock (the simulation of earlier batches makes the wall clock meaningless here): once
-    the issuing threads have run ``FLUSH_DELAY`` of it since its first instruction (a
-    replayed step's, held lazily: ``LAZY_DELAY``), at a cut, or when a caller is about to
-    wait (the flusher's ``before_block``, which it is held with lazily)."""
+    clock (the simulation of earlier batches, a garbage collection of the simulator's heap,
+    make the wall clock meaningless here): once the issuing threads have run ``FLUSH_DELAY``
+    of it since its first instruction (a replayed step's, held lazily: ``LAZY_DELAY``), at a
+    cut, or when a caller is about to wait (``future.before_block``). The flusher's thread
+    never sends one (its wall-clock backstop split replayed steps)."""
 
     job: SimJob
 
@@ -281,7 +292,7 @@ class _SimEngine(Engine):
     def _hold(self, lazy: bool) -> None:
         self._held_at = self._python
         self._deadline = controller.LAZY_DELAY if lazy else controller.FLUSH_DELAY
-        controller.flusher().hold(self, lazy=True)  # (sent before a caller waits)
+        _HELD.add(self)  # (sent before a caller waits: _flush_held; not the flusher's)
 
     def flush(self) -> None:
         with own_work():
@@ -361,6 +372,9 @@ class Simulator:
                 f"profile must be a built-in name, a path or an md.DeviceProfile, got {profile!r}"
             )
         self.profile = DeviceProfile.get(profile)
+        if _collecting not in gc.callbacks:  # (from the first simulator on)
+            gc.callbacks.append(_collecting)
+            before_block.append(_flush_held)
         self.trace_mode = trace_mode
         self.job = SimJob(("host", "gpu"), (hosts, gpus), self.profile, trace_mode)
         engine = _SimEngine(self.job)

@@ -503,3 +503,20 @@ def test_the_ops_on_cpu_run_the_cpp_kernels_with_the_torch_paths_bits():
         torch.ops.monarch_dsl.unflatten_into(torch.zeros(3), [torch.zeros(2)], 1.0)
     with pytest.raises(ValueError, match="contiguous 1-D"):
         torch.ops.monarch_dsl.unflatten_into(torch.zeros(2, 1), [torch.zeros(2)], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_cpp_flatten_scales_a_half_bucket_as_the_torch_path(dtype):
+    """A scale such as 1/3 (an average over 3 ranks) multiplies a half-precision bucket in
+    float, as Python's ``out.mul_(scale)`` does, not rounded to the bucket's dtype first."""
+    from monarch_dsl import _core
+
+    _core.require()
+    torch.manual_seed(0)
+    tensors = [torch.randn(500, dtype=dtype), torch.randn(20, 25, dtype=dtype)]
+    for scale in (1 / 3, 0.3):
+        want = torch.empty(1000, dtype=dtype)
+        kernels._flatten_scale_torch(tensors, scale, want)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            got = torch.ops.monarch_dsl.flatten_scale(tensors, scale)
+        assert torch.equal(got, want), (dtype, scale)

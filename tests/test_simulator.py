@@ -645,6 +645,32 @@ def test_the_simulated_job_simulates_its_queue_at_a_wait_or_when_it_is_long(monk
     assert job.sim.charged["op"] == 101 + 1  # (the fetch too)
 
 
+def test_a_waiting_program_s_batch_is_sent_and_simulated_on_its_own_thread(monkeypatch):
+    """A program that waits (a data loader) holds its batch -- the flusher's wall-clock
+    backstop (LAZY_DELAY) never sends a simulated one: it split replayed steps when the
+    simulator's own garbage collections ran long -- until it waits for a result; then its
+    own thread sends and simulates it, never the flusher's beside the program's Python."""
+    from monarch_dsl.compiler.simulate_eager import EagerSimulator
+    from monarch_dsl.runtime import controller
+
+    run = EagerSimulator.run
+    threads = set()
+
+    def recording(self, *args, **kwargs):
+        threads.add(threading.get_ident())
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagerSimulator, "run", recording)
+    sim = md.Simulator(gpus=2, profile=_costed())
+    with sim.mesh.activate():
+        x = torch.ones(8) + 1
+        sent = sim._engine.batches_sent
+        time.sleep(3 * controller.LAZY_DELAY)  # (the program waits, past the backstop)
+        assert sim._engine.batches_sent == sent and sim._engine.held
+        assert md.inspect(x * 2).shape == (8,)
+    assert threads == {threading.get_ident()}
+
+
 def test_backward_and_a_change_of_issuing_thread_cost_the_controller_more():
     """Ops autograd's backward pass issues cost controller_backward more; md.grad_generator's
     handing of each gradient between its thread and the caller's costs controller_switch at

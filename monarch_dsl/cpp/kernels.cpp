@@ -39,7 +39,13 @@ at::Tensor flatten_scale(at::TensorList tensors, double scale) {
     if (n > 0) out.narrow(0, offset, n).view(t.sizes()).copy_(t);
     offset += n;
   }
-  if (scale != 1.0 && offset > 0) out.mul_(scale);
+  if (scale != 1.0 && offset > 0) {
+    // As Python's out.mul_(scale): a wrapped number, multiplied in the buffer's computation
+    // type (float for half/bfloat16); a C++ double would be rounded to the dtype first.
+    auto factor = at::scalar_tensor(scale, at::kDouble);
+    factor.unsafeGetTensorImpl()->set_wrapped_number(true);
+    out.mul_(factor);
+  }
   return out;
 }
 
