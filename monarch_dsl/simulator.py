@@ -86,7 +86,10 @@ def _flush_held() -> None:
     for engine in list(_HELD):
         _HELD.discard(engine)
         if engine.held:
-            engine.flush()
+            try:
+                engine.flush()
+            except SupervisionError:  # (a broken simulated mesh: its own calls fail with
+                pass  # it; the caller waiting here may wait for something else)
 
 
 def _function_shapes(payload: bytes, args: tuple, kwargs: dict) -> Any:
