@@ -118,8 +118,9 @@ def _function_shapes(payload: bytes, args: tuple, kwargs: dict) -> Any:
 
 
 class SimJob:
-    """A controller Job without workers: what the tensor engine sends it (``RunBatch``) runs
-    in the simulator at once, and its fetches are answered from there."""
+    """A controller Job without workers: what the tensor engine sends it (``RunBatch``) is
+    queued and run in the simulator (``post``, ``drain``), and its fetches are answered from
+    there."""
 
     def __init__(
         self, dims: tuple[str, ...], sizes: tuple[int, ...], prof: DeviceProfile, trace: str
@@ -210,15 +211,13 @@ class SimJob:
             while self.queue:
                 ranks, items, issued = self.queue.popleft()
                 self.queued -= len(items)
-                if self.broken:
-                    continue
                 try:
                     self.sim.run(ranks, items, issued)
                 except Exception as e:
                     # The simulator's own failure (a program the workers would run that it
-                    # cannot): the mesh is done, its waiting calls fail saying so, and the
-                    # thread that flushed the batch (maybe the flusher) gets a
-                    # SupervisionError, which it survives, instead of dying of e.
+                    # cannot): the mesh is done (nothing more is queued: check_alive), its
+                    # waiting calls fail saying so, and the thread draining gets a
+                    # SupervisionError instead of e (a wait's before_block flush drops it).
                     self.queue.clear()
                     self.queued = 0
                     self._break(e)
