@@ -175,6 +175,38 @@ def test_a_worker_killed_during_eager_collectives_is_named(dp2):
     assert dp2.job.failures  # the survivor reported them; stop() (the fixture) raises none
 
 
+def test_a_death_the_program_caught_is_not_raised_again_at_the_blocks_end(dp2):
+    engine = Engine.of(dp2)
+    engine._hold = lambda lazy: None  # no timed flush: the block's end sends what is held
+    with dp2.activate():
+        t = torch.ones(8)
+        assert md.inspect(md.reduce(t, "dp")).sum() == 16
+        with pytest.raises(md.SupervisionError, match=NAMED):
+            with _one_batch(dp2):
+                _die_on(1)
+                u = md.reduce(t, "dp")
+            md.inspect(u, dp=0)
+        del u, t  # their deletes, and an op nobody fetches, wait in the batch
+        v = torch.ones(2) * 2
+        assert engine.batch
+    assert not engine.batch  # dropped at the end: the program was told
+    with pytest.raises(md.SupervisionError, match=NAMED):  # and told again when it asks
+        md.inspect(v)
+
+
+def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
+    engine = Engine.of(dp2)
+    engine._hold = lambda lazy: None
+    with dp2.activate():
+        md.inspect(torch.ones(2))
+    os.kill(dp2.job.pids[1], signal.SIGKILL)  # our own worker
+    with dp2.job._cond:
+        assert dp2.job._cond.wait_for(lambda: 1 in dp2.job.dead, 30)
+    with pytest.raises(md.SupervisionError, match=NAMED):
+        with dp2.activate():
+            torch.ones(2) + 1
+
+
 def test_after_the_death_calls_from_any_thread_name_it(dp2):
     counters = dp2.spawn("c", Counter)
     with pytest.raises(md.SupervisionError, match=NAMED):

@@ -244,6 +244,7 @@ class Job:
         self._held: dict[int, tuple[float, int, RemoteError]] = {}
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
+        self.told: set[int] = set()  # dead ranks whose death some call has raised to a caller
         # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
         # and add to before_stop what ProcMesh.stop runs, with a timeout in seconds, before
         # it stops the workers (the engine waits for what it sent).
@@ -813,7 +814,15 @@ class Job:
         if self.dead:
             for r in ranks:
                 if r in self.dead:
+                    self.told.add(r)
                     raise self.death(r)
+
+    def raised(self, exc: BaseException) -> None:
+        """A call's future raised ``exc`` to its caller (``Future.get``): a worker's death
+        it names has been told (see ``told``)."""
+        rank = getattr(exc, "rank", None)
+        if isinstance(exc, SupervisionError) and rank in self.dead:
+            self.told.add(rank)
 
     def request(
         self,

@@ -30,7 +30,8 @@ class Future(Generic[T]):
 
     def __init__(self, reader: Any = None) -> None:
         # ``reader``: an object whose ``read_until(future, timeout)`` can make progress on this
-        # future in the waiting thread (the controller's Job); None: just wait.
+        # future in the waiting thread, and whose ``raised(exc)`` hears of each error ``get``
+        # raises to a caller (the controller's Job); None: just wait.
         self._reader = reader
         self._waiter = threading.Lock()
         self._waiter.acquire()
@@ -77,6 +78,8 @@ class Future(Generic[T]):
             if not self.done():
                 raise TimeoutError(f"no result within {timeout} s (the call is still pending)")
         if self._exc is not None:
+            if self._reader is not None:
+                self._reader.raised(self._exc)
             raise self._exc
         return self._value
 

@@ -113,6 +113,17 @@ class Engine:
                 del batch[: len(items)]
             if self.job.stopped or self.job.stopping:
                 return
+            if self.job.dead and self.job.told:
+                # A worker died and the program has been told (a call raised its death): this
+                # batch can never run. Its fetches fail with the death (each was failed when it
+                # died, or raises it now), and it is not raised again here: at the end of a
+                # ``with pm.activate():`` block that caught the error, the deletes of the
+                # tensors it dropped would raise it a second time.
+                fetches = [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
+                death = self.job.first_death()
+                if fetches and death is not None:
+                    self.job.fail_calls(fetches, death)
+                return
             replay = self.replay  # (read once: a finalizer may stop it meanwhile)
             if replay is not None:
                 items = replay.rewrite(items, self.mesh_shapes)
