@@ -109,6 +109,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 os.environ.setdefault("MONARCH_DSL_QUIET", "1")
 # The workers' profiler: no log lines (5 still let kineto's "USDT" ones by, 2 per trace), and
@@ -122,10 +123,14 @@ from eager_step import thread_cpu  # noqa: E402  (benchmarks/: the script's own 
 from torch import nn  # noqa: E402
 
 import monarch_dsl as md  # noqa: E402
+from monarch_dsl.calibrate import STEAL_MAX, STEAL_RETRIES, unstolen  # noqa: E402
 from monarch_dsl.compiler.interpret import sent_rows  # noqa: E402
 from monarch_dsl.compiler.simulate import call_results, sent_bytes, steady_step_time  # noqa: E402
 
 BLOCK_SECONDS = 0.5
+# The share of the CPU the host took from this VM (steal) in each block and probe kept: one
+# above calibrate.STEAL_MAX is measured again, up to STEAL_RETRIES times (calibrate.unstolen).
+STOLEN: list[float] = []
 
 
 @dataclass
@@ -309,22 +314,27 @@ def measure_eager(pm, case, blocks: int, steps: int) -> tuple[float, float, floa
     def cpu() -> tuple[float, list[float]]:
         return time.process_time(), [sum(thread_cpu(p)) for p in workers]
 
+    def block() -> tuple[float, float, float]:
+        gc.collect()
+        gc.disable()  # (as _timed: no collection in a block)
+        try:
+            c0, w0 = cpu()
+            t0 = time.perf_counter()
+            md.inspect(fn(state, steps))
+            took = (time.perf_counter() - t0) / steps
+            c1, w1 = cpu()
+        finally:
+            gc.enable()
+        return took, (c1 - c0) / steps, max(b - a for a, b in zip(w0, w1)) / steps
+
     with mesh.activate():
         state = setup(mesh)
         md.inspect(fn(state, 2))  # warm: shapes cached, the state on the workers
         for _ in range(blocks):
-            gc.collect()
-            gc.disable()  # (as _timed: no collection in a block)
-            try:
-                c0, w0 = cpu()
-                t0 = time.perf_counter()
-                md.inspect(fn(state, steps))
-                times.append((time.perf_counter() - t0) / steps)
-                c1, w1 = cpu()
-            finally:
-                gc.enable()
-            controller.append((c1 - c0) / steps)
-            worker.append(max(b - a for a, b in zip(w0, w1)) / steps)
+            took, c, w = unstolen(block, stolen=STOLEN)
+            times.append(took)
+            controller.append(c)
+            worker.append(w)
     return statistics.median(times), statistics.median(controller), statistics.median(worker)
 
 
@@ -473,7 +483,9 @@ def speed_probe(pm, profile) -> float | None:
     modelled = profile.matmul_seconds(m, k, n, "float32")
     if modelled is None:
         return None
-    return _slowest(pm, probe_matmul) / (modelled + profile.dispatch_overhead)
+    return unstolen(_slowest, pm, probe_matmul, stolen=STOLEN) / (
+        modelled + profile.dispatch_overhead
+    )
 
 
 def _slowest(pm, probe) -> float:
@@ -489,7 +501,7 @@ def bandwidth_probe(pm, profile) -> float:
     collectives, drift apart from the matmul probe's compute."""
     moved = 3 * 4 * ADD_PROBE
     modelled = moved / profile.bandwidth(moved) + profile.dispatch_overhead
-    return _slowest(pm, probe_add) / modelled
+    return unstolen(_slowest, pm, probe_add, stolen=STOLEN) / modelled
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -537,10 +549,15 @@ def measure_compiled(
 
         one = _timed(run, 3)
         n = max(3, int(BLOCK_SECONDS / max(one, 1e-5)))
-        times = [_timed(run, n) for _ in range(blocks)]
-        with step.record() as rec:
-            for _ in range(RECORDED):
-                step(*args)
+        times = [unstolen(_timed, run, n, stolen=STOLEN) for _ in range(blocks)]
+
+        def record() -> Any:
+            with step.record() as rec:
+                for _ in range(RECORDED):
+                    step(*args)
+            return rec
+
+        rec = unstolen(record, stolen=STOLEN)
         recorded = [kinds(r) for r in rec.reports[-TIMELINES:]]
     measured = {k: statistics.median(r[k] for r in recorded) for k in recorded[0]}
     # a call's time in the loop: from its start to the next call's (not the block's first)
@@ -728,6 +745,12 @@ def main() -> None:
     if bandwidths:
         print(f"bandwidth probe (memory-bound work's drift): a + b of {ADD_PROBE >> 18} MiB "
               f"took {min(bandwidths):.2f}-{max(bandwidths):.2f}x the profile's time")  # fmt: skip
+    if STOLEN:
+        over = sum(x > STEAL_MAX for x in STOLEN)
+        print(f"the host's steal (CPU time it took from this VM) in the {len(STOLEN)} blocks and "
+              f"probes kept: median {statistics.median(STOLEN):.1%}, max {max(STOLEN):.1%}; "
+              f"a block above {STEAL_MAX:.0%} was measured again (up to {STEAL_RETRIES} times), "
+              f"{over} stayed above")  # fmt: skip
     if mem_errors:
         print(f"memory: median |error| {statistics.median(mem_errors):.1%}, "
               f"max {max(mem_errors):.1%} (goal <= 10%)")  # fmt: skip

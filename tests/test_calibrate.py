@@ -373,9 +373,41 @@ def test_a_quick_calibration_writes_a_profile_that_loads(tmp_path):
     for section in (*sections, *more):
         assert section in r.stdout, section
     assert f"wrote {out}" in r.stdout
+    if calibrate.steal_seconds() is not None:  # (Linux) the host's share, said
+        assert "(steal)" in r.stdout and "in a measurement kept" in r.stdout
     # the profile simulates a compiled step
     report = _one_linear_plan().simulate(profile=str(out))
     assert report.step_time > 0 and report.profile == "cpu-local"
+
+
+def _steal_by_attempt(monkeypatch, jumps):
+    """Fake ``steal_seconds``: the host takes ``jumps[k]`` seconds during attempt k."""
+    stolen = [0.0]
+    attempts = []
+
+    def measure(tag):
+        stolen[0] += jumps[len(attempts)]
+        attempts.append(tag)
+        return len(attempts)
+
+    monkeypatch.setattr(calibrate, "steal_seconds", lambda: stolen[0])
+    return measure, attempts
+
+
+def test_a_measurement_the_host_took_cpu_from_is_taken_again_and_the_least_stolen_kept(
+    monkeypatch,
+):
+    measure, attempts = _steal_by_attempt(monkeypatch, [1000.0, 500.0, 0.0, 0.0])
+    kept: list[float] = []
+    assert calibrate.unstolen(measure, "x", stolen=kept) == 3  # the first quiet one
+    assert attempts == ["x"] * 3 and kept == [0.0]
+    measure, attempts = _steal_by_attempt(monkeypatch, [1000.0, 300.0, 800.0, 900.0, 0.0])
+    kept = []
+    assert calibrate.unstolen(measure, "y", retries=3, stolen=kept) == 2  # never quiet
+    assert len(attempts) == 4 and kept[0] > calibrate.STEAL_MAX
+    monkeypatch.setattr(calibrate, "steal_seconds", lambda: None)  # no steal to read
+    calls = []
+    assert calibrate.unstolen(lambda: calls.append(1) or "once") == "once" and calls == [1]
 
 
 def _one_linear_plan(model=None, width=8):
