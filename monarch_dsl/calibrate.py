@@ -774,46 +774,58 @@ def _measure(
                     info = probe.device_info.call().get().values()[0]
                     span = info.get("span", span)
                 if i == 0:
-                    eager, worker_op, eager_wall, wait_cpu = _eager_costs(pm, probe, s)
-                    eager.update(_replay_costs(pm, s))
+                    eager, worker_op, eager_wall, wait_cpu = _eager_costs(pm, probe, s, stolen)
+                    eager.update(_replay_costs(pm, s, stolen))
                     bar.step("eager ops")
-                    calls = _calls(pm, s.plan_calls, s.reps, probe)
+                    calls = _calls(pm, s.plan_calls, s.reps, probe, stolen)
                     bar.step("compiled step calls")
                 backends = probe.backends.call().get().values()[0] if n > 1 else []
+                takes = _Takes(stolen)
+                warm_as_cold: list[str] = []  # (operands that fit: their warm time is the cold)
                 if i == 0:
                     warm_span = 0 if gpu else cache_span() // 2 // (4 * n)
                     for spec in specs:
                         bar.show(spec.label)
-                        got = unstolen(
-                            _ask, probe.compute, spec, s.reps, s.run_seconds, span, stolen=stolen
-                        )
-                        per_op[spec.label] = max(got.values())
+
+                        def cold(got: dict, label: str = spec.label) -> None:
+                            per_op[label] = max(got.values())
+
+                        takes.take(cold, _ask, probe.compute, spec, s.reps, s.run_seconds, span)
                         if warm_span and spec.label.startswith(WARM_KINDS):
                             size = _set_bytes(spec)
                             if operand_sets(size, warm_span) < operand_sets(size, span):
                                 bar.show(f"{spec.label}, operands in the cache")
-                                got = unstolen(
+
+                                def hot(got: dict, label: str = spec.label) -> None:
+                                    warm[label] = max(got.values())
+
+                                takes.take(
+                                    hot,
                                     _ask,
                                     probe.compute,
                                     *(spec, s.reps, s.run_seconds, warm_span),
-                                    stolen=stolen,
                                 )
-                                warm[spec.label] = max(got.values())
                             else:  # (measured so already: its operands fit)
-                                warm[spec.label] = per_op[spec.label]
+                                warm_as_cold.append(spec.label)
                         bar.step(spec.label)
                 tasks = _comm_tasks(s, n, BACKENDS)
                 for backend, kind, nbytes in tasks:
                     label = f"{kind} {backend} {n} ranks {_size(nbytes)}"
                     if backend in backends:
                         bar.show(label)
-                        got = unstolen(
-                            _ask, probe.comm, *(backend, kind, nbytes, s.reps, span), stolen=stolen
-                        ).values()
-                        seconds = comm_seconds(kind, got)
-                        if seconds is not None:  # (none: a block could not be had)
-                            comm[(backend, n, kind, nbytes)] = seconds
+
+                        def timed(got: Any, key: tuple = (backend, n, kind, nbytes)) -> None:
+                            seconds = comm_seconds(key[2], got.values())
+                            if seconds is not None:  # (none: a block could not be had)
+                                comm[key] = seconds
+
+                        takes.take(timed, _ask, probe.comm, backend, kind, nbytes, s.reps, span)
                     bar.step(label)
+                if takes.later:
+                    bar.show(f"{len(takes.later)} measurements the host took CPU from, again")
+                takes.again()
+                for label in warm_as_cold:
+                    warm[label] = per_op[label]
                 workers_cpu += sum(probe.cpu_seconds.call().get().values())
             finally:
                 pm.stop()
@@ -912,6 +924,35 @@ def unstolen(
     if stolen is not None:
         stolen.append(best[0])
     return best[1]
+
+
+class _Takes:
+    """Measurements taken ``unstolen``, each handed to its ``store``; the share the host took
+    from each kept goes to ``shares``. One still above ``STEAL_MAX`` after its retries is
+    taken once more by ``again()`` (after the rest of a mesh's measurements: the host's busy
+    spells last minutes), and the less stolen of the two kept."""
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = shares
+        self.later: list[tuple[float, Callable[[Any], None], Callable[..., Any], tuple]] = []
+
+    def take(self, store: Callable[[Any], None], measure: Callable[..., Any], *args: Any) -> None:
+        kept: list[float] = []
+        store(unstolen(measure, *args, stolen=kept))
+        if kept and kept[0] > STEAL_MAX:
+            self.later.append((kept[0], store, measure, args))
+        else:
+            self.shares.extend(kept)
+
+    def again(self) -> None:
+        later, self.later = self.later, []
+        for share, store, measure, args in later:
+            kept: list[float] = []
+            got = unstolen(measure, *args, stolen=kept)
+            if kept and kept[0] < share:
+                store(got)
+                share = kept[0]
+            self.shares.append(share)
 
 
 def _ask(endpoint: Any, *args: Any) -> Any:
@@ -1087,7 +1128,9 @@ def _eager_body(name: str, state: Any, dim: str, n: int) -> Any:
     raise ValueError(f"unknown eager program {name!r}")
 
 
-def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], float, float, float]:
+def _eager_costs(
+    pm: Any, probe: Any, s: Settings, stolen: list[float]
+) -> tuple[dict[str, float], float, float, float]:
     """The controller's CPU seconds for each term of ``EAGER_TERMS``, the workers' CPU
     seconds per eager op (``y = x + 1``), the wall seconds per op until all ran, and the
     workers' CPU seconds (their mean) per repetition of program ``WAIT`` (``WAIT_OPS`` ops,
@@ -1100,7 +1143,8 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
     ``simulate_eager.Issued.python``); each program's CPU less that Python and what the terms
     solved before it explain, over the times it charges its own term, is that term (what the
     controller spends beyond the Python it runs: a profile's ``controller_measured``). The
-    programs take turns (``Settings.eager_rounds`` rounds; medians)."""
+    programs take turns (``Settings.eager_rounds`` rounds; medians; each run ``unstolen``, its
+    share stolen added to ``stolen``)."""
     from monarch_dsl.simulator import Simulator
     from monarch_dsl.tensor import inspect
 
@@ -1133,15 +1177,20 @@ def _eager_costs(pm: Any, probe: Any, s: Settings) -> tuple[dict[str, float], fl
         for name, term in programs:
             states[term] = _eager_setup(name, pm)
             inspect(_eager_body(name, states[term], "r", 2))
+
+        def one(name: str, term: str) -> tuple[float, float, list[float]]:
+            w0 = probe.cpu_seconds.call().get().values()
+            start, c0 = time.perf_counter(), time.process_time()
+            inspect(_eager_body(name, states[term], "r", reps_n[term]))
+            took, wall_s = time.process_time() - c0, time.perf_counter() - start
+            w1 = probe.cpu_seconds.call().get().values()
+            return took, wall_s, [b - a for a, b in zip(w0, w1)]
+
         for _ in range(s.eager_rounds):
             for name, term in programs:
-                w0 = probe.cpu_seconds.call().get().values()
-                start, c0 = time.perf_counter(), time.process_time()
-                inspect(_eager_body(name, states[term], "r", reps_n[term]))
-                cpu[term].append(time.process_time() - c0)
-                wall[term].append(time.perf_counter() - start)
-                w1 = probe.cpu_seconds.call().get().values()
-                used = [b - a for a, b in zip(w0, w1)]
+                took, wall_s, used = unstolen(one, name, term, stolen=stolen)
+                cpu[term].append(took)
+                wall[term].append(wall_s)
                 # (an op: the busier worker's; the wait: the workers' mean, as the model's)
                 workers[term].append(statistics.mean(used) if term == "wait" else max(used))
     terms: dict[str, float] = {}
@@ -1176,7 +1225,7 @@ def _replay_body(engine: Any, state: Any, k: int, n: int) -> Any:
     return y
 
 
-def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
+def _replay_costs(pm: Any, s: Settings, stolen: list[float]) -> dict[str, float]:
     """``{"replayed": seconds per instruction, "replay": per run}``: the controller's CPU (all
     its threads) for the programs ``_replay_body`` with each of ``REPLAY_OPS``, on ``pm`` and
     on an ``md.Simulator`` (how many instructions and runs it charges: it must replay every
@@ -1219,11 +1268,15 @@ def _replay_costs(pm: Any, s: Settings) -> dict[str, float]:
             for k in REPLAY_OPS:
                 inspect(_replay_body(engine, states[k], k, 3))
             runs0 = replay.replayed
+
+            def one(k: int) -> float:
+                c0 = time.process_time()
+                inspect(_replay_body(engine, states[k], k, reps[k]))
+                return time.process_time() - c0
+
             for _ in range(s.eager_rounds):
                 for k in REPLAY_OPS:
-                    c0 = time.process_time()
-                    inspect(_replay_body(engine, states[k], k, reps[k]))
-                    cpu[k].append(time.process_time() - c0)
+                    cpu[k].append(unstolen(one, k, stolen=stolen))
             replayed = replay.replayed - runs0
     finally:
         engine.stop_replay()
@@ -1279,7 +1332,7 @@ BASE_LIKE = ("base", "double", "plan steps")  # cases the controller issues alik
 
 
 def _calls(
-    pm: Any, calls: int, reps: int, probe: Any = None
+    pm: Any, calls: int, reps: int, probe: Any = None, stolen: list[float] | None = None
 ) -> dict[str, tuple[Any, float, float, float, float]]:
     """Compiled steps that keep every rank busy (a chain of ``BUSY_MATMULS`` 128^3 matmuls,
     as a training step does, so that what the controller and the workers spend on a call
@@ -1295,7 +1348,8 @@ def _calls(
     results are; ``simulate.call_results``); ``"local N"``: ``z`` a local tensor of N
     bytes, sent with each call as a batch passed to a data-parallel step is (each worker its
     own row);
-    ``"plan steps"``: no chain, ``PLAN_STEPS`` additions to ``z`` (a step's CPU)."""
+    ``"plan steps"``: no chain, ``PLAN_STEPS`` additions to ``z`` (a step's CPU). Each block
+    of calls is ``unstolen``, its share stolen added to ``stolen``."""
     from monarch_dsl.compiler.plan import Shard
     from monarch_dsl.mesh import Mesh
     from monarch_dsl.mesh_fn import mesh_fn
@@ -1355,16 +1409,21 @@ def _calls(
 
         for step, args, _ in cases.values():
             inspect(pytree.tree_leaves(step(*args))[0])
+
+        def one(step: Any, args: list[Any]) -> tuple[float, float, list, list]:
+            w0 = workers_cpu()
+            start, cpu0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                result = step(*args)
+            inspect(pytree.tree_leaves(result)[0])
+            took = time.perf_counter() - start
+            return took / calls, (time.process_time() - cpu0) / calls, w0, workers_cpu()
+
         for _ in range(reps):
             for key, (step, args, _) in cases.items():
-                w0 = workers_cpu()
-                start, cpu0 = time.perf_counter(), time.process_time()
-                for _ in range(calls):
-                    result = step(*args)
-                inspect(pytree.tree_leaves(result)[0])
-                times[key].append((time.perf_counter() - start) / calls)
-                cpu[key].append((time.process_time() - cpu0) / calls)
-                w1 = workers_cpu()
+                took, used, w0, w1 = unstolen(one, step, args, stolen=stolen)
+                times[key].append(took)
+                cpu[key].append(used)
                 if w0:  # each worker's CPU per run beyond its steps, and in them
                     runs = [max(1, b[0] - a[0]) for a, b in zip(w0, w1)]
                     workers[key].append(

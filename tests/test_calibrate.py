@@ -401,10 +401,22 @@ def test_a_measurement_the_host_took_cpu_from_is_taken_again_and_the_least_stole
     kept: list[float] = []
     assert calibrate.unstolen(measure, "x", stolen=kept) == 3  # the first quiet one
     assert attempts == ["x"] * 3 and kept == [0.0]
-    measure, attempts = _steal_by_attempt(monkeypatch, [1000.0, 300.0, 800.0, 900.0, 0.0])
+    measure, attempts = _steal_by_attempt(monkeypatch, [1e3, 1.0, 1e3, 1e3, 0.0])
     kept = []
     assert calibrate.unstolen(measure, "y", retries=3, stolen=kept) == 2  # never quiet
     assert len(attempts) == 4 and kept[0] > calibrate.STEAL_MAX
+    # one still stolen after its retries is taken once more at the end, the less stolen kept
+    measure, attempts = _steal_by_attempt(monkeypatch, [1.0] + [1e4] * 3 + [0.0, 1.0] + [1e4] * 7)
+    shares: list[float] = []
+    takes = calibrate._Takes(shares)
+    stored: list[int] = []
+    takes.take(stored.append, measure, "z")
+    assert stored == [1] and len(takes.later) == 1 and shares == []
+    takes.again()
+    assert stored == [1, 5] and shares == [0.0] and not takes.later
+    takes.take(stored.append, measure, "w")  # (the least stolen: the first, kept by again)
+    takes.again()
+    assert stored == [1, 5, 6] and shares[1] > calibrate.STEAL_MAX
     monkeypatch.setattr(calibrate, "steal_seconds", lambda: None)  # no steal to read
     calls = []
     assert calibrate.unstolen(lambda: calls.append(1) or "once") == "once" and calls == [1]
@@ -822,6 +834,7 @@ def test_the_local_argument_calls_send_local_tensors_of_their_size(monkeypatch):
         return serialize.snapshot(t)
 
     monkeypatch.setattr(_sys.modules["monarch_dsl.mesh_fn"], "snapshot", spy)
+    monkeypatch.setattr(calibrate, "steal_seconds", lambda: None)  # (no block taken again)
     pm = md.this_host().spawn_procs({"r": 2})
     try:
         calibrate._set_up_collectives(pm)
