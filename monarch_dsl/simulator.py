@@ -6,7 +6,6 @@ unchanged; the simulated job below them executes the instructions with costs ins
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import os
@@ -40,41 +39,49 @@ TRACE_MODES = ("stream_only", "everything")  # everything: the controller's issu
 _call_ids = itertools.count(1)
 QUEUED_MAX = 2000  # instructions the simulated job holds before it simulates them (post)
 
-# Per thread: the CPU seconds of work that is not the simulated program's (the simulators'
-# own: own_work; Python's garbage collections, whose cost here is the simulator's heap) so
-# far, and how deep in own_work it is.
-_OWN: dict[int, float] = {}
-_DEPTH: dict[int, int] = {}
-_GC_START: dict[int, float] = {}
+
+class _Own(threading.local):
+    """Per thread (a thread's own: a new thread that gets a dead one's id starts afresh):
+    the CPU seconds of work that is not the simulated program's so far (the simulators' own:
+    own_work; Python's garbage collections, whose cost here is the simulator's heap), how
+    deep in own_work it is, and when the collection under way started."""
+
+    seconds = 0.0
+    depth = 0
+    gc_start: float | None = None
+
+
+_OWN = _Own()
 
 
 @contextmanager
 def own_work() -> Iterator[None]:
     """The simulator's own work on this thread (simulating a batch, a report): its CPU seconds
     are left out of the controller's measured Python (``Issued.python``)."""
-    thread = threading.get_ident()
-    depth = _DEPTH.get(thread, 0)
-    _DEPTH[thread] = depth + 1
+    own = _OWN
+    depth = own.depth
+    own.depth = depth + 1
     start = time.thread_time() if depth == 0 else 0.0
     try:
         yield
     finally:
-        _DEPTH[thread] = depth
+        own.depth = depth
         if depth == 0:
-            _OWN[thread] = _OWN.get(thread, 0.0) + time.thread_time() - start
+            own.seconds += time.thread_time() - start
 
 
 def _collecting(phase: str, info: dict) -> None:
     """``gc.callbacks``: a collection's CPU time counts as the simulator's own (outside
     ``own_work``: inside it, it is counted already). Its cost scales with the heap, and the
     simulator's (every event, the meta values) is not the controller's."""
-    thread = threading.get_ident()
-    if _DEPTH.get(thread, 0):
+    own = _OWN
+    if own.depth:
         return
     if phase == "start":
-        _GC_START[thread] = time.thread_time()
-    elif (start := _GC_START.pop(thread, None)) is not None:
-        _OWN[thread] = _OWN.get(thread, 0.0) + time.thread_time() - start
+        own.gc_start = time.thread_time()
+    elif (start := own.gc_start) is not None:
+        own.gc_start = None
+        own.seconds += time.thread_time() - start
 
 
 _HELD: weakref.WeakSet[Any] = weakref.WeakSet()  # simulated engines holding a batch
@@ -235,6 +242,14 @@ class SimJob:
             "md.Simulator simulates tensor programs; actors need worker processes"
         )
 
+    def fail_calls(self, call_ids: Sequence[int], err: BaseException) -> None:
+        """As ``Job.fail_calls``: the pending calls ``call_ids`` fail with ``err`` (their
+        batch could not be sent)."""
+        for call_id in call_ids:
+            p = self.pending.pop(call_id, None)
+            if p is not None:
+                p[0].set_exception(err)
+
     def _reply(self, call_id: int, rank: int, value: Any) -> None:
         p = self.pending.get(call_id)
         if p is None:
@@ -265,6 +280,18 @@ class SimJob:
             p[0].set_exception(SupervisionError(self.broken or "the simulated mesh was stopped"))
 
 
+class _Issuing(threading.local):
+    """A simulated engine's state per issuing thread (its own: a new thread that gets a dead
+    one's id starts afresh): its CPU time and own work (``_OWN``) at its last append's end;
+    what was measured before free instructions (for the next costed one); the backward node
+    of its last costed instruction, as (graph task, sequence number, name) -- not the node
+    itself, whose saved tensors it would keep alive (and the simulated memory with them)."""
+
+    last: tuple[float, float] | None = None
+    carried = 0.0
+    last_node: tuple[int, int, str] | None = None
+
+
 class _SimEngine(Engine):
     """The tensor engine of a simulated mesh: records how each instruction was issued (its
     thread; in autograd's backward pass or not, and the first of its backward node or not;
@@ -285,9 +312,7 @@ class _SimEngine(Engine):
 
     def __init__(self, job: SimJob) -> None:
         super().__init__(job)  # type: ignore[arg-type]  # (a Job in all the engine uses)
-        # per thread: its CPU time and own work (_OWN) at its last append's end
-        self._last: dict[int, tuple[float, float]] = {}
-        self._carried: dict[int, float] = {}  # measured before free instructions: the next's
+        self._threads = _Issuing()  # per issuing thread (see _Issuing)
         self._python = 0.0  # measured seconds of all threads: the batches' clock
         self._held_at = 0.0  # the clock at the held batch's first instruction
         self._deadline = controller.FLUSH_DELAY
@@ -301,13 +326,6 @@ class _SimEngine(Engine):
         with own_work():
             super().flush()
 
-    @functools.cached_property
-    def _last_node(self) -> dict[int, tuple[int, int, str] | None]:
-        """Per issuing thread: the backward node of its last (not free) instruction, as (graph
-        task, sequence number, name) -- not the node itself, whose saved tensors it would
-        keep alive (and the simulated memory with them)."""
-        return {}
-
     def start_replay(self) -> Replay:
         """Replay as on workers (``tensor/replay.py``); each run made is told to the job with
         the instructions it stands for, which the controller issued all the same (their
@@ -318,36 +336,37 @@ class _SimEngine(Engine):
 
     def append(self, mesh: int, ins: Any) -> None:
         now = time.thread_time()
-        thread = threading.get_ident()
-        last = self._last.get(thread)
+        mine = self._threads
         python = 0.0
-        if last is not None:  # (the thread's first instruction: nothing measured before it)
-            python = max(0.0, now - last[0] - (_OWN.get(thread, 0.0) - last[1]))
+        if mine.last is not None:  # (the thread's first instruction: nothing measured before)
+            python = max(0.0, now - mine.last[0] - (_OWN.seconds - mine.last[1]))
         self._python += python
-        python += self._carried.pop(thread, 0.0)
+        python += mine.carried
+        mine.carried = 0.0
         try:
             with own_work():
                 if self.held and self._python - self._held_at >= self._deadline:
                     self.flush()  # (its deadline passed while the program ran: sent before)
-                self._append(thread, mesh, ins, python)
+                self._append(mine, mesh, ins, python)
         finally:
-            self._last[thread] = (time.thread_time(), _OWN.get(thread, 0.0))
+            mine.last = (time.thread_time(), _OWN.seconds)
 
-    def _append(self, thread: int, mesh: int, ins: Any, python: float) -> None:
+    def _append(self, mine: _Issuing, mesh: int, ins: Any, python: float) -> None:
         task = torch._C._current_graph_task_id()
         first = False
         if task == -1:
-            self._last_node.pop(thread, None)
+            mine.last_node = None
         else:
             node = torch._C._current_autograd_node()
             key = None if node is None else (task, node._sequence_nr(), node.name())
             if not isinstance(ins, FREE):  # (the node's first costed one is charged)
-                first = key is not None and key != self._last_node.get(thread)
-                self._last_node[thread] = key
+                first = key is not None and key != mine.last_node
+                mine.last_node = key
         if not isinstance(ins, FREE):  # (free ones cost nothing: no entry to leave behind)
+            thread = threading.get_ident()
             self.job.issued[id(ins)] = Issued(thread, task != -1, first, python)
         else:
-            self._carried[thread] = python
+            mine.carried = python
         super().append(mesh, ins)
 
 

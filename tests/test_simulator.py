@@ -603,6 +603,33 @@ def test_a_measured_profile_charges_the_controller_the_programs_own_python(monke
     assert threads == {threading.get_ident()}
 
 
+def test_a_threads_first_instruction_is_not_measured_against_a_dead_thread_of_its_id():
+    """The Python measured before an instruction is its own thread's since that thread's
+    last one; a thread's first has none. A new thread often gets a finished one's id
+    (grad_generator starts one per call): its 100 ms of Python before its first op are not
+    measured against the finished thread's last op."""
+    sim = md.Simulator(gpus=2, profile=_costed(controller_measured=True))
+    with sim.mesh.activate():
+        x = torch.ones(8)
+        md.inspect(x)
+        ids = []
+
+        def one_op(burn):
+            ids.append(threading.get_ident())
+            _burn(burn)
+            md.inspect(x + 1)
+
+        for burn in (0.0, 0.0, 0.1):  # (the first thread: a thread's one-time work)
+            python = sim.job.sim.python
+            t = threading.Thread(target=one_op, args=(burn,))
+            t.start()
+            t.join()
+        assert sim.job.sim.python - python < 0.02, ids
+        python = sim.job.sim.python
+        one_op(0.0)  # (the program's thread: its measured Python since its last op is small)
+        assert sim.job.sim.python - python < 0.02
+
+
 def test_a_simulated_batch_goes_after_flush_delay_of_the_programs_python():
     """md.Simulator sends a batch as the controller does, its deadline (FLUSH_DELAY) read off
     the program's measured Python: ops with 3 ms of the user's Python between them go one
@@ -1026,6 +1053,25 @@ def test_a_failure_of_the_simulator_itself_is_an_error_for_the_caller_not_a_dead
         with pytest.raises(SupervisionError, match="ValueError: boom"):
             md.inspect(x * 2)
     assert died == []
+
+
+def test_a_simulated_batch_that_cannot_be_sent_fails_its_fetch_with_the_cause(monkeypatch):
+    """The engine's path for a batch it could not encode or send fails the fetches it held
+    (``fail_calls``), on a simulated mesh too: not an AttributeError, not a wait forever."""
+    sim = md.Simulator(gpus=2)
+
+    def unsendable(ranks, msg):
+        raise TypeError("cannot encode this")
+
+    with sim.mesh.activate():
+        x = torch.ones(4) + 1
+        md.inspect(x)
+        monkeypatch.setattr(sim.job, "post", unsendable)
+        with pytest.raises(TypeError, match="cannot encode this"):
+            md.inspect(x * 2)
+        assert not sim.job.pending  # (its fetch failed, saying why)
+        monkeypatch.undo()
+        assert md.inspect(x * 3).shape == (4,)
 
 
 def test_a_remote_function_is_costed_under_a_profile_that_measured_elementwise_ops():
