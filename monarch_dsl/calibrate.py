@@ -64,9 +64,11 @@ Everything is measured on real local workers, through the runtime the steps use:
 The machine should be otherwise idle: the CPU time other processes took while calibrating is
 measured (``/proc/stat``) and, above ``BUSY_WARNING``, said in the table and the notes. On a
 virtual machine the host takes CPU time from it unseen (``steal`` in ``/proc/stat``: tens of
-percent for minutes on a shared host): each compute and collective measurement during which
-it took more than ``STEAL_MAX`` of the CPU is taken again, up to ``STEAL_RETRIES`` times, and
-the least stolen kept (:func:`unstolen`).
+percent for minutes on a shared host): each measurement (a compute or collective one, a
+round of an eager or replayed program, a block of compiled calls) during which it took more
+than ``STEAL_MAX`` of the CPU is taken again, up to ``STEAL_RETRIES`` times, and the least
+stolen kept (:func:`unstolen`); a compute or collective one still stolen is taken once more
+after the rest of its mesh's (``_Takes``). The table says how much was stolen.
 
 ``run(quick=False, ranks=(2, 4)) -> DeviceProfile``; :func:`measure` also returns what was
 measured, :func:`table` prints it. ``--quick``: small sizes and few repetitions (seconds).
