@@ -242,6 +242,9 @@ class SimJob:
             "md.Simulator simulates tensor programs; actors need worker processes"
         )
 
+    def raised(self, exc: BaseException) -> None:
+        """As ``Job.raised`` (a simulated worker does not die: nothing to record)."""
+
     def fail_calls(self, call_ids: Sequence[int], err: BaseException) -> None:
         """As ``Job.fail_calls``: the pending calls ``call_ids`` fail with ``err`` (their
         batch could not be sent)."""

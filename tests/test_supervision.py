@@ -188,13 +188,15 @@ def test_a_death_the_program_caught_is_not_raised_again_at_the_blocks_end(dp2):
             md.inspect(u, dp=0)
         del u, t  # their deletes, and an op nobody fetches, wait in the batch
         v = torch.ones(2) * 2
-        assert engine.batch
+        assert engine.batch and dp2.job.told == {1}
     assert not engine.batch  # dropped at the end: the program was told
     with pytest.raises(md.SupervisionError, match=NAMED):  # and told again when it asks
         md.inspect(v)
 
 
 def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
+    """Also when the flusher's thread sent a batch after the death first: it swallows the
+    error (it must not die of it), which tells the program nothing."""
     engine = Engine.of(dp2)
     engine._hold = lambda lazy: None
     with dp2.activate():
@@ -202,9 +204,16 @@ def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
     os.kill(dp2.job.pids[1], signal.SIGKILL)  # our own worker
     with dp2.job._cond:
         assert dp2.job._cond.wait_for(lambda: 1 in dp2.job.dead, 30)
+    issued = False
     with pytest.raises(md.SupervisionError, match=NAMED):
         with dp2.activate():
             torch.ones(2) + 1
+            controller.flusher().hold(engine)
+            controller.flusher().flush_all()  # (as the flusher's thread: the error swallowed)
+            assert not engine.batch
+            torch.ones(2) + 2
+            issued = True
+    assert issued and 1 in dp2.job.told
 
 
 def test_after_the_death_calls_from_any_thread_name_it(dp2):

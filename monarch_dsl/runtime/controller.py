@@ -244,7 +244,10 @@ class Job:
         self._held: dict[int, tuple[float, int, RemoteError]] = {}
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
-        self.told: set[int] = set()  # dead ranks whose death some call has raised to a caller
+        # Dead ranks whose death has reached the program: a call of its raised it (Future.get,
+        # expect/request refusing it, the flush at the end of a ``with pm.activate():``
+        # block). Not any batch's flush: the flusher's swallows it.
+        self.told: set[int] = set()
         # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
         # and add to before_stop what ProcMesh.stop runs, with a timeout in seconds, before
         # it stops the workers (the engine waits for what it sent).
@@ -796,7 +799,7 @@ class Job:
         returns (call_id, future). ``whole_job``: the answer may depend on every worker (a
         tensor-engine fetch waits for its rank's streams, which may wait in a collective for
         any other rank): a dead worker anywhere fails it, before and while it is pending."""
-        self.check_alive(range(self.world) if whole_job else ranks)
+        self.check_alive(range(self.world) if whole_job else ranks, tell=True)
         call_id = next(_call_ids)
         p = Pending(ranks, finish, None, None, self)
         with self._lock:
@@ -808,13 +811,16 @@ class Job:
         return call_id, p.future
 
     # ------------------------------------------------------------------ sending
-    def check_alive(self, ranks: Sequence[int]) -> None:
+    def check_alive(self, ranks: Sequence[int], tell: bool = False) -> None:
+        """A SupervisionError if the mesh was stopped or a rank of ``ranks`` died; ``tell``:
+        the caller raises it to the program (the death is then ``told``)."""
         if self.stopped or self.stopping:
             raise SupervisionError("this process mesh has been stopped")
         if self.dead:
             for r in ranks:
                 if r in self.dead:
-                    self.told.add(r)
+                    if tell:
+                        self.told.add(r)
                     raise self.death(r)
 
     def raised(self, exc: BaseException) -> None:
@@ -834,7 +840,7 @@ class Job:
     ) -> Future:
         """Send ``msg_for(call_id)`` to every rank; the future completes with
         ``finish(values)`` once all have replied, or with the first error."""
-        self.check_alive(ranks)
+        self.check_alive(ranks, tell=True)
         call_id = next(_call_ids)
         p = Pending(ranks, finish, on_item, point_of, self)
         parts = _encode_call(msg_for(call_id))

@@ -51,8 +51,9 @@ def activate(mesh: Any) -> Iterator[Any]:
         if engine is not None:
             try:
                 engine.flush()
-            except SupervisionError:
+            except SupervisionError as e:
                 if not failing:  # else the error leaving the block is the one to see
+                    mesh.job.raised(e)  # (told: the program gets it)
                     raise
 
 

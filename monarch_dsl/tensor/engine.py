@@ -113,16 +113,20 @@ class Engine:
                 del batch[: len(items)]
             if self.job.stopped or self.job.stopping:
                 return
-            if self.job.dead and self.job.told:
-                # A worker died and the program has been told (a call raised its death): this
-                # batch can never run. Its fetches fail with the death (each was failed when it
-                # died, or raises it now), and it is not raised again here: at the end of a
+            if self.job.dead:
+                # A worker died: this batch can never run. Its fetches fail with the death
+                # (each was failed when it died; this is for one that was not). A death the
+                # program has not been told of is raised; one it has been told of (a call
+                # raised it: Job.told) is not raised again: at the end of a
                 # ``with pm.activate():`` block that caught the error, the deletes of the
                 # tensors it dropped would raise it a second time.
+                dead = sorted(self.job.dead)
+                untold = [r for r in dead if r not in self.job.told]
                 fetches = [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
-                death = self.job.first_death()
-                if fetches and death is not None:
-                    self.job.fail_calls(fetches, death)
+                if fetches:
+                    self.job.fail_calls(fetches, self.job.death(dead[0]))
+                if untold:
+                    raise self.job.death(untold[0])
                 return
             replay = self.replay  # (read once: a finalizer may stop it meanwhile)
             if replay is not None:
