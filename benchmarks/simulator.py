@@ -95,6 +95,13 @@ profile calibrated 80 minutes earlier under-predicted the tiny step by 25%, one 
 before was within 5% of it, every term alike (the controller's CPU per call, the workers', the
 steps'), and the whole table had median 5.9%, max 19.6%; the next calibrate-then-measure gave
 14.4% and 36.3% (tiny -36%), the speed probe at 0.77-0.90x: the machine drifts within minutes.
+
+The host's steal: this machine is a VM, and its host takes CPU time from it (``steal`` in
+``/proc/stat``), 30-50% for minutes at a time on 2026-11-29. Every timed block, recorded loop
+and probe is taken ``calibrate.unstolen``: again (up to ``STEAL_RETRIES`` times) while the
+host took more than ``STEAL_MAX`` of the CPU during it, the least stolen kept; the last lines
+say how much was stolen from the blocks kept. A neighbour on the host also slows memory and
+compute without any steal: the probes still show that.
 """
 
 from __future__ import annotations

@@ -588,7 +588,7 @@ class Calibration:
     device: str = "cpu"  # what was measured (``DEVICES``)
     others_busy: float | None = None  # the share of the CPU other processes took meanwhile
     # the share of the CPU the host took from this VM (steal): over the whole run, and the
-    # most in one compute or collective measurement kept (``unstolen``)
+    # most of a CPU in one measurement kept (``unstolen``)
     steal: float | None = None
     steal_kept: float | None = None
 
@@ -855,7 +855,7 @@ def _measure(
         wait = fit_collective_wait(cal.profile, sizes[0], wait_cpu, _wait_reps(s))
         cal.profile = _replace(cal.profile, collective_wait=wait)
     cal.seconds = time.monotonic() - started
-    busy1 = _busy_seconds()
+    busy1, steal1 = _busy_seconds(), steal_seconds()
     if busy0 is not None and busy1 is not None:
         ours = time.process_time() - mine0 + workers_cpu
         others = max(0.0, busy1 - busy0 - ours)
@@ -866,35 +866,43 @@ def _measure(
                 "suspect, calibrate again on an idle machine"
             )
             cal.profile = _replace(cal.profile, notes=cal.profile.notes + note)
-    steal1 = steal_seconds()
-    if steal0 is not None and steal1 is not None:
-        cal.steal = (steal1 - steal0) / (cal.seconds * (os.cpu_count() or 1))
+    if steal0 is not None and steal1 is not None and len(steal0) == len(steal1):
+        cal.steal = sum(b - a for a, b in zip(steal0, steal1)) / (cal.seconds * len(steal0))
         cal.steal_kept = max(stolen, default=0.0)
         if cal.steal_kept > STEAL_MAX:
             note = (
-                f"; the host took up to {cal.steal_kept:.0%} of the CPU from a measurement "
-                f"even after {STEAL_RETRIES} tries: suspect, calibrate again"
+                f"; the host took up to {cal.steal_kept:.0%} of a CPU from a measurement "
+                "even after it was taken again: suspect, calibrate again"
             )
             cal.profile = _replace(cal.profile, notes=cal.profile.notes + note)
     return cal
 
 
-def _cpu_fields() -> list[int] | None:
-    """The ``cpu`` line of ``/proc/stat`` (Linux; jiffies), or None."""
+def _cpu_lines() -> list[list[int]] | None:
+    """The ``cpu`` lines of ``/proc/stat`` (Linux; jiffies): the whole machine's, then each
+    CPU's; or None."""
     try:
         with open("/proc/stat") as f:
-            return [int(v) for v in f.readline().split()[1:]]
+            return [[int(v) for v in line.split()[1:]] for line in f if line.startswith("cpu")]
     except (OSError, ValueError):
         return None
 
 
-def steal_seconds() -> float | None:
-    """CPU seconds the host has taken from this virtual machine since boot (``steal`` in
-    ``/proc/stat``: time its CPUs wanted to run but the host ran something else), or None."""
-    fields = _cpu_fields()
-    if fields is None or len(fields) < 8:
+def _cpu_fields() -> list[int] | None:
+    """The whole machine's ``cpu`` line of ``/proc/stat``, or None."""
+    lines = _cpu_lines()
+    return lines[0] if lines else None
+
+
+def steal_seconds() -> list[float] | None:
+    """Per CPU, the seconds the host has taken from this virtual machine since boot
+    (``steal`` in ``/proc/stat``: time the CPU wanted to run while the host ran something
+    else); None where it cannot be read."""
+    lines = _cpu_lines()
+    if not lines or len(lines) < 2 or any(len(f) < 8 for f in lines):
         return None
-    return fields[7] / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return [f[7] / tick for f in lines[1:]]
 
 
 T = TypeVar("T")
@@ -907,20 +915,25 @@ def unstolen(
     stolen: list[float] | None = None,
 ) -> T:
     """``measure(*args)``, taken again (at most ``retries`` more times) while the host took
-    more than ``STEAL_MAX`` of this machine's CPU during it; the least stolen measurement.
-    ``stolen``: gets the share stolen during the one returned (where it can be read)."""
-    cores = os.cpu_count() or 1
+    more than ``STEAL_MAX`` of a CPU during it (the most stolen one's: a measurement may run
+    on a few CPUs of many) and at least two clock ticks (one tick is 10 ms: a share of a short
+    measurement); the least stolen measurement. ``stolen``: gets the share stolen during the
+    one returned (where it can be read)."""
     best: tuple[float, T] | None = None
+    tick = 1 / os.sysconf("SC_CLK_TCK")
     for _ in range(retries + 1):
         s0, t0 = steal_seconds(), time.perf_counter()
         got = measure(*args)
         s1, wall = steal_seconds(), time.perf_counter() - t0
-        if s0 is None or s1 is None or wall <= 0:
-            return got  # (no steal to read: not a VM, or not Linux)
-        share = (s1 - s0) / (wall * cores)
+        if s0 is None or s1 is None or len(s0) != len(s1) or wall <= 0:
+            if best is None:  # (no steal to read: not a VM, or not Linux)
+                return got
+            break
+        most = max(b - a for a, b in zip(s0, s1))
+        share = most / wall
         if best is None or share < best[0]:
             best = (share, got)
-        if share <= STEAL_MAX:
+        if share <= STEAL_MAX or most < 2 * tick - 1e-9:
             break
     assert best is not None
     if stolen is not None:
@@ -1269,17 +1282,18 @@ def _replay_costs(pm: Any, s: Settings, stolen: list[float]) -> dict[str, float]
             states = {k: _eager_setup("y = x + 1", pm) for k in REPLAY_OPS}
             for k in REPLAY_OPS:
                 inspect(_replay_body(engine, states[k], k, 3))
-            runs0 = replay.replayed
 
-            def one(k: int) -> float:
-                c0 = time.process_time()
+            def one(k: int) -> tuple[float, int]:
+                c0, runs0 = time.process_time(), replay.replayed
                 inspect(_replay_body(engine, states[k], k, reps[k]))
-                return time.process_time() - c0
+                return time.process_time() - c0, replay.replayed - runs0
 
+            replayed = 0  # (of the takes kept)
             for _ in range(s.eager_rounds):
                 for k in REPLAY_OPS:
-                    cpu[k].append(unstolen(one, k, stolen=stolen))
-            replayed = replay.replayed - runs0
+                    took, runs = unstolen(one, k, stolen=stolen)
+                    cpu[k].append(took)
+                    replayed += runs
     finally:
         engine.stop_replay()
     if replayed < 0.9 * s.eager_rounds * sum(reps.values()):  # (a step's batch split: rare)
@@ -1959,7 +1973,7 @@ def table(cal: Calibration) -> str:
     if cal.steal is not None and cal.steal_kept is not None:
         busy += (
             f"; the host took {cal.steal:.0%} of it (steal), at most {cal.steal_kept:.0%} "
-            f"in a measurement kept (above {STEAL_MAX:.0%}: measured again)"
+            f"of a CPU in a measurement kept (above {STEAL_MAX:.0%}: measured again)"
         )
     out.append(f"measured in {cal.seconds:.0f} s{busy}")
     if cal.others_busy is not None and cal.others_busy > BUSY_WARNING:

@@ -390,7 +390,7 @@ def _steal_by_attempt(monkeypatch, jumps):
         attempts.append(tag)
         return len(attempts)
 
-    monkeypatch.setattr(calibrate, "steal_seconds", lambda: stolen[0])
+    monkeypatch.setattr(calibrate, "steal_seconds", lambda: [stolen[0], 0.0])
     return measure, attempts
 
 
@@ -417,9 +417,21 @@ def test_a_measurement_the_host_took_cpu_from_is_taken_again_and_the_least_stole
     takes.take(stored.append, measure, "w")  # (the least stolen: the first, kept by again)
     takes.again()
     assert stored == [1, 5, 6] and shares[1] > calibrate.STEAL_MAX
+    # a single clock tick stolen from a short measurement is not a reason to take it again
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    measure, attempts = _steal_by_attempt(monkeypatch, [tick, 0.0])
+    kept = []
+    assert calibrate.unstolen(measure, "t", stolen=kept) == 1 and kept[0] > calibrate.STEAL_MAX
     monkeypatch.setattr(calibrate, "steal_seconds", lambda: None)  # no steal to read
     calls = []
     assert calibrate.unstolen(lambda: calls.append(1) or "once") == "once" and calls == [1]
+
+
+def test_steal_is_read_per_cpu():
+    per_cpu = calibrate.steal_seconds()
+    if per_cpu is None:
+        pytest.skip("no /proc/stat here")
+    assert len(per_cpu) == len(calibrate._cpu_lines()) - 1 and all(x >= 0 for x in per_cpu)
 
 
 def _one_linear_plan(model=None, width=8):
