@@ -80,6 +80,12 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTE
 IN_PLACE_BYTES = 1024 * 1024
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is out of autograd already (a gradient, unless made with
+    ``create_graph=True``), else ``t.detach()``."""
+    return t.detach() if t.requires_grad else t
+
+
 class _Bucket:
     """Parameters reduced together (one dtype), in the order they are laid out flat."""
 
@@ -284,7 +290,9 @@ class DistributedDataParallel(nn.Module):
         bucket.present = [i for i in present if i not in self._alone]
         if not bucket.present:
             return
-        grads = [self._params[i].grad.detach() for i in bucket.present]
+        # (a gradient that needs no detach gets none: each is an instruction on the controller
+        # and the workers, 8 of an eager step's 91 for 4 x Linear(64))
+        grads = [_detached(self._params[i].grad) for i in bucket.present]
         # one instruction; a CUDA worker runs a Triton kernel (runtime/kernels.py)
         bucket.flat = torch.ops.monarch_dsl.flatten_scale(grads, 1.0)
         bucket.borrows.append(self._reduce(bucket.flat))
