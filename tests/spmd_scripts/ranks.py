@@ -46,9 +46,12 @@ def _proc_environ() -> bytes:
         return b""
 
 
-def wait_for_rank_0() -> None:
+def wait_for_every_rank() -> None:
+    """Until every rank has written its file (the test reads them all after the failure: a
+    rank stopped before it wrote one would have none), at most 30 s."""
+    files = [os.path.join(out_dir, f"{r}.json") for r in range(int(os.environ["WORLD_SIZE"]))]
     deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(out_dir, "0.json")) and time.monotonic() < deadline:
+    while not all(map(os.path.exists, files)) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -74,7 +77,7 @@ if action == "ok":
     print(f"to stderr from rank {rank}", file=sys.stderr)
 elif action == "exit3":
     if rank == 1:
-        wait_for_rank_0()
+        wait_for_every_rank()
         print("rank 1 gives up", file=sys.stderr)
         sys.exit(3)
     time.sleep(120)
@@ -91,7 +94,7 @@ elif action == "sleep":
     time.sleep(120)
 elif action == "ignore_term":
     if rank == 1:
-        wait_for_rank_0()
+        wait_for_every_rank()
         sys.exit(1)
     time.sleep(120)
 else:
