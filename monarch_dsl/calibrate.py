@@ -888,12 +888,6 @@ def _cpu_lines() -> list[list[int]] | None:
         return None
 
 
-def _cpu_fields() -> list[int] | None:
-    """The whole machine's ``cpu`` line of ``/proc/stat``, or None."""
-    lines = _cpu_lines()
-    return lines[0] if lines else None
-
-
 def steal_seconds() -> list[float] | None:
     """Per CPU, the seconds the host has taken from this virtual machine since boot
     (``steal`` in ``/proc/stat``: time the CPU wanted to run while the host ran something
@@ -978,9 +972,10 @@ def _ask(endpoint: Any, *args: Any) -> Any:
 def _busy_seconds() -> float | None:
     """CPU seconds all processes of this machine have used since boot (Linux ``/proc/stat``),
     or None."""
-    fields = _cpu_fields()
-    if fields is None:
+    lines = _cpu_lines()
+    if not lines:
         return None
+    fields = lines[0]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
     return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")  # (not steal: the host's)
 

@@ -141,7 +141,6 @@ class SimJob:
         self.hellos = {r: Hello(r, 0, host, "cpu") for r in range(self.world)}
         self.pids: dict[int, int] = {}
         self.dead: dict[int, Any] = {}
-        self.told: set[int] = set()  # (as Job.told; a simulated worker does not die)
         self.extensions: dict[str, Any] = {}
         self.log_group = logs.LogGroup(dims, sizes)  # (no pipes: pm.logging changes nothing)
         self.before_stop: list[Callable[[float], None]] = []

@@ -217,20 +217,20 @@ def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
 
 
 def test_a_fetch_registered_as_a_worker_dies_is_refused_not_left_waiting(dp2, monkeypatch):
-    """A death the receiver thread records between expect's check and its registration of
-    the call: the call is refused with it (it would not be among the calls the death fails,
-    and would wait forever)."""
+    """A death the receiver thread records while expect prepares the call: the call is
+    refused with it (it would not be among the calls the death fails, and would wait
+    forever)."""
     job = dp2.job
-    real = job.check_alive
+    real = controller.Pending
 
-    def racing(ranks, tell=False):
-        real(ranks, tell)
-        if 1 not in job.dead:  # the death lands right after the check
+    def racing(*args, **kwargs):
+        if 1 not in job.dead:  # the death lands as the call is made
             job.dead[1] = md.SupervisionError(
                 "worker rank 1 (dp=1, pid 1) was killed by signal SIGKILL", rank=1, coords={"dp": 1}
             )
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(job, "check_alive", racing)
+    monkeypatch.setattr(controller, "Pending", racing)
     try:
         with pytest.raises(md.SupervisionError, match=NAMED):
             job.expect([0], None, whole_job=True)

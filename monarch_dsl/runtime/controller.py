@@ -799,20 +799,16 @@ class Job:
         returns (call_id, future). ``whole_job``: the answer may depend on every worker (a
         tensor-engine fetch waits for its rank's streams, which may wait in a collective for
         any other rank): a dead worker anywhere fails it, before and while it is pending."""
-        needed = range(self.world) if whole_job else ranks
-        self.check_alive(needed, tell=True)
         call_id = next(_call_ids)
         p = Pending(ranks, finish, None, None, self)
-        with self._lock:  # (a death is recorded under it: before this, or it fails the call)
-            if not any(r in self.dead for r in needed):
-                self.pending[call_id] = p
-                for r in ranks:
-                    self.pending_by_rank[r].add(call_id)
-                if whole_job:
-                    self.pending_whole_job.add(call_id)
-                return call_id, p.future
-        self.check_alive(needed, tell=True)  # (died since the check above: raises)
-        raise AssertionError("unreachable")
+        with self._lock:  # (a death is recorded under it: before this check, or it fails the call)
+            self.check_alive(range(self.world) if whole_job else ranks, tell=True)
+            self.pending[call_id] = p
+            for r in ranks:
+                self.pending_by_rank[r].add(call_id)
+            if whole_job:
+                self.pending_whole_job.add(call_id)
+        return call_id, p.future
 
     # ------------------------------------------------------------------ sending
     def check_alive(self, ranks: Sequence[int], tell: bool = False) -> None:

@@ -29,6 +29,11 @@ EXTENSION = "tensor"  # the engine's name in its job's extensions
 _AFTER_DELETES = (isa.Fetch, isa.RunPlan)
 
 
+def _fetches(items: tuple) -> list[int]:
+    """The call ids of the fetches in a batch's ``items`` (their callers wait for them)."""
+    return [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
+
+
 class Engine:
     """The tensor engine of one process allocation (a controller Job)."""
 
@@ -122,7 +127,7 @@ class Engine:
                 # tensors it dropped would raise it a second time.
                 dead = sorted(self.job.dead)
                 untold = [r for r in dead if r not in self.job.told]
-                fetches = [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
+                fetches = _fetches(items)
                 if fetches:
                     self.job.fail_calls(fetches, self.job.death(dead[0]))
                 if untold:
@@ -139,12 +144,11 @@ class Engine:
             except Exception as e:
                 # The batch could not be encoded or sent (an internal error): the fetches it
                 # held are never answered; fail them with the cause, not a wait forever.
-                fetches = [ins.call_id for _, ins in items if isinstance(ins, isa.Fetch)]
                 lost = RuntimeError(
                     f"internal: a batch of {len(items)} instructions could not be sent to the "
                     f"workers ({type(e).__name__}: {e}); the values it computed are lost"
                 )
-                self.job.fail_calls(fetches, lost)
+                self.job.fail_calls(_fetches(items), lost)
                 raise
 
     def mesh_id(self, mesh: Mesh) -> int:
