@@ -64,6 +64,32 @@ def test_torch_tensor_data_and_in_place_ops(pm):
     assert md.inspect(t, host=1, gpu=0).tolist() == [3.0, 5.0, 7.0]
 
 
+@pytest.mark.parametrize(
+    "reshape",
+    [
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.t_(),
+        lambda t: t.resize_(6),
+        lambda t: t.transpose_(0, 1),
+        lambda t: t.as_strided_((3, 2), (1, 3)),
+        lambda t: torch.cat([t, t], out=t),
+    ],
+    ids=["unsqueeze_", "t_", "resize_", "transpose_", "as_strided_", "cat-out"],
+)
+def test_an_op_that_reshapes_a_mesh_tensor_in_place_is_refused_before_it_is_sent(pm, reshape):
+    """The handle keeps the shape it was made with: such an op would leave it describing a
+    tensor the workers no longer have (it used to: x.unsqueeze_(0) gave shape (2, 3) here and
+    (1, 2, 3) on the workers). Ops that keep the shape still run in place."""
+    with pm.activate():
+        t = torch.arange(6.0).reshape(2, 3)
+        with pytest.raises(TypeError, match=r"changes the shape or layout of a mesh tensor"):
+            reshape(t)
+        assert t.shape == (2, 3)
+        t.squeeze_(0).resize_(2, 3).add_(1)  # (a size-2 dim is not squeezed; same shape)
+        torch.mul(t, 2, out=t)
+        assert md.inspect(t).tolist() == [[2.0, 4.0, 6.0], [8.0, 10.0, 12.0]]
+
+
 def test_mesh_rank_gives_coordinates(pm):
     with pm.activate():
         assert values(pm.rank("gpu")) == [0, 1, 0, 1]

@@ -37,6 +37,7 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
         leaves, out_spec = hit
         return [new_meta(x) if type(x) is tuple else x for x in leaves], out_spec
     meta_args, meta_kwargs = pytree.tree_unflatten(meta_flat, spec)
+    before = {id(m): describe(m) for i, m in enumerate(meta_flat) if isinstance(flat[i], Tensor)}
     if factory:
         meta_kwargs["device"] = torch.device("meta")
     try:
@@ -54,6 +55,8 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
         if isinstance(leaf, torch.Tensor):
             i = position.get(id(leaf))
             if i is not None:
+                if describe(leaf) != before[id(leaf)]:
+                    raise _reshaped_in_place(op, i, before[id(leaf)], describe(leaf))
                 leaves.append(Alias(i))
                 cached.append(Alias(i))
                 continue
@@ -73,3 +76,17 @@ class Alias:
 
     def __init__(self, index: int):
         self.index = index
+
+
+def _reshaped_in_place(op: str, index: int, before: tuple, after: tuple) -> TypeError:
+    """The error for an op that changes a mesh tensor's shape or layout in place
+    (``x.unsqueeze_(0)``, ``x.resize_(n)``, ``out=`` of another shape): the controller's handle
+    keeps the shape it was made with, so the op would leave it describing a tensor the workers
+    no longer have."""
+    return TypeError(
+        f"{op} changes the shape or layout of a mesh tensor in place (argument #{index}: shape "
+        f"{tuple(before[0])}, stride {tuple(before[1])} -> shape {tuple(after[0])}, stride "
+        f"{tuple(after[1])}), which an md.Tensor handle cannot follow: use the op that returns "
+        "a new tensor (x = x.unsqueeze(0) for x.unsqueeze_(0); for out=, an out tensor of the "
+        "result's shape)"
+    )
