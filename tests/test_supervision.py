@@ -47,6 +47,19 @@ def _one_batch(pm):
         yield
 
 
+def _killed_with_no_timed_flush(pm) -> Engine:
+    """``pm``'s engine, which sends a batch only when something flushes it (no timer), after
+    rank 1 was SIGKILLed and its death recorded."""
+    engine = Engine.of(pm)
+    engine._hold = lambda lazy: None
+    with pm.activate():
+        md.inspect(torch.ones(2))
+    os.kill(pm.job.pids[1], signal.SIGKILL)  # our own worker
+    with pm.job._cond:
+        assert pm.job._cond.wait_for(lambda: 1 in pm.job.dead, 30)
+    return engine
+
+
 @pytest.fixture
 def dp2():
     segments = set(shm.segments())
@@ -197,13 +210,7 @@ def test_a_death_the_program_caught_is_not_raised_again_at_the_blocks_end(dp2):
 def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
     """Also when the flusher's thread sent a batch after the death first: it swallows the
     error (it must not die of it), which tells the program nothing."""
-    engine = Engine.of(dp2)
-    engine._hold = lambda lazy: None
-    with dp2.activate():
-        md.inspect(torch.ones(2))
-    os.kill(dp2.job.pids[1], signal.SIGKILL)  # our own worker
-    with dp2.job._cond:
-        assert dp2.job._cond.wait_for(lambda: 1 in dp2.job.dead, 30)
+    engine = _killed_with_no_timed_flush(dp2)
     issued = False
     with pytest.raises(md.SupervisionError, match=NAMED):
         with dp2.activate():
@@ -214,6 +221,23 @@ def test_a_death_nobody_was_told_of_is_raised_at_the_blocks_end(dp2):
             torch.ones(2) + 2
             issued = True
     assert issued and 1 in dp2.job.told
+
+
+def test_a_death_a_flush_raised_to_the_program_is_not_raised_again_at_the_blocks_end(dp2):
+    """A batch's flush on the program's thread (md.DistributedDataParallel's forward starting
+    a step, a full batch) raises the death to the program, which caught it here: the deletes
+    at the block's end do not raise it a second time (test_replay's killed-worker test did,
+    now and then)."""
+    engine = _killed_with_no_timed_flush(dp2)
+    with dp2.activate():
+        t = torch.ones(2) + 1
+        with pytest.raises(md.SupervisionError, match=NAMED):
+            engine.cut()  # (as the wrapper's forward does)
+        assert dp2.job.told == {1}
+        del t
+        torch.ones(2) + 2
+        assert engine.batch
+    assert not engine.batch
 
 
 def test_a_fetch_registered_as_a_worker_dies_is_refused_not_left_waiting(dp2, monkeypatch):

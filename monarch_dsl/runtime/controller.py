@@ -42,6 +42,29 @@ from monarch_dsl.runtime.messages import (
 log = logging.getLogger("monarch_dsl")
 
 _call_ids = itertools.count(1)
+
+# A thread whose caller swallows a worker's death (the flusher's sends, a block's last flush
+# while another error leaves it): a death raised there has not reached the program.
+_quiet = threading.local()
+
+
+class quietly:
+    """``with controller.quietly():`` -- the caller of what runs in it swallows a
+    SupervisionError, so a worker's death raised there is not ``told`` (``Job.told``)."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_quiet, "on", False)
+        _quiet.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _quiet.on = self.before
+
+
+def is_quiet() -> bool:
+    """Whether this thread's caller swallows a worker's death (see ``quietly``)."""
+    return getattr(_quiet, "on", False)
+
+
 STOP_TIMEOUT = 5.0
 CALLER_PARK = 0.005  # after a caller read replies itself, the background reader waits this long
 EXIT_STATUS_WAIT = 1.0
@@ -109,7 +132,8 @@ class Flusher:
                 return
             for conn in held:
                 try:
-                    conn.flush()
+                    with quietly():
+                        conn.flush()
                 except (OSError, SupervisionError):
                     # A dead worker (a socket error, or a tensor batch for a job that lost
                     # one): the receiver thread reports it and fails its calls. The flusher
@@ -245,8 +269,9 @@ class Job:
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
         # Dead ranks whose death has reached the program: a call of its raised it (Future.get,
-        # expect/request refusing it, the flush at the end of a ``with pm.activate():``
-        # block). Not any batch's flush: the flusher's swallows it.
+        # expect/request refusing it, a tensor batch's flush on the program's thread: the
+        # engine's ``raise_death``). Not a flush whose caller swallows it (``quietly``: the
+        # flusher's).
         self.told: set[int] = set()
         # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
         # and add to before_stop what ProcMesh.stop runs, with a timeout in seconds, before

@@ -121,8 +121,9 @@ class Engine:
             if self.job.dead:
                 # A worker died: this batch can never run. Its fetches fail with the death
                 # (each was failed when it died; this is for one that was not). A death the
-                # program has not been told of is raised; one it has been told of (a call
-                # raised it: Job.told) is not raised again: at the end of a
+                # program has not been told of is raised, and is told from then on where
+                # this caller raises it to the program (not the flusher's: it swallows it);
+                # one it has been told of (Job.told) is not raised again: at the end of a
                 # ``with pm.activate():`` block that caught the error, the deletes of the
                 # tensors it dropped would raise it a second time.
                 dead = sorted(self.job.dead)
@@ -131,6 +132,8 @@ class Engine:
                 if fetches:
                     self.job.fail_calls(fetches, self.job.death(dead[0]))
                 if untold:
+                    if not controller.is_quiet():
+                        self.job.told.add(untold[0])
                     raise self.job.death(untold[0])
                 return
             replay = self.replay  # (read once: a finalizer may stop it meanwhile)
