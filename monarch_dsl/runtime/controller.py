@@ -269,9 +269,8 @@ class Job:
         self.failures: list[tuple] = []  # root failures reported by workers (tensor engine)
         self.observed: set[tuple] = set()  # ... of which some fetch has raised
         # Dead ranks whose death has reached the program: a call of its raised it (Future.get,
-        # expect/request refusing it, a tensor batch's flush on the program's thread: the
-        # engine's ``raise_death``). Not a flush whose caller swallows it (``quietly``: the
-        # flusher's).
+        # expect/request refusing it, a tensor batch's flush on the program's thread:
+        # ``Engine.flush``). Not a flush whose caller swallows it (``quietly``: the flusher's).
         self.told: set[int] = set()
         # Higher layers keep their per-job state here by name (the tensor engine: "tensor"),
         # and add to before_stop what ProcMesh.stop runs, with a timeout in seconds, before
