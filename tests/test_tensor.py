@@ -90,6 +90,29 @@ def test_an_op_that_reshapes_a_mesh_tensor_in_place_is_refused_before_it_is_sent
         assert md.inspect(t).tolist() == [[2.0, 4.0, 6.0], [8.0, 10.0, 12.0]]
 
 
+def test_scalars_of_equal_value_and_other_types_give_their_own_dtypes(pm):
+    """3, 3.0 and True are equal (and hash alike): the controller's caches of output shapes
+    took one for the other, and a handle said int64 where the workers held float32."""
+    steps = [
+        lambda: torch.arange(4) * 3,
+        lambda: torch.arange(4) * 3.0,
+        lambda: torch.arange(5),
+        lambda: torch.arange(5.0),
+        lambda: torch.full((2,), 1),
+        lambda: torch.full((2,), True),
+        lambda: torch.ones(2) * (1 + 0j),
+        lambda: torch.arange(4).clamp(min=1),
+        lambda: torch.arange(4).clamp(min=1.5),
+        lambda: torch.arange(4).div(2, rounding_mode="floor"),
+        lambda: torch.arange(4).div(2.0, rounding_mode="floor"),
+    ]
+    want = [step().dtype for step in steps]
+    with pm.activate():
+        got = [step() for step in steps]
+        held = [md.inspect(t).dtype for t in got]
+    assert [t.dtype for t in got] == want == held
+
+
 def test_mesh_rank_gives_coordinates(pm):
     with pm.activate():
         assert values(pm.rank("gpu")) == [0, 1, 0, 1]

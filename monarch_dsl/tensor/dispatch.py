@@ -53,7 +53,7 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     for a in args:
         kind = type(a)
         if kind in _SCALAR_TYPES:  # for a pointwise op only the type matters (type promotion)
-            key.append(kind if pointwise else a)
+            key.append(kind if pointwise else (kind, a))  # (3 == 3.0 == True: typed)
             wargs.append(a)
         elif isinstance(a, Tensor) or (
             (kind is list or kind is tuple) and a and isinstance(a[0], Tensor)
@@ -85,7 +85,7 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
         for a in kwargs.values():
             if isinstance(a, (torch.Tensor, torch.device, list, tuple, dict, torch.Generator)):
                 return _dispatch_general(func, args, kwargs, active)
-        key.extend(kwargs.items())
+        key.extend((k, type(v), v) for k, v in kwargs.items())  # (typed: 1 == 1.0 == True)
     if mesh is None:
         return _dispatch_general(func, args, kwargs, active)
     key = tuple(key)

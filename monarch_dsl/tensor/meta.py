@@ -19,9 +19,14 @@ _meta_cache: dict[tuple, tuple] = {}
 def _key_part(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
-    if isinstance(x, list):
-        return ("list", *map(_key_part, x))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *map(_key_part, x))
+    if type(x) in _SCALARS:  # (3, 3.0 and True are equal keys, of three output dtypes)
+        return (type(x), x)
     return x
+
+
+_SCALARS = frozenset((int, float, bool, complex))
 
 
 def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: bool):
