@@ -1,9 +1,11 @@
 """Distributed tensors from one controller on a 2x2 CPU mesh (SPEC §3, the parts built so far)."""
 
+import copy
 import gc
 
 import pytest
 import torch
+from torch import nn
 
 import monarch_dsl as md
 from monarch_dsl.runtime import worker
@@ -111,6 +113,45 @@ def test_scalars_of_equal_value_and_other_types_give_their_own_dtypes(pm):
         got = [step() for step in steps]
         held = [md.inspect(t).dtype for t in got]
     assert [t.dtype for t in got] == want == held
+
+
+def test_setting_data_makes_the_handle_one_on_the_new_value(pm):
+    """``t.data = v`` (how ``model.half()``, ``.to(dtype)`` and ``vector_to_parameters`` change
+    a module's tensors): the handle and the workers agree on the new value, its autograd state
+    stays, and the old value is freed. (Before, torch's setter changed only the handle's shape
+    and dtype: the workers kept the old float32 values.)"""
+    counter = pm.spawn("refs", RefCounter)
+    torch.manual_seed(0)
+    local = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    vec = torch.arange(15.0)
+    with pm.activate():
+        gc.collect()
+        md.tensor.sync(pm)
+        before = counter.refs.call().get().values()
+        model = md.to_mesh(copy.deepcopy(local), pm).half()
+        assert model.weight.dtype == torch.float16 and model.weight.requires_grad
+        assert md.inspect(model.weight, host=1, gpu=1).dtype == torch.float16
+        torch.testing.assert_close(
+            md.inspect(model(md.to_mesh(x.half(), pm))), local.half()(x.half())
+        )
+        torch.nn.utils.vector_to_parameters(md.to_mesh(vec.half(), pm), model.parameters())
+        assert md.inspect(model.bias).tolist() == [12.0, 13.0, 14.0]
+        t = torch.ones(3, 4)
+        t.data = torch.zeros(5)
+        assert t.shape == (5,) and md.inspect(t + 1).tolist() == [1.0] * 5
+        with pytest.raises(TypeError, match="only to a mesh tensor"):
+            t.data = local.weight.detach()  # (a local tensor)
+        other = pm.slice(host=0)
+        with other.activate():
+            elsewhere = torch.zeros(5)
+        with pytest.raises(TypeError, match="cannot be set to a tensor on"):
+            t.data = elsewhere
+        del model, t, elsewhere
+        gc.collect()
+        md.tensor.sync(pm)
+        after = counter.refs.call().get().values()
+    assert after == before
 
 
 def test_mesh_rank_gives_coordinates(pm):
@@ -359,7 +400,6 @@ def test_deepcopy_of_a_mesh_model_is_a_model_on_the_mesh_and_local_ones_stay_loc
     """copy.deepcopy of a model on the mesh (an EMA copy) copies on the workers: parameters
     stay parameters, with their requires_grad and .grad, independent of the original. Under
     pm.activate(), a local model's copy (buffers too: torch copies their storages) is local."""
-    import copy
 
     torch.manual_seed(0)
     local = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))

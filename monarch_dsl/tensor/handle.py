@@ -74,6 +74,14 @@ class Tensor(torch.Tensor):
     # __torch_dispatch__ is set by dispatch.py, which builds on this class.
 
     @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        _set_data(self, value)
+
+    @property
     def mesh(self) -> Any:
         return self._md_mesh
 
@@ -211,6 +219,40 @@ class Tensor(torch.Tensor):
             "an md.Tensor is a handle on values that live on the workers; it cannot be pickled "
             "(use md.fetch / md.inspect to get a local copy)"
         )
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # torch's .data (get: a detached view; set: set_data)
+
+
+def _set_data(t: Tensor, value: Any) -> None:
+    """``t.data = value``, as torch's ``Module._apply`` converts a module (``model.half()``,
+    ``.to(torch.bfloat16)``, ``.double()``) and ``vector_to_parameters`` fills one: ``t``
+    becomes a handle on ``value``'s data (on the workers, an alias of it under a ref of its
+    own), keeping its own autograd state; its old value is deleted where nothing else holds
+    it. Torch's setter alone changed the handle's shape and dtype but not its ref: the
+    workers went on with the old value."""
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"the data of a mesh tensor can be set only to a mesh tensor, got "
+            f"{type(value).__name__} (put it on the mesh first with md.to_mesh)"
+        )
+    if value._md_engine is not t._md_engine or value._md_mesh != t._md_mesh:
+        raise TypeError(
+            f"the data of a mesh tensor on {t._md_mesh!r} cannot be set to a tensor on "
+            f"{value._md_mesh!r} (move it with t.to_mesh(...))"
+        )
+    check_usable(t, ".data =", 0, write=True)
+    check_usable(value, ".data =", 1, write=False)
+    with torch.no_grad():
+        new = torch.ops.aten.alias.default(value)  # (an instruction: a ref of its own)
+    _TENSOR_DATA.__set__(t, new)  # (the wrapper's shape, stride and dtype)
+    old = (t._md_ref, t._md_stream)
+    state = t.__dict__
+    for name in ("_md_desc", "_md_mesh", "_md_mesh_id", "_md_ref", "_md_stream"):
+        state[name] = new.__dict__[name]
+    state.pop("_md_state", None)  # (an alias: not a value the controller knows)
+    new.__dict__["_md_engine"] = None  # its ref is t's now: its __del__ deletes nothing
+    t._md_engine.dead.append(old)  # engine.delete, as __del__ does
 
 
 def describe(t: torch.Tensor) -> tuple:
