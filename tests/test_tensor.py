@@ -674,6 +674,19 @@ def test_python_values_of_mesh_tensors_need_a_fetch(pm):
                 get()
         with pytest.raises(TypeError, match="output shape is not known"):
             torch.ones(2).nonzero()
+        with pytest.raises(TypeError, match=r"md\.inspect\(t\)\.item\(\):\.3f"):
+            f"{s:.3f}"
+        with pytest.raises(TypeError, match="allclose.*needs the tensor's value"):
+            torch.allclose(s, s)
+        # Torch's versions read a local storage, which a handle has not (two crashed the
+        # controller with a segmentation fault).
+        for local_only in ("share_memory_", "is_shared", "apply_", "pin_memory", "untyped_storage"):
+            args = (float,) if local_only == "apply_" else ()
+            with pytest.raises(TypeError, match=rf"{local_only}\(\) needs the tensor's local"):
+                getattr(s, local_only)(*args)
+        # As for a local tensor: not equal to what is not a tensor or a number.
+        assert (s == None) is False and (s != "a") is True  # noqa: E711
+        assert f"{s}" == repr(s)
         assert md.inspect(s).item() == 2.0
 
 

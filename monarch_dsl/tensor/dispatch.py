@@ -34,7 +34,7 @@ from monarch_dsl.tensor.movement import lift
 
 _FACTORY_DEVICE_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 # Ops that turn a tensor into a Python value (t.item(), bool(t), ...): not on a mesh tensor.
-_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
+_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero", "aten::allclose"}
 
 
 def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:

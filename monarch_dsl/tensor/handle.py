@@ -168,10 +168,42 @@ class Tensor(torch.Tensor):
         return torch.ge(self, other)
 
     def __eq__(self, other):
+        if not isinstance(other, _COMPARABLE):  # (x == None: False, as for a local tensor)
+            return NotImplemented
         return torch.eq(self, other)
 
     def __ne__(self, other):
+        if not isinstance(other, _COMPARABLE):
+            return NotImplemented
         return torch.ne(self, other)
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        raise TypeError(
+            f"formatting a mesh tensor with {spec!r} needs its value, which lives on the "
+            f"workers: fetch it first, e.g. f'{{md.inspect(t).item():{spec}}}'"
+        )
+
+    # Torch's own versions of these read the tensor's local storage, which a handle has not:
+    # some crashed the process (share_memory_, apply_).
+    def share_memory_(self):
+        raise _no_storage("share_memory_()")
+
+    def is_shared(self) -> bool:
+        raise _no_storage("is_shared()")
+
+    def apply_(self, callable):  # noqa: A002 - torch's signature
+        raise _no_storage("apply_()")
+
+    def pin_memory(self, device=None):  # noqa: ARG002 - torch's signature
+        raise _no_storage("pin_memory()")
+
+    def untyped_storage(self):
+        raise _no_storage("untyped_storage()")
+
+    def storage(self):
+        raise _no_storage("storage()")
 
     def __iadd__(self, other):
         return self.add_(other)
@@ -219,6 +251,16 @@ class Tensor(torch.Tensor):
             "an md.Tensor is a handle on values that live on the workers; it cannot be pickled "
             "(use md.fetch / md.inspect to get a local copy)"
         )
+
+
+_COMPARABLE = (torch.Tensor, int, float, bool, complex)
+
+
+def _no_storage(what: str) -> TypeError:
+    return TypeError(
+        f"{what} needs the tensor's local storage, but a mesh tensor's data lives on the "
+        "workers: fetch a local copy first (md.inspect(t) / md.fetch)"
+    )
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # torch's .data (get: a detached view; set: set_data)
