@@ -115,6 +115,29 @@ def test_scalars_of_equal_value_and_other_types_give_their_own_dtypes(pm):
     assert [t.dtype for t in got] == want == held
 
 
+def test_the_workers_follow_the_controllers_default_dtype(pm):
+    """torch.set_default_dtype on the controller: factories and type promotion give its dtype
+    on the workers too, and the handles say so (they said float32 where a cache had seen the
+    op before, and the workers made float32 always)."""
+    steps = [
+        lambda: torch.randn(3),
+        lambda: torch.zeros(2),
+        lambda: torch.arange(4) / 2,
+        lambda: torch.arange(4) * 1.5,
+        lambda: torch.arange(3.0),
+        lambda: nn.Linear(2, 2).weight,
+    ]
+    try:
+        with pm.activate():
+            for default in (torch.float32, torch.float64, torch.float32):
+                torch.set_default_dtype(default)
+                made = [step() for step in steps]
+                assert [t.dtype for t in made] == [default] * len(steps)
+                assert [md.inspect(t, host=1, gpu=1).dtype for t in made] == [default] * len(steps)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_setting_data_makes_the_handle_one_on_the_new_value(pm):
     """``t.data = v`` (how ``model.half()``, ``.to(dtype)`` and ``vector_to_parameters`` change
     a module's tensors): the handle and the workers agree on the new value, its autograd state

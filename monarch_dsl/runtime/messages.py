@@ -89,9 +89,12 @@ class SetupCollectives(NamedTuple):
 
 class RunBatch(NamedTuple):
     """Instructions (``monarch_dsl/isa``) for the tensor engine, as (mesh id, instruction)
-    pairs; a worker runs those of the meshes it belongs to (mesh id -1: every worker)."""
+    pairs; a worker runs those of the meshes it belongs to (mesh id -1: every worker).
+    ``default_dtype``: the controller's torch default dtype they were issued under (a name,
+    ``"float32"``; ``""``: the worker's stays), which factories and type promotion use."""
 
     items: tuple
+    default_dtype: str = ""
 
 
 class FetchFailed(NamedTuple):

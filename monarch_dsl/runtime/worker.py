@@ -72,6 +72,7 @@ class Worker:
         self._outbox_since = 0.0
         self._io_thread = threading.get_ident()
         self._executor = None
+        self._default_dtype = ""  # the torch default dtype the last batch set ("": none yet)
         global current
         current = self
         self.handlers = {
@@ -327,7 +328,15 @@ class Worker:
         return self._executor
 
     def run_batch(self, msg: RunBatch) -> None:
-        self.executor().run(msg.items)
+        executor = self.executor()
+        if msg.default_dtype and msg.default_dtype != self._default_dtype:
+            import torch
+
+            # (process-wide: ops of an earlier batch still running see it too; the
+            # controller sends the batch before the change first)
+            torch.set_default_dtype(getattr(torch, msg.default_dtype))
+            self._default_dtype = msg.default_dtype
+        executor.run(msg.items)
 
     def setup_collectives(self, msg: SetupCollectives) -> None:
         self.executor().use_store(msg.host, msg.port)

@@ -54,6 +54,9 @@ class Engine:
         self.batches_sent = 0
         self.mesh_shapes: dict[int, tuple] = {}  # mesh id -> (dims, sizes)
         self.replay: Replay | None = None  # see start_replay
+        # The torch default dtype the batch is issued under (sent with it: the workers'
+        # factories and type promotion use it); see use_default_dtype.
+        self.default_dtype = torch.get_default_dtype()
 
     @classmethod
     def of(cls, mesh: Any) -> Engine:
@@ -141,7 +144,7 @@ class Engine:
                 items = replay.rewrite(items, self.mesh_shapes)
             self.batches_sent += 1
             try:
-                self.job.post(self.ranks, RunBatch(items))
+                self.job.post(self.ranks, RunBatch(items, isa.dtype_name(self.default_dtype)))
             except SupervisionError:
                 raise  # (a dead worker: its pending calls fail with its death)
             except Exception as e:
@@ -153,6 +156,14 @@ class Engine:
                 )
                 self.job.fail_calls(_fetches(items), lost)
                 raise
+
+    def use_default_dtype(self, dtype: torch.dtype) -> None:
+        """An op is issued under another torch default dtype (``torch.set_default_dtype``)
+        than the batch's: what came before goes under the old one, what follows under
+        ``dtype``."""
+        if self.batch:
+            self.flush()
+        self.default_dtype = dtype
 
     def mesh_id(self, mesh: Mesh) -> int:
         mid = mesh.__dict__.get("_md_mesh_id")

@@ -33,7 +33,7 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
     """The output leaves as meta tensors, non-tensors, or ``Alias(i)`` for "the input
     flat[i]" (in-place ops); and the output pytree spec."""
     try:
-        key = (func, spec, *map(_key_part, meta_flat))
+        key = (func, torch.get_default_dtype(), spec, *map(_key_part, meta_flat))
         hash(key)
     except TypeError:
         key = None
