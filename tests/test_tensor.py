@@ -593,6 +593,22 @@ def test_streams_and_borrows(pm):
         md.Stream("not a name")
 
 
+def test_a_list_an_op_writes_is_checked_tensor_by_tensor(pm):
+    """torch._foreach_add_ writes each tensor of its list: one lent for reading is refused
+    as for add_ (the list, not its tensors, was checked: the write went through)."""
+    comms = md.Stream("comms")
+    with pm.activate():
+        t, u = torch.ones(2), torch.ones(2)
+        lent, borrow = comms.borrow(t)
+        for write in (lambda: t.add_(1), lambda: torch._foreach_add_([u, t], 1.0)):
+            with pytest.raises(TypeError, match="is lent to stream 'comms'.*not written"):
+                write()
+        torch._foreach_add_([u], [t])  # (reading it is fine)
+        borrow.drop()
+        torch._foreach_add_([u, t], 1.0)
+        assert md.inspect(t).tolist() == [2.0, 2.0]
+
+
 def test_grad_generator_yields_each_gradient_in_the_order_given(pm):
     torch.manual_seed(5)
     w1, w2, x = torch.randn(3, 4), torch.randn(4, 2), torch.randn(5, 3)

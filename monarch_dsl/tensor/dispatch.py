@@ -218,8 +218,7 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             f"md.to_mesh(t, mesh)"
         )
     if first is not None:
-        written = {id(args[i]) for i, _ in written_args(func) if i < len(args)}
-        written |= {id(kwargs[n]) for _, n in written_args(func) if n in kwargs}
+        written = {id(x) for x in _written(func, args, kwargs)}
         for i, x in enumerate(flat):
             if isinstance(x, Tensor):
                 check_usable(x, op, i, write=id(x) in written)
@@ -308,9 +307,16 @@ def _known_inputs(func, flat: list) -> list | None:
     return out
 
 
-def _track_known(func, args, kwargs, flat, spec, known, out_leaves, results) -> None:
+def _written(func, args: tuple, kwargs: dict) -> list:
+    """The arguments ``func`` writes: in-place and out= tensors, each tensor of a written
+    list (``torch._foreach_add_``)."""
     written = [args[i] for i, _ in written_args(func) if i < len(args)]
     written += [kwargs[n] for _, n in written_args(func) if n in kwargs]
+    return [t for w in written for t in (w if isinstance(w, (list, tuple)) else (w,))]
+
+
+def _track_known(func, args, kwargs, flat, spec, known, out_leaves, results) -> None:
+    written = _written(func, args, kwargs)
     is_view = not written and any(r.alias_info is not None for r in func._schema.returns)
     if known is None or is_view:
         for x in flat:  # written by what the controller does not compute, or viewed
