@@ -6,6 +6,7 @@ import gc
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import monarch_dsl as md
 from monarch_dsl.runtime import worker
@@ -74,22 +75,25 @@ def test_torch_tensor_data_and_in_place_ops(pm):
         lambda t: t.resize_(6),
         lambda t: t.transpose_(0, 1),
         lambda t: t.as_strided_((3, 2), (1, 3)),
-        lambda t: torch.cat([t, t], out=t),
+        lambda t: t.squeeze_(0).resize_(2, 3).mul_(2),  # (a size-2 dim is not squeezed)
+        lambda t: torch.cat([t, t], out=t.new_empty(0)),
+        lambda t: F.adaptive_avg_pool2d(  # (ATen's as_strided_ of its result)
+            t.reshape(1, 3, 2, 1).contiguous(memory_format=torch.channels_last), 1
+        ),
     ],
-    ids=["unsqueeze_", "t_", "resize_", "transpose_", "as_strided_", "cat-out"],
+    ids=["unsqueeze_", "t_", "resize_", "transpose_", "as_strided_", "same", "out", "pool"],
 )
-def test_an_op_that_reshapes_a_mesh_tensor_in_place_is_refused_before_it_is_sent(pm, reshape):
-    """The handle keeps the shape it was made with: such an op would leave it describing a
-    tensor the workers no longer have (it used to: x.unsqueeze_(0) gave shape (2, 3) here and
-    (1, 2, 3) on the workers). Ops that keep the shape still run in place."""
+def test_an_op_that_changes_a_shape_in_place_is_followed_by_the_handle(pm, reshape):
+    """unsqueeze_, resize_, out= of another shape, and ATen's own as_strided_ (adaptive
+    pooling of a channels-last input) change a tensor's shape or strides in place: the
+    handle follows what the workers did. (It kept its old shape: x.unsqueeze_(0) gave shape
+    (2, 3) here and (1, 2, 3) on the workers.)"""
+    want = reshape(torch.arange(6.0).reshape(2, 3).clone())
     with pm.activate():
-        t = torch.arange(6.0).reshape(2, 3)
-        with pytest.raises(TypeError, match=r"changes the shape or layout of a mesh tensor"):
-            reshape(t)
-        assert t.shape == (2, 3)
-        t.squeeze_(0).resize_(2, 3).add_(1)  # (a size-2 dim is not squeezed; same shape)
-        torch.mul(t, 2, out=t)
-        assert md.inspect(t).tolist() == [[2.0, 4.0, 6.0], [8.0, 10.0, 12.0]]
+        got = reshape(torch.arange(6.0).reshape(2, 3))
+        assert (got.shape, got.stride()) == (want.shape, want.stride())
+        assert torch.equal(md.inspect(got, host=1, gpu=0), want)
+        assert torch.equal(md.inspect(got + 1), want + 1)  # (an op of the handle's shape)
 
 
 def test_scalars_of_equal_value_and_other_types_give_their_own_dtypes(pm):

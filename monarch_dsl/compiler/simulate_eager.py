@@ -803,6 +803,7 @@ class EagerSimulator:
         # are on their inputs' storage); ranks holding the same values share one run.
         ran: dict[tuple[int, ...], list[Any]] = {}
         if ins.plan in self.replays:
+            used: set[int] = set()  # values an earlier run took (a tensor every rank holds)
             for r in where.values():
                 values = [self.refs[r].get(ref) for ref in ins.inputs]
                 at = tuple(map(id, values))
@@ -812,9 +813,15 @@ class EagerSimulator:
                     if None in values:
                         missing = ins.inputs[values.index(None)]
                         raise RuntimeError(f"%{missing} is not on rank {r}")
-                    # (an op cannot change a shape in place: dispatch refuses it, so ranks
-                    # sharing a tensor every rank holds may each run on it)
-                    ran[at] = program_values(program, [*values, *ins.values])
+                    # (another run's in-place change of a shape must not apply twice)
+                    mine = [
+                        torch.ops.aten.alias(v)
+                        if isinstance(v, torch.Tensor) and id(v) in used
+                        else v
+                        for v in values
+                    ]
+                    used.update(at)
+                    ran[at] = program_values(program, [*mine, *ins.values])
                 except Exception as err:  # noqa: BLE001 - the program's op failed: its values
                     # fail on every rank (the plans' rule), the mesh goes on
                     failure = self._root_failure(r, ins.loc, "a replayed step", err)

@@ -25,6 +25,7 @@ from monarch_dsl.tensor.handle import (
     KNOWN_MAX_NUMEL,
     META_CACHE_MAX,
     Tensor,
+    follow,
     forget_known,
     known_value,
     maker,
@@ -255,6 +256,8 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     for leaf in out_leaves:
         if isinstance(leaf, Alias):  # an in-place op returning its input
             same = flat[leaf.index]
+            if leaf.desc is not None:  # (its shape or layout changed: the handle follows)
+                follow(same, leaf.desc)
             outs.append(same._md_ref)
             results.append(same)
             continue
@@ -275,6 +278,8 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     if fast_key is not None and out_spec.is_leaf() and len(_fast_cache) < META_CACHE_MAX:
         leaf = out_leaves[0]
         if isinstance(leaf, Alias):
+            if leaf.desc is not None:  # (the fast path would not change the handle)
+                return pytree.tree_unflatten(results, out_spec)
             same = flat[leaf.index]
             _fast_cache[fast_key] = (op, next(j for j, a in enumerate(args) if a is same))
         elif isinstance(leaf, torch.Tensor):

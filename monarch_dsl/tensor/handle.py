@@ -297,6 +297,15 @@ def _set_data(t: Tensor, value: Any) -> None:
     t._md_engine.dead.append(old)  # engine.delete, as __del__ does
 
 
+def follow(t: Tensor, desc: tuple) -> None:
+    """An op changed ``t``'s shape or layout in place on the workers (``x.unsqueeze_(0)``,
+    ``x.t_()``, ``x.resize_(n)``, ``out=`` of another shape, ATen's own ``as_strided_``):
+    the handle takes the new ``desc`` (shape, stride, dtype, storage offset) too."""
+    with torch._C._DisableTorchDispatch():  # (in dispatch, set_data would come back to it)
+        _TENSOR_DATA.__set__(t, maker(("T", *desc), t._md_engine.device)[1]())
+    t.__dict__["_md_desc"] = ("T", *desc)
+
+
 def describe(t: torch.Tensor) -> tuple:
     """(shape, stride, dtype, storage offset) of ``t``: a handle's ``_md_desc`` after "T"."""
     return (tuple(t.shape), t.stride(), t.dtype, t.storage_offset())

@@ -60,10 +60,10 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
         if isinstance(leaf, torch.Tensor):
             i = position.get(id(leaf))
             if i is not None:
-                if describe(leaf) != before[id(leaf)]:
-                    raise _reshaped_in_place(op, i, before[id(leaf)], describe(leaf))
-                leaves.append(Alias(i))
-                cached.append(Alias(i))
+                after = describe(leaf)  # (unsqueeze_, t_, resize_, out= resized: another)
+                alias = Alias(i, after if after != before[id(leaf)] else None)
+                leaves.append(alias)
+                cached.append(alias)
                 continue
             cached.append(describe(leaf))
         else:
@@ -75,23 +75,12 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
 
 
 class Alias:
-    """An output that is input ``index`` (of the flattened arguments) itself."""
+    """An output that is input ``index`` (of the flattened arguments) itself; ``desc``: its
+    (shape, stride, dtype, storage offset) after the op, where the op changed them in place
+    (``x.unsqueeze_(0)``, ``x.resize_(n)``, ``out=`` of another shape), else None."""
 
-    __slots__ = ("index",)
+    __slots__ = ("index", "desc")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, desc: tuple | None = None):
         self.index = index
-
-
-def _reshaped_in_place(op: str, index: int, before: tuple, after: tuple) -> TypeError:
-    """The error for an op that changes a mesh tensor's shape or layout in place
-    (``x.unsqueeze_(0)``, ``x.resize_(n)``, ``out=`` of another shape): the controller's handle
-    keeps the shape it was made with, so the op would leave it describing a tensor the workers
-    no longer have."""
-    return TypeError(
-        f"{op} changes the shape or layout of a mesh tensor in place (argument #{index}: shape "
-        f"{tuple(before[0])}, stride {tuple(before[1])} -> shape {tuple(after[0])}, stride "
-        f"{tuple(after[1])}), which an md.Tensor handle cannot follow: use the op that returns "
-        "a new tensor (x = x.unsqueeze(0) for x.unsqueeze_(0); for out=, an out tensor of the "
-        "result's shape)"
-    )
+        self.desc = desc
