@@ -613,6 +613,19 @@ def test_a_list_an_op_writes_is_checked_tensor_by_tensor(pm):
         assert md.inspect(t).tolist() == [2.0, 2.0]
 
 
+def test_an_op_that_writes_a_list_bumps_each_tensors_version(pm):
+    """As torch does for a local tensor: autograd refuses a backward pass that needs a value
+    a foreach op changed (it ran on the changed value, and gave another gradient)."""
+    with pm.activate():
+        a = torch.ones(3, requires_grad=True)
+        for _ in range(2):  # (the second time, on the fast path)
+            e = a.exp()
+            torch._foreach_add_([e], 1.0)
+            assert e._version == 1
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                e.sum().backward()
+
+
 def test_grad_generator_yields_each_gradient_in_the_order_given(pm):
     torch.manual_seed(5)
     w1, w2, x = torch.randn(3, 4), torch.randn(4, 2), torch.randn(5, 3)

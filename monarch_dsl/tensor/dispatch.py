@@ -117,9 +117,12 @@ def _emit(
     The user's line is looked for from ``depth`` frames up (the frames below are ours)."""
     op, out = hit
     engine = first._md_engine  # mesh's engine
-    if out is None:  # the op returns nothing (it writes its arguments)
-        result = None
+    if out is None or type(out) is _WrittenLists:  # the op returns nothing (it writes its
+        result = None  # arguments)
         outs: tuple = ()
+        if out:
+            for i in out:
+                _increment_version(args[i])
     elif type(out) is int:  # the op returns its input #out (in place)
         result = args[out]
         outs = (result._md_ref,)
@@ -147,6 +150,16 @@ def _emit(
 
 
 _tuple_new = tuple.__new__  # a named tuple without the Python-level __new__ of its class
+
+
+class _WrittenLists(tuple):
+    """The positions of the lists of tensors an op writes (``torch._foreach_add_``): their
+    autograd version counters are bumped here. Torch bumps a single tensor's that an op writes
+    in place (autograd then refuses a backward pass that needs its old value), not those of a
+    list's tensors on a tensor subclass: a backward pass ran on the changed values instead."""
+
+
+_increment_version = torch._C._increment_version
 _default_dtype = torch.get_default_dtype
 
 
@@ -271,6 +284,11 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     engine.append(
         mid, isa.CallOp(op, worker_args, worker_kwargs, tuple(outs), current_stream(), user_line())
     )
+    lists = _WrittenLists(
+        i for i, _ in written_args(func) if i < len(args) and isinstance(args[i], (list, tuple))
+    )
+    for i in lists:
+        _increment_version(args[i])
     if first is not None:
         _track_known(func, args, kwargs, flat, spec, known, out_leaves, results)
         if known is not None:
@@ -286,7 +304,7 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             desc = results[0]._md_desc
             _fast_cache[fast_key] = (op, (desc, *maker(desc, engine.device)))
         elif leaf is None and not outs:
-            _fast_cache[fast_key] = (op, None)
+            _fast_cache[fast_key] = (op, lists or None)
     return pytree.tree_unflatten(results, out_spec)
 
 
