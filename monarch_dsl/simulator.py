@@ -204,7 +204,7 @@ class SimJob:
                     self.runs.pop(id(ins), None) or self.issued.pop(id(ins), None)
                     for _, ins in msg.items
                 ]
-                self.queue.append((ranks, msg.items, issued))
+                self.queue.append((ranks, msg.items, issued, msg.default_dtype))
                 self.queued += len(msg.items)
                 if self.queued >= QUEUED_MAX or self.pending:  # (a call awaits its reply)
                     self.drain()
@@ -216,9 +216,15 @@ class SimJob:
         # (from the user's thread under pm.activate(): the values made here are local)
         with own_work(), self.lock, _disable_current_modes():
             while self.queue:
-                ranks, items, issued = self.queue.popleft()
+                ranks, items, issued, default_dtype = self.queue.popleft()
                 self.queued -= len(items)
+                mine = torch.get_default_dtype()
                 try:
+                    # (the default dtype the batch was issued under, as workers take it;
+                    # the program's may have changed since. Process-wide: an op issued on
+                    # another thread meanwhile sees it, where the two differ)
+                    if default_dtype:
+                        torch.set_default_dtype(getattr(torch, default_dtype))
                     self.sim.run(ranks, items, issued)
                 except Exception as e:
                     # The simulator's own failure (a program the workers would run that it
@@ -229,6 +235,8 @@ class SimJob:
                     self.queued = 0
                     self._break(e)
                     raise SupervisionError(self.broken) from e
+                finally:
+                    torch.set_default_dtype(mine)
 
     def replayed(self, run: Any, body: list[Any]) -> None:
         """``run`` (a replay's ``RunPlan``, about to be posted) stands for the instructions

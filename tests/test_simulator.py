@@ -1288,3 +1288,20 @@ def test_an_in_place_change_of_shape_in_a_replayed_step_applies_once():
             return tuple(md.inspect(w).shape)
 
     assert shape(True) == shape(False) == (1, 1, 1, 1, 1, 4)
+
+
+def test_the_simulated_workers_take_the_default_dtype_a_batch_was_issued_under():
+    """As workers do (RunBatch.default_dtype): a batch made under float64 is simulated under
+    it, though the program set float32 again before the simulator ran it."""
+    sim = md.Simulator(gpus=2)
+    try:
+        with sim.mesh.activate():
+            torch.set_default_dtype(torch.float64)
+            a = torch.randn(3)
+            torch.set_default_dtype(torch.float32)
+            b = torch.arange(4) / 2
+            assert (a.dtype, b.dtype) == (torch.float64, torch.float32)
+            assert (md.inspect(a).dtype, md.inspect(b).dtype) == (torch.float64, torch.float32)
+            assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
