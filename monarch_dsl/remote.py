@@ -77,7 +77,10 @@ class RemoteFunction:
         line = user_line()
         worker_flat = [isa.Ref(x._md_ref) if isinstance(x, Tensor) else x for x in flat]
         wargs, wkwargs = pytree.tree_unflatten(worker_flat, spec)
-        key = tuple((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat)
+        key = (
+            torch.get_default_dtype(),  # (the learnt outputs' dtypes may follow it)
+            *((x._md_desc if isinstance(x, Tensor) else repr(x)) for x in flat),
+        )
         shapes_to = shapes_rank = -1
         future = None
         if self.propagate is not None:

@@ -3,6 +3,7 @@
 import copy
 import gc
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -96,6 +97,23 @@ def test_an_op_that_changes_a_shape_in_place_is_followed_by_the_handle(pm, resha
         assert torch.equal(md.inspect(got + 1), want + 1)  # (an op of the handle's shape)
 
 
+def test_a_shape_changed_through_a_mutable_borrow_is_the_origins_too(pm):
+    """On the workers the lent tensor is the origin's: a change of its shape made on the
+    borrowing stream is the origin's after the drop, here as there. Its .data cannot be set
+    (the lent ref is the borrow's)."""
+    comms = md.Stream("comms")
+    with pm.activate():
+        origin = torch.zeros(3)
+        lent, borrow = comms.borrow(origin, mutable=True)
+        with comms.activate():
+            lent.unsqueeze_(0).add_(1)
+            with pytest.raises(TypeError, match="lent to another stream"):
+                lent.data = torch.ones(2)
+        borrow.drop()
+        assert origin.shape == (1, 3)
+        assert md.inspect(origin).tolist() == [[1.0, 1.0, 1.0]]
+
+
 def test_scalars_of_equal_value_and_other_types_give_their_own_dtypes(pm):
     """3, 3.0 and True are equal (and hash alike): the controller's caches of output shapes
     took one for the other, and a handle said int64 where the workers held float32."""
@@ -138,6 +156,15 @@ def test_the_workers_follow_the_controllers_default_dtype(pm):
                 made = [step() for step in steps]
                 assert [t.dtype for t in made] == [default] * len(steps)
                 assert [md.inspect(t, host=1, gpu=1).dtype for t in made] == [default] * len(steps)
+            # Changed while the workers still run what came before: that runs under the old.
+            x = torch.ones(256, 256)
+            for _ in range(20):
+                x = x @ x / 256
+            made = []
+            for default in (torch.float64, torch.float32, torch.float64):
+                torch.set_default_dtype(default)
+                made += [(default, step()) for step in steps]
+            assert [md.inspect(t).dtype for _, t in made] == [d for d, _ in made]
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -742,6 +769,7 @@ def test_python_values_of_mesh_tensors_need_a_fetch(pm):
                 getattr(s, local_only)(*args)
         # As for a local tensor: not equal to what is not a tensor or a number.
         assert (s == None) is False and (s != "a") is True  # noqa: E711
+        assert md.inspect(s == np.float32(2.0)).item() is True  # (numpy scalars compare)
         assert f"{s}" == repr(s)
         assert md.inspect(s).item() == 2.0
 

@@ -49,8 +49,8 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
     pointwise = info[1]  # the output's shape cannot depend on a scalar's value
     stream = current_stream() if _active.streams_used else "main"
     mesh = first = None
-    dtype = _default_dtype()  # (output dtypes depend on it: factories, type promotion)
-    key: Any = [id(func), dtype]
+    # (output dtypes depend on the default dtype: factories, type promotion)
+    key: Any = [id(func), _default_dtype()]
     wargs = []
     for a in args:
         kind = type(a)
@@ -97,8 +97,6 @@ def _dispatch(func, args: tuple, kwargs: dict, active: Any) -> Any:
         key = hit = None
     if hit is None:
         return _dispatch_general(func, args, kwargs, active, fast_key=key)
-    if dtype is not first._md_engine.default_dtype:
-        first._md_engine.use_default_dtype(dtype)
     return _emit(hit, args, first, mesh, tuple(wargs), kwargs, stream, 3)
 
 
@@ -262,8 +260,6 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             f"md.inspect(t).item() (or md.inspect(t, **coords) for another rank)"
         )
     out_leaves, out_spec = output_meta(func, op, flat, meta_flat, spec, first is None)
-    if engine.default_dtype is not _default_dtype():
-        engine.use_default_dtype(_default_dtype())
     outs: list[int | None] = []
     results = []
     for leaf in out_leaves:

@@ -27,6 +27,7 @@ BATCH_MAX = 1000  # instructions; more are sent at once
 EXTENSION = "tensor"  # the engine's name in its job's extensions
 
 _AFTER_DELETES = (isa.Fetch, isa.RunPlan)
+_default_dtype = torch.get_default_dtype
 
 
 def _fetches(items: tuple) -> list[int]:
@@ -55,8 +56,9 @@ class Engine:
         self.mesh_shapes: dict[int, tuple] = {}  # mesh id -> (dims, sizes)
         self.replay: Replay | None = None  # see start_replay
         # The torch default dtype the batch is issued under (sent with it: the workers'
-        # factories and type promotion use it); see use_default_dtype.
+        # factories and type promotion use it); see _switch_default_dtype.
         self.default_dtype = torch.get_default_dtype()
+        self._switching = False
 
     @classmethod
     def of(cls, mesh: Any) -> Engine:
@@ -78,6 +80,8 @@ class Engine:
     def append(self, mesh: int, ins: Any) -> None:
         # No lock for an op: list.append is atomic, and flush takes the items it found from
         # the front of the same list, so one appended meanwhile stays for the next batch.
+        if _default_dtype() is not self.default_dtype and not self._switching:
+            self._switch_default_dtype()
         batch = self.batch
         # A fetch or barrier comes after the deletes of tensors that died before it; so does a
         # plan run (its caller holds every tensor it uses), so that the state a step replaced
@@ -119,6 +123,7 @@ class Engine:
                     return
                 items = tuple(batch)
                 del batch[: len(items)]
+                default_dtype = isa.dtype_name(self.default_dtype)
             if self.job.stopped or self.job.stopping:
                 return
             if self.job.dead:
@@ -141,10 +146,10 @@ class Engine:
                 return
             replay = self.replay  # (read once: a finalizer may stop it meanwhile)
             if replay is not None:
-                items = replay.rewrite(items, self.mesh_shapes)
+                items = replay.rewrite(items, self.mesh_shapes, default_dtype)
             self.batches_sent += 1
             try:
-                self.job.post(self.ranks, RunBatch(items, isa.dtype_name(self.default_dtype)))
+                self.job.post(self.ranks, RunBatch(items, default_dtype))
             except SupervisionError:
                 raise  # (a dead worker: its pending calls fail with its death)
             except Exception as e:
@@ -157,13 +162,18 @@ class Engine:
                 self.job.fail_calls(_fetches(items), lost)
                 raise
 
-    def use_default_dtype(self, dtype: torch.dtype) -> None:
-        """An op is issued under another torch default dtype (``torch.set_default_dtype``)
-        than the batch's: what came before goes under the old one, what follows under
-        ``dtype``."""
-        if self.batch:
-            self.flush()
-        self.default_dtype = dtype
+    def _switch_default_dtype(self) -> None:
+        """An instruction is issued under another torch default dtype
+        (``torch.set_default_dtype``) than the ones before it: those are sent and run first
+        (a worker's default dtype is its process's, and its streams may still be running what
+        it got before), and what follows goes under the new one."""
+        self._switching = True  # (sync appends a barrier)
+        try:
+            self.sync()
+        finally:
+            self._switching = False
+        with self.lock:
+            self.default_dtype = _default_dtype()
 
     def mesh_id(self, mesh: Mesh) -> int:
         mid = mesh.__dict__.get("_md_mesh_id")

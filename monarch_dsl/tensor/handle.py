@@ -168,12 +168,12 @@ class Tensor(torch.Tensor):
         return torch.ge(self, other)
 
     def __eq__(self, other):
-        if not isinstance(other, _COMPARABLE):  # (x == None: False, as for a local tensor)
+        if other is None or isinstance(other, str):  # (False, as for a local tensor)
             return NotImplemented
         return torch.eq(self, other)
 
     def __ne__(self, other):
-        if not isinstance(other, _COMPARABLE):
+        if other is None or isinstance(other, str):
             return NotImplemented
         return torch.ne(self, other)
 
@@ -253,9 +253,6 @@ class Tensor(torch.Tensor):
         )
 
 
-_COMPARABLE = (torch.Tensor, int, float, bool, complex)
-
-
 def _no_storage(what: str) -> TypeError:
     return TypeError(
         f"{what} needs the tensor's local storage, but a mesh tensor's data lives on the "
@@ -285,6 +282,11 @@ def _set_data(t: Tensor, value: Any) -> None:
         )
     check_usable(t, ".data =", 0, write=True)
     check_usable(value, ".data =", 1, write=False)
+    if t._md_state is not None and t._md_state[0] == "lent":  # (its ref is the borrow's)
+        raise TypeError(
+            ".data = on a tensor lent to another stream: drop the borrow first, and set the "
+            "data of the tensor it lends"
+        )
     with torch.no_grad():
         new = torch.ops.aten.alias.default(value)  # (an instruction: a ref of its own)
     _TENSOR_DATA.__set__(t, new)  # (the wrapper's shape, stride and dtype)
@@ -301,9 +303,14 @@ def follow(t: Tensor, desc: tuple) -> None:
     """An op changed ``t``'s shape or layout in place on the workers (``x.unsqueeze_(0)``,
     ``x.t_()``, ``x.resize_(n)``, ``out=`` of another shape, ATen's own ``as_strided_``):
     the handle takes the new ``desc`` (shape, stride, dtype, storage offset) too."""
-    with torch._C._DisableTorchDispatch():  # (in dispatch, set_data would come back to it)
+    # (in dispatch, set_data would come back to it; under inference_mode the wrapper, whose
+    # dispatch keys set_data copies, would be an inference tensor)
+    with torch._C._DisableTorchDispatch(), torch.inference_mode(False):
         _TENSOR_DATA.__set__(t, maker(("T", *desc), t._md_engine.device)[1]())
     t.__dict__["_md_desc"] = ("T", *desc)
+    state = t._md_state
+    if state is not None and state[0] == "lent":  # the workers' value is the origin's too
+        follow(state[1].origin, desc)
 
 
 def describe(t: torch.Tensor) -> tuple:

@@ -557,22 +557,25 @@ class Replay:
         # the controller issued them all the same, and is charged for them).
         self.on_run: Callable[[isa.RunPlan, list[Any]], None] | None = None
 
-    def rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
+    def rewrite(
+        self, items: tuple, mesh_shapes: dict[int, tuple], default_dtype: str = "float32"
+    ) -> tuple:
         """What to send for the batch ``items``: a plan run (with its definition, the second
-        time), or ``items`` as they are."""
+        time), or ``items`` as they are. ``default_dtype``: the torch default dtype it was
+        issued under (a plan's ops keep buffers of the dtypes they saw)."""
         if not self.active or self.signature is None:  # (None: a step not to replay)
             return items
         try:
-            return self._rewrite(items, mesh_shapes)
+            return self._rewrite(items, mesh_shapes, default_dtype)
         except Exception:  # noqa: BLE001 - an internal error: the batch goes as it is
             self.active = False
             log.exception("monarch_dsl: eager replay stopped by an internal error")
             return items
 
-    def _rewrite(self, items: tuple, mesh_shapes: dict[int, tuple]) -> tuple:
+    def _rewrite(self, items: tuple, mesh_shapes: dict[int, tuple], default_dtype: str) -> tuple:
         self.batches += 1
         try:
-            seg = _Segment(items, mesh_shapes, self.signature)
+            seg = _Segment(items, mesh_shapes, (self.signature, default_dtype))
             plan = self.plans.get(seg.key)
             out: list[tuple[int, Any]] = list(seg.head)
             if plan is None and seg.key in self.refused:
