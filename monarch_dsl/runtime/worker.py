@@ -332,8 +332,7 @@ class Worker:
         if msg.default_dtype and msg.default_dtype != self._default_dtype:
             import torch
 
-            # (process-wide: ops of an earlier batch still running see it too; the
-            # controller sends the batch before the change first)
+            # (process-wide: the controller has waited until what came before it ran)
             torch.set_default_dtype(getattr(torch, msg.default_dtype))
             self._default_dtype = msg.default_dtype
         executor.run(msg.items)
