@@ -221,7 +221,8 @@ class MeshFunction:
             skey = self._state_key
         optimizers = self._objects[1]
         settings = _settings_key(self._submodules, optimizers, self._lifted)
-        sig = _signature(args, kwargs)
+        # (the default dtype: what the step's factories and type promotion give)
+        sig = (_signature(args, kwargs), torch.get_default_dtype())
         hit = self.cache.get((spec, sig, skey, settings))
         if hit is not None:
             return hit

@@ -319,6 +319,26 @@ def test_compile_takes_a_mesh_or_its_sizes_and_refuses_anything_else():
     assert str(step.compile(*args)) == str(by_sizes)  # the decorator's mesh, as sizes too
 
 
+def test_a_step_is_compiled_again_under_another_default_dtype():
+    """What its factories and type promotion give follows torch's default dtype, as the
+    eager ops' do: the plan of a step traced under float32 is not the one run under float64."""
+
+    @md.mesh_fn(data_parallel="dp")
+    def step(x):
+        return x.sum() + torch.arange(3).sum() / 2  # (int / int: the default dtype)
+
+    x = torch.ones(4, 2)
+    plans = {}
+    try:
+        for default in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(default)
+            plans[default] = str(step.compile(x, mesh={"dp": 2}))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert step.compiles == 2
+    assert "f64[" in plans[torch.float64] and "f64[" not in plans[torch.float32]
+
+
 def test_plan_summary_is_a_table_of_the_communications():
     model, opt, _ = _mlp()()
     step = md.mesh_fn(data_parallel="dp", placements=MEGATRON_MLP)(mse_step(model, opt))
