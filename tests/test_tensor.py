@@ -790,18 +790,22 @@ def test_a_batch_that_cannot_be_sent_fails_its_fetches_instead_of_hanging(pm, mo
             raise TypeError("made-up encoding failure")
         return real(msg)
 
+    from monarch_dsl import isa
+    from monarch_dsl.tensor import Engine
+
     with pm.activate():
         x = torch.ones(3) * 2
         md.inspect(x)
+        engine = Engine.of(pm)
         monkeypatch.setattr(controller, "_encode_call", broken)
+        # (no timed flush: the flusher thread could send the batch first, on a busy machine)
+        monkeypatch.setattr(engine, "_hold", lambda lazy: None)
         with pytest.raises(TypeError, match="made-up encoding failure"):
             md.inspect(x + 1)  # (flushed by the caller: raised there)
+        monkeypatch.undo()
+        monkeypatch.setattr(controller, "_encode_call", broken)
         # flushed by the flusher thread (a fetch as md.fetch issues it, less its own flush):
         # the fetch's future fails with the cause
-        from monarch_dsl import isa
-        from monarch_dsl.tensor import Engine
-
-        engine = Engine.of(pm)
         y = x + 3
         call_id, fut = engine.job.expect((pm.ranks[0],), lambda values: values[0])
         engine.append(engine.mesh_id(pm), isa.Fetch(call_id, y._md_ref, "main", "test"))
