@@ -757,6 +757,10 @@ def test_python_values_of_mesh_tensors_need_a_fetch(pm):
                 get()
         with pytest.raises(TypeError, match="output shape is not known"):
             torch.ones(2).nonzero()
+        with pytest.raises(TypeError, match="output shape is not known"):  # (torch: RuntimeError)
+            torch.ones(3).repeat_interleave(torch.tensor([1, 2, 3]))
+        with pytest.raises(RuntimeError, match="broadcast"):  # (the user's own error, as it is)
+            torch.ones(3) + torch.ones(4)
         with pytest.raises(TypeError, match=r"md\.inspect\(t\)\.item\(\):\.3f"):
             f"{s:.3f}"
         with pytest.raises(TypeError, match="allclose.*needs the tensor's value"):

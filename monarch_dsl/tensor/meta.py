@@ -47,7 +47,12 @@ def output_meta(func, op: str, flat: list, meta_flat: list, spec: Any, factory: 
         meta_kwargs["device"] = torch.device("meta")
     try:
         meta_out = func(*meta_args, **meta_kwargs)
-    except NotImplementedError as e:
+    except (NotImplementedError, RuntimeError) as e:
+        # (torch says so with either: "cannot repeat_interleave a meta tensor without
+        # output_size", "Tensor.item() cannot be called on meta tensors"; another
+        # RuntimeError is the user's, a shape mismatch: raised as it is)
+        if not isinstance(e, NotImplementedError) and "meta tensor" not in str(e):
+            raise  # (NotImplementedError is a RuntimeError too)
         raise TypeError(
             f"{op} cannot run on mesh tensors eagerly: its output shape is not known without "
             f"the data ({e})"
