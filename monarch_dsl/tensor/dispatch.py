@@ -230,10 +230,11 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
             f"md.to_mesh(t, mesh)"
         )
     if first is not None:
-        written = {id(x) for x in _written(func, args, kwargs)}
+        written = _written(func, args, kwargs)
+        written_ids = {id(x) for x in written}
         for i, x in enumerate(flat):
             if isinstance(x, Tensor):
-                check_usable(x, op, i, write=id(x) in written)
+                check_usable(x, op, i, write=id(x) in written_ids)
     engine = Engine.of(mesh)
     meta_flat = []
     worker_flat = []
@@ -286,7 +287,7 @@ def _dispatch_general(func, args: tuple, kwargs: dict, active: Any, fast_key=Non
     for i in lists:
         _increment_version(args[i])
     if first is not None:
-        _track_known(func, args, kwargs, flat, spec, known, out_leaves, results)
+        _track_known(func, written, flat, spec, known, out_leaves, results)
         if known is not None:
             fast_key = None  # the fast path would skip the tracking
     if fast_key is not None and out_spec.is_leaf() and len(_fast_cache) < META_CACHE_MAX:
@@ -334,8 +335,8 @@ def _written(func, args: tuple, kwargs: dict) -> list:
     return [t for w in written for t in (w if isinstance(w, (list, tuple)) else (w,))]
 
 
-def _track_known(func, args, kwargs, flat, spec, known, out_leaves, results) -> None:
-    written = _written(func, args, kwargs)
+def _track_known(func, written, flat, spec, known, out_leaves, results) -> None:
+    """``written``: the tensors ``func`` writes (``_written``)."""
     is_view = not written and any(r.alias_info is not None for r in func._schema.returns)
     if known is None or is_view:
         for x in flat:  # written by what the controller does not compute, or viewed

@@ -140,9 +140,10 @@ class Engine:
                 if fetches:
                     self.job.fail_calls(fetches, self.job.death(dead[0]))
                 if untold:
+                    death = self.job.death(untold[0])
                     if not controller.is_quiet():
-                        self.job.told.add(untold[0])
-                    raise self.job.death(untold[0])
+                        self.job.raised(death)  # (told: it reaches the program)
+                    raise death
                 return
             replay = self.replay  # (read once: a finalizer may stop it meanwhile)
             if replay is not None:

@@ -289,10 +289,10 @@ def _set_data(t: Tensor, value: Any) -> None:
         )
     with torch.no_grad():
         new = torch.ops.aten.alias.default(value)  # (an instruction: a ref of its own)
-    _TENSOR_DATA.__set__(t, new)  # (the wrapper's shape, stride and dtype)
+    follow(t, new._md_desc[1:])  # (the wrapper's shape, stride and dtype)
     old = (t._md_ref, t._md_stream)
     state = t.__dict__
-    for name in ("_md_desc", "_md_mesh", "_md_mesh_id", "_md_ref", "_md_stream"):
+    for name in ("_md_mesh", "_md_mesh_id", "_md_ref", "_md_stream"):
         state[name] = new.__dict__[name]
     state.pop("_md_state", None)  # (an alias: not a value the controller knows)
     new.__dict__["_md_engine"] = None  # its ref is t's now: its __del__ deletes nothing
@@ -301,8 +301,9 @@ def _set_data(t: Tensor, value: Any) -> None:
 
 def follow(t: Tensor, desc: tuple) -> None:
     """An op changed ``t``'s shape or layout in place on the workers (``x.unsqueeze_(0)``,
-    ``x.t_()``, ``x.resize_(n)``, ``out=`` of another shape, ATen's own ``as_strided_``):
-    the handle takes the new ``desc`` (shape, stride, dtype, storage offset) too."""
+    ``x.t_()``, ``x.resize_(n)``, ``out=`` of another shape, ATen's own ``as_strided_``), or
+    ``t.data = v`` made it another value's: the handle takes the new ``desc`` (shape, stride,
+    dtype, storage offset) too."""
     # (in dispatch, set_data would come back to it; under inference_mode the wrapper, whose
     # dispatch keys set_data copies, would be an inference tensor)
     with torch._C._DisableTorchDispatch(), torch.inference_mode(False):
