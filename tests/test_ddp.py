@@ -48,6 +48,15 @@ def _train_local(model, opt, batches, micro=1):
         opt.step()
 
 
+def _train_ddp(ddp, opt, batches):
+    """``_train_local``'s loop on the DDP wrapper, each batch split over dp."""
+    for x, y in batches:
+        opt.zero_grad()
+        xb, yb = md.distribute((x, y), {"dp": md.Shard(0)})
+        F.mse_loss(ddp(xb), yb).backward()
+        opt.step()
+
+
 def _assert_same(mesh_module, local, pm, atol=1e-5):
     for (name, p), q in zip(mesh_module.named_parameters(), local.parameters(), strict=True):
         for r in range(pm.size("dp")):
@@ -230,8 +239,16 @@ class _WithBuffer(nn.Module):
         return self.lin(x) + self.count
 
 
-@pytest.mark.parametrize("broadcast_buffers", [True, False])
-def test_buffers_are_broadcast_from_the_first_rank(dp2, broadcast_buffers):
+@pytest.mark.parametrize(
+    "keyword, at_start, in_forward",
+    [
+        ({}, True, True),  # torch's default: forward_sync_buffers=None, i.e. True
+        ({"broadcast_buffers": True}, True, True),
+        ({"broadcast_buffers": False}, False, False),  # torch 2.13: not at construction either
+        ({"forward_sync_buffers": False}, True, False),  # ... where this one still is
+    ],
+)
+def test_buffers_are_broadcast_from_the_first_rank(dp2, keyword, at_start, in_forward):
     x = torch.randn(4, 8)
     with dp2.activate():
         torch.manual_seed(0)
@@ -239,17 +256,107 @@ def test_buffers_are_broadcast_from_the_first_rank(dp2, broadcast_buffers):
         with torch.no_grad():  # different buffers (and parameters) on the two ranks
             model.count.add_(dp2.rank("dp") * 10.0)
             model.lin.weight.add_(dp2.rank("dp"))
-        ddp = md.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
-        # construction: parameters and buffers from dp=0
+        ddp = md.DistributedDataParallel(model, **keyword)
+        # construction: parameters (always) and buffers from dp=0
         torch.testing.assert_close(
             md.inspect(model.lin.weight, dp=1), md.inspect(model.lin.weight, dp=0)
         )
-        assert md.inspect(model.count, dp=1).tolist() == [0.0] * 4
+        assert md.inspect(model.count, dp=1).tolist() == [0.0 if at_start else 10.0] * 4
         with torch.no_grad():
             model.count.add_(dp2.rank("dp") * 100.0)  # the ranks drift apart again
         ddp(md.distribute(x, {"dp": md.Shard(0)}))
-        want = [1.0] * 4 if broadcast_buffers else [101.0] * 4
-        assert md.inspect(model.count, dp=1).tolist() == want
+        want = 1.0 if in_forward else (111.0 if not at_start else 101.0)
+        assert md.inspect(model.count, dp=1).tolist() == [want] * 4
+        assert ddp.broadcast_buffers is in_forward
+
+
+def test_buffers_are_broadcast_after_a_forward_with_grad_as_torch_decides(dp2):
+    """torch broadcasts at the start of a forward when the forward before it ran with grad
+    enabled outside no_sync() (an evaluation under no_grad() right after training gets the
+    first rank's running statistics; the one after it does not)."""
+    xb = None
+    with dp2.activate():
+        torch.manual_seed(0)
+        ddp = md.DistributedDataParallel(_WithBuffer())
+        xb = md.distribute(torch.randn(4, 8), {"dp": md.Shard(0)})
+
+        def drift_then_forward():
+            with torch.no_grad():
+                ddp.module.count.add_(dp2.rank("dp") * 100.0)
+                ddp(xb)
+            return md.inspect(ddp.module.count, dp=1)[0].item()
+
+        ddp(xb)  # with grad: the next forward broadcasts
+        assert drift_then_forward() == 2.0
+        assert drift_then_forward() == 103.0  # the forward before ran under no_grad()
+        with ddp.no_sync():
+            ddp(xb)  # with grad but inside no_sync(): no broadcast in the next one either
+        assert drift_then_forward() == 205.0
+
+
+def _local_grads(model, x, y):
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_only_a_backward_through_a_forward_of_the_wrapper_is_averaged(dp2):
+    """As torch's reducer: hooks count in the first backward after a forward through the DDP
+    wrapper; a second backward of the same graph, and one through ``ddp.module``, accumulate
+    each rank's own gradients."""
+    local = _mlp()
+    x, y = _batches(n=1)[0]
+    halves = list(zip(x.chunk(2), y.chunk(2)))
+    own = [_local_grads(copy.deepcopy(local), *h) for h in halves]
+    mean = [(a + b) / 2 for a, b in zip(*own)]
+    with dp2.activate():
+        ddp = md.DistributedDataParallel(md.to_mesh(copy.deepcopy(local), dp2))
+        xb, yb = md.distribute((x, y), {"dp": md.Shard(0)})
+        loss = F.mse_loss(ddp(xb), yb)
+        loss.backward(retain_graph=True)
+        loss.backward()  # torch: the average plus this rank's own
+        for r in range(2):
+            for p, m, o in zip(ddp.parameters(), mean, own[r]):
+                torch.testing.assert_close(md.inspect(p.grad, dp=r), m + o)
+        ddp.zero_grad()
+        F.mse_loss(ddp.module(xb), yb).backward()  # not through the wrapper: not averaged
+        for r in range(2):
+            for p, o in zip(ddp.parameters(), own[r]):
+                torch.testing.assert_close(md.inspect(p.grad, dp=r), o)
+        ddp.zero_grad()
+        with ddp.join():  # torch's context for uneven inputs: here it just runs
+            F.mse_loss(ddp(xb), yb).backward()
+        for r in range(2):
+            for p, m in zip(ddp.parameters(), mean):
+                torch.testing.assert_close(md.inspect(p.grad, dp=r), m)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied input and output embeddings
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def test_tied_parameters_stay_one_parameter_on_the_mesh(dp2):
+    torch.manual_seed(0)
+    local = _Tied()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 10, (8,), generator=g), torch.randn(8, 10, generator=g))
+               for _ in range(3)]  # fmt: skip
+    with dp2.activate():
+        model = md.to_mesh(copy.deepcopy(local), dp2)
+        assert model.head.weight is model.emb.weight
+        ddp = md.DistributedDataParallel(model)
+        assert len(list(ddp.parameters())) == len(list(local.parameters())) == 3
+        _train_ddp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.5), batches)
+        _train_local(local, torch.optim.SGD(local.parameters(), lr=0.5), batches)
+        _assert_same(ddp.module, local, dp2)
 
 
 def test_state_dict_round_trips_into_a_plain_module(dp2):
@@ -257,12 +364,7 @@ def test_state_dict_round_trips_into_a_plain_module(dp2):
     probe, batches = torch.randn(3, 8), _batches(n=2)
     with dp2.activate():
         ddp = md.DistributedDataParallel(md.to_mesh(copy.deepcopy(local), dp2))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in batches:
-            opt.zero_grad()
-            F.mse_loss(ddp(md.distribute(x, {"dp": md.Shard(0)})),
-                       md.distribute(y, {"dp": md.Shard(0)})).backward()  # fmt: skip
-            opt.step()
+        _train_ddp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches)
         state = ddp.state_dict()
         assert all(k.startswith("module.") for k in state)
         local_state = {k.removeprefix("module."): md.inspect(v) for k, v in state.items()}

@@ -25,7 +25,16 @@ What it does, as torch's reducer does:
   unless ``find_unused_parameters=True``: then its bucket is reduced without it, and its
   ``.grad`` is left as it was.
 - ``no_sync()`` accumulates gradients locally; the first backward outside it reduces the sums.
-- ``broadcast_buffers=True`` re-broadcasts buffers from the first rank before each forward.
+  As in torch, what decides is the forward: a backward counts (its gradients are averaged)
+  when the forward it goes through was this wrapper's, with grad enabled, outside
+  ``no_sync()``, and no backward has counted since. A second backward through the same graph
+  (``retain_graph=True``) or one through ``ddp.module(x)`` accumulates locally.
+- ``forward_sync_buffers`` (default True) re-broadcasts buffers from the first rank at the
+  start of a forward that follows one with grad enabled outside ``no_sync()`` (and of the
+  first); torch's older ``broadcast_buffers`` does the same, and ``broadcast_buffers=False``
+  also leaves each rank's buffers as they are at construction (torch 2.13's rules).
+- ``join()`` is accepted and runs its block: ranks cannot have uneven inputs here, since each
+  runs every step the controller issues.
 
 On CPU workers, a gradient of ``IN_PLACE_BYTES`` (1 MiB) or more is not copied into its
 bucket: it is averaged where it is, by an all-reduce of its own on the comms stream (the copy
@@ -107,7 +116,7 @@ class DistributedDataParallel(nn.Module):
         mesh: Any = None,
         dim: Any = "dp",
         bucket_cap_mb: float | None = 25,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
@@ -117,6 +126,7 @@ class DistributedDataParallel(nn.Module):
         device_mesh: Any = None,
         init_sync: bool = True,
         check_reduction: bool = False,
+        forward_sync_buffers: bool | None = None,
         replay: bool = True,
         **unsupported: Any,
     ):
@@ -139,11 +149,27 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.mesh, self.dim = mesh, dim
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.broadcast_buffers = broadcast_buffers
+        # torch 2.13's rule: forward_sync_buffers (default True) re-broadcasts buffers in
+        # forward and leaves the broadcast at construction on; the older broadcast_buffers
+        # (used where forward_sync_buffers is not given) does both, so =False keeps each
+        # rank's buffers at construction too.
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_buffers = bool(forward_sync_buffers), True
+        else:
+            init_buffers = self.forward_sync_buffers = (
+                True if broadcast_buffers is None else bool(broadcast_buffers)
+            )
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
+        # As torch's reducer: buffers are broadcast in a forward that follows one with grad
+        # enabled outside no_sync() (or the first), and gradient hooks only count in a
+        # backward whose forward went through this wrapper with grad enabled outside
+        # no_sync() -- a second backward through the same graph (retain_graph=True), or a
+        # backward through ``ddp.module(x)``, accumulates locally as in torch.
+        self.require_forward_param_sync = True
+        self._expect_hooks = False
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -161,7 +187,8 @@ class DistributedDataParallel(nn.Module):
         self._comms = _tensor.Stream("comms")
         if init_sync:
             _verify_shapes(named, mesh, dim)
-            _broadcast([p for _, p in named] + [b for _, b in module.named_buffers()], mesh, dim)
+            buffers = [b for _, b in module.named_buffers()] if init_buffers else []
+            _broadcast([p for _, p in named] + buffers, mesh, dim)
         self._buckets = self._assign([len(self._params) - 1 - i for i in range(len(self._params))])
         self._bucket_of = {i: b for b in self._buckets for i in b.params}
         self._rebuilt = False
@@ -195,14 +222,37 @@ class DistributedDataParallel(nn.Module):
             # on this engine): the tensors the last step left are deleted as this one
             # starts, not when a batch of several steps ends (the workers' peak memory).
             self._engine.cut(None)
-        if self.broadcast_buffers and torch.is_grad_enabled():
+        if self.require_forward_param_sync and self.forward_sync_buffers:
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 if self._first is None:  # (made once: its instruction is one a plan lacks)
                     with _tensor.activate(self.mesh):
                         self._first = self.mesh.rank(self.dim) == 0
                 _broadcast(buffers, self.mesh, self.dim, self._first)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = self._expect_hooks = synced
+        return out
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = bool(value)
+
+    @contextlib.contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """torch's context for ranks with uneven numbers of batches. Here every rank runs every
+        step the controller issues, so inputs cannot be uneven: the block just runs."""
+        yield
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -261,8 +311,8 @@ class DistributedDataParallel(nn.Module):
             self = ref()
             if self is None:
                 return
-            if not self.require_backward_grad_sync:
-                return
+            if not self._expect_hooks:
+                return  # (no_sync(), or a backward that no forward of ours armed)
             if not self._callback_queued:
                 self._callback_queued = True
                 self._ready.clear()
@@ -308,6 +358,7 @@ class DistributedDataParallel(nn.Module):
         """End of backward: reduce what is left, write the averages back, check for unused
         parameters, rebuild the buckets after the first iteration."""
         self._callback_queued = False
+        self._expect_hooks = False  # until the next forward
         unused = [i for i in range(len(self._params)) if i not in self._ready]
         if unused and self.find_unused_parameters:
             for b in self._buckets:

@@ -109,14 +109,21 @@ def to_mesh(obj: Any, mesh: Any) -> Any:
     an ``nn.Module`` gets its parameters and buffers on the mesh (returned, changed in place);
     mesh tensors are copied to ``mesh`` with ``Tensor.to_mesh``."""
     if isinstance(obj, torch.nn.Module):
+        # a parameter or buffer in several places (tied embedding and output weights, a layer
+        # used twice) is moved once and stays one tensor: keyed by the local tensor's id
+        done: dict[int, Any] = {}
         for module in obj.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
-                    moved = to_mesh(p.detach(), mesh)
-                    module._parameters[name] = torch.nn.Parameter(moved, p.requires_grad)
+                    if id(p) not in done:
+                        moved = to_mesh(p.detach(), mesh)
+                        done[id(p)] = (p, torch.nn.Parameter(moved, p.requires_grad))
+                    module._parameters[name] = done[id(p)][1]
             for name, b in list(module._buffers.items()):
                 if b is not None:
-                    module._buffers[name] = to_mesh(b, mesh)
+                    if id(b) not in done:
+                        done[id(b)] = (b, to_mesh(b, mesh))
+                    module._buffers[name] = done[id(b)][1]
         return obj
     if isinstance(obj, Tensor):
         return obj.to_mesh(mesh)
