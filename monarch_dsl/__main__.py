@@ -62,13 +62,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         print("monarch-dsl run: -n/--nproc goes with --spmd", file=sys.stderr)
         return 2
+    from monarch_dsl.runtime import forkserver
+
     sys.argv = [args.script, *args.args]
     if args.module:  # as python -m: the working directory first
         sys.path.insert(0, os.getcwd())
-        runpy.run_module(args.script, run_name="__main__", alter_sys=True)
-        return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    runpy.run_path(args.script, run_name="__main__")
+    elif forkserver.runs_as_package(args.script):  # a directory or zip: itself first
+        sys.path.insert(0, args.script)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    forkserver.run_main(args.script, args.module)
     return 0
 
 

@@ -100,6 +100,32 @@ def test_ranks_see_the_torch_distributed_variables_and_output_is_prefixed(pm, tm
     assert "[gpu=1] to stderr from rank 1" in err
 
 
+def test_a_rank_runs_its_script_as_python_does(pm, tmp_path, capfd):
+    """A probe of torchrun scripts found these differences from ``python script.py``: a file
+    opened at module level and never closed was empty (no teardown of ``__main__`` before the
+    rank's exit), the script's ``sys.excepthook`` was not called, ``__builtins__`` was a dict,
+    a file name that is not UTF-8 could not be printed, and ``\\r`` / ``\\f`` split lines."""
+    script = os.path.join(SCRIPTS, "as_python.py")
+    here = subprocess.run(
+        [sys.executable, script, str(tmp_path)], capture_output=True, text=True,
+        errors="replace", timeout=60,
+    )  # fmt: skip
+    assert here.returncode == 1 and "hook: KeyError 'raised at the end'" in here.stderr
+    assert (tmp_path / "python.log").read_text() == "written before exit\n"
+    with pytest.raises(SpmdError) as info:  # (one rank: a failure stops the others)
+        pm.slice(gpu=1).run_spmd(script, str(tmp_path))
+    assert info.value.failures == {0: 1}
+    out, err = capfd.readouterr()
+    assert (tmp_path / "0.log").read_text() == "written before exit\n"
+    assert "[gpu=1] hook: KeyError 'raised at the end'" in err
+    assert "Traceback" not in err  # the hook replaced it, as in python
+    assert "[gpu=1] builtins: module" in out
+    assert "[gpu=1] progress 2/2\n" in out and "progress 1/2" not in out
+    assert "[gpu=1] form\ffeed\n" in out
+    # the name prints where python prints it (it depends on the locale's error handler)
+    assert ("[gpu=1] name: data_" in out) == ("name: data_" in here.stdout)
+
+
 def test_a_slice_runs_with_its_own_ranks(pm, tmp_path, capfd):
     assert pm.slice(gpu=1).run_spmd(RANKS, "ok", str(tmp_path)).values() == [0]
     (seen,) = rank_files(tmp_path, 1)
@@ -385,10 +411,12 @@ def test_cli_exits_with_the_failed_rank_code(tmp_path):
     assert_gone([s["pid"] for s in rank_files(tmp_path)])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
 def test_cli_killed_during_a_run_leaves_no_rank_behind(tmp_path, sig):
+    """And Ctrl-C (SIGINT) reaches the ranks as SIGINT, as under torchrun: a script's
+    ``except KeyboardInterrupt:`` runs (it may save a checkpoint)."""
     proc = subprocess.Popen(
-        cli_command("--spmd", "-n", "2", RANKS, "sleep", str(tmp_path)),
+        cli_command("--spmd", "-n", "2", RANKS, "sigint", str(tmp_path)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=cli_env(),
@@ -399,7 +427,9 @@ def test_cli_killed_during_a_run_leaves_no_rank_behind(tmp_path, sig):
         code = proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert code == (128 + sig if sig == signal.SIGTERM else -sig)
+    assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
+    interrupted = [(tmp_path / f"{r}.interrupted").exists() for r in range(2)]
+    assert interrupted == [sig == signal.SIGINT] * 2
     assert_gone([s["pid"] for s in rank_files(tmp_path)])
 
 

@@ -46,8 +46,10 @@ group; then ``md.SpmdError`` names the first failed rank, its exit code or signa
 its stderr. Nothing waits unbounded: the run's ``timeout`` (the same stop, then ``SpmdError``
 with ``timed_out``), a poll every ``POLL`` s that notices a worker of the mesh dying (the run is
 stopped and its ``md.SupervisionError`` raised, as for any call on the mesh) or the mesh being
-stopped, bounded waits for exit reports after the signals. Ctrl-C in the controller stops the
-ranks before it propagates. The mesh stays usable after any of these.
+stopped, bounded waits for exit reports after the signals. Ctrl-C in the controller is passed
+on to the ranks as torchrun does (SIGINT: a script's ``except KeyboardInterrupt:`` runs), and
+what still runs ``STOP_GRACE`` s later is stopped as above, before the KeyboardInterrupt
+propagates. The mesh stays usable after any of these.
 
 ``module=True`` (``monarch-dsl run --spmd -m pkg.train``) runs a module as ``python -m`` (and
 ``torchrun -m``) do: the working directory first on ``sys.path``, ``argv[0]`` the module's file;
@@ -397,6 +399,16 @@ class _Run:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def interrupt(self) -> None:
+        """SIGINT every rank still running (a script's ``except KeyboardInterrupt:`` runs, as
+        under torchrun's Ctrl-C), and wait up to STOP_GRACE s for them to exit."""
+        running = self._running()
+        with self._cond:
+            self.signalled.update(running)
+        if running:
+            self._signal(running, signal.SIGINT)
+            self._wait_exits(STOP_GRACE)
+
     def stop(self) -> None:
         """SIGTERM every rank still running, SIGKILL after STOP_GRACE s."""
         with self._cond:
@@ -415,7 +427,13 @@ class _Run:
     def result(self, timeout: float | None) -> ValueMesh:
         try:
             why = self.wait(timeout)
-        except BaseException:  # Ctrl-C: no rank outlives the call
+        except KeyboardInterrupt:  # Ctrl-C: passed on, as torchrun does; no rank outlives it
+            try:
+                self.interrupt()
+            finally:
+                self.stop()
+            raise
+        except BaseException:
             self.stop()
             raise
         if why != "done":

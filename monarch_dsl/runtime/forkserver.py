@@ -37,9 +37,12 @@ own: the pids forked, and every child's exit status (``watch_exit``).
 from __future__ import annotations
 
 import atexit
+import builtins
 import ctypes
 import faulthandler
+import gc
 import hmac
+import importlib.machinery
 import itertools
 import logging
 import os
@@ -54,6 +57,8 @@ import tempfile
 import threading
 import time
 import traceback
+import types
+import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -276,8 +281,10 @@ class ForkServer:
             os.close(devnull)
             # Fresh text streams on fds 1 and 2: the inherited sys.stdout/sys.stderr may not
             # write to those fds at all (e.g. pytest's capture in a forked controller).
-            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            # Encoding and errors as the interpreter chose them for its own (surrogateescape
+            # under a C or UTF-8 locale: a file name that is not UTF-8 prints, as it would).
+            sys.stdout = sys.__stdout__ = _text_stream(1, sys.__stdout__)
+            sys.stderr = sys.__stderr__ = _text_stream(2, sys.__stderr__)
             code = body()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
@@ -638,6 +645,14 @@ def keeper_main() -> None:
 # =============================================================================== scripts
 
 
+def _text_stream(fd: int, like: Any) -> Any:
+    """A line-buffered text stream on ``fd`` with ``like``'s encoding and errors."""
+    return open(  # noqa: SIM115 - the process's stream, open until it exits
+        fd, "w", buffering=1, closefd=False,
+        encoding=getattr(like, "encoding", None), errors=getattr(like, "errors", None),
+    )  # fmt: skip
+
+
 def run_script(
     script: str,
     args: tuple[str, ...],
@@ -658,26 +673,96 @@ def run_script(
     first = cwd if module else os.path.dirname(script)
     sys.path[:] = [first, *(p for p in sys_path if p and p != first)]
     os.chdir(cwd)
+    if not module and runs_as_package(script):
+        sys.path[0] = script  # (python DIR: the directory itself first, then its __main__.py)
     code = 0
+    main = types.ModuleType("__main__")
     try:
-        if module:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(script, run_name="__main__")
+        run_main(script, module, main)
     except SystemExit as e:
         code = _exit_code(e.code)
-    except BaseException as e:  # noqa: BLE001 - as the interpreter would: print it, exit 1
-        _print_script_traceback(e, script)
+    except BaseException as e:  # noqa: BLE001 - as the interpreter would: report it, exit 1
+        _report_uncaught(e, script)
         code = 1
         if isinstance(e, KeyboardInterrupt):
             code = 128 + signal.SIGINT
-    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit.
+    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit,
+    # then tear the main module down (what the script's globals held is freed: a file it
+    # opened and never closed is flushed and closed, as at a real exit).
     try:
         threading._shutdown()  # type: ignore[attr-defined] # as multiprocessing's children do
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     atexit._run_exitfuncs()
+    _clear_module(main)
     return code
+
+
+def runs_as_package(script: str) -> bool:
+    """``python script`` runs a directory's or a zip file's ``__main__.py``."""
+    return os.path.isdir(script) or zipfile.is_zipfile(script)
+
+
+def run_main(script: str, module: bool, main: types.ModuleType | None = None) -> None:
+    """Run ``script`` (a file, a directory or zip with a ``__main__.py``, or with ``module`` a
+    module name) as ``python [-m] script`` runs it: in a module that is ``sys.modules
+    ["__main__"]`` while it runs (``main``, or a new one), whose ``__builtins__`` is the
+    builtins module, with CPython's own ``runpy`` steps for ``-m`` and packages. The caller
+    has set ``sys.argv`` and ``sys.path``."""
+    main = main if main is not None else types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    old = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        if module:
+            runpy._run_module_as_main(script, alter_argv=True)  # type: ignore[attr-defined]
+        elif runs_as_package(script):
+            runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+        else:
+            with open(script, "rb") as f:
+                source = f.read()
+            main.__dict__.update(
+                __file__=script,
+                __cached__=None,
+                __package__=None,
+                __spec__=None,
+                __loader__=importlib.machinery.SourceFileLoader("__main__", script),
+            )
+            exec(compile(source, script, "exec"), main.__dict__)  # noqa: S102 - the user's script
+    finally:
+        if old is not None:
+            sys.modules["__main__"] = old
+
+
+def _clear_module(main: types.ModuleType) -> None:
+    """The interpreter's teardown of a module at exit (``_PyModule_ClearDict``): names with one
+    leading underscore set to None first, then all but ``__builtins__``; then the cycles the
+    script's functions make with its globals are collected."""
+    names = main.__dict__
+    for pass_ in (0, 1):
+        for name in list(names):
+            if name == "__builtins__":
+                continue
+            if pass_ == 1 or (name[:1] == "_" and name[1:2] != "_"):
+                names[name] = None
+    gc.collect()
+
+
+def _report_uncaught(exc: BaseException, script: str) -> None:
+    """An exception the script did not catch, as the interpreter reports it: through
+    ``sys.excepthook`` where the script set one, else the traceback from the script's own
+    frames on."""
+    hook = sys.excepthook
+    if hook is sys.__excepthook__:
+        _print_script_traceback(exc, script)
+        return
+    try:
+        hook(type(exc), exc, _script_frames(exc, script))
+    except BaseException as e:  # noqa: BLE001 - as the interpreter: say so, then the original
+        print("Error in sys.excepthook:", file=sys.stderr)
+        traceback.print_exception(type(e), e, e.__traceback__)
+        print("\nOriginal exception was:", file=sys.stderr)
+        _print_script_traceback(exc, script)
 
 
 def _as_if_fresh(env: dict[str, str]) -> None:
@@ -697,6 +782,8 @@ def _as_if_fresh(env: dict[str, str]) -> None:
         except (OSError, ValueError, RuntimeError):
             pass
     atexit._clear()
+    sys.excepthook = sys.__excepthook__
+    threading.excepthook = threading.__excepthook__
     faulthandler.disable()
     if env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
@@ -729,13 +816,18 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _print_script_traceback(exc: BaseException, script: str) -> None:
-    """The traceback from the script's own frames on (not runpy's or ours)."""
+def _script_frames(exc: BaseException, script: str) -> Any:
+    """``exc``'s traceback from the script's own frames on (not runpy's or ours)."""
     tb = exc.__traceback__
     main = sys.argv[0] if sys.argv else script  # (a module's file, once runpy set it)
     while tb is not None and tb.tb_frame.f_code.co_filename not in (script, main):
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+    return tb or exc.__traceback__
+
+
+def _print_script_traceback(exc: BaseException, script: str) -> None:
+    """The traceback from the script's own frames on (not runpy's or ours)."""
+    traceback.print_exception(type(exc), exc, _script_frames(exc, script))
 
 
 # =============================================================================== client

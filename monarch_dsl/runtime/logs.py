@@ -48,6 +48,14 @@ from monarch_dsl.mesh import coords_of_index
 TAIL_BYTES = 16 * 1024
 
 
+def _shown(line: str) -> str:
+    """What a terminal shows of ``line``: after its last carriage return (a progress bar's
+    updates, ``\\r``-separated, are one line: its last state), without a CRLF's CR. Only
+    ``\\n`` ends a line (not ``str.splitlines``' form feeds, vertical tabs and separators)."""
+    line = line.removesuffix("\r")
+    return line[line.rfind("\r") + 1 :]
+
+
 class _Pipe:
     __slots__ = (
         "fd",
@@ -313,7 +321,9 @@ class LogForwarder:
     def _lines(self, pipe: _Pipe, data: bytes) -> None:
         if not self.echo:
             return
-        lines = data.decode(errors="replace").splitlines()
+        lines = [_shown(line) for line in data.decode(errors="replace").split("\n")]
+        if lines[-1] == "":  # (the newline that ended the last line)
+            lines.pop()
         group = pipe.group
         if not group.window:
             self._write(pipe.is_err, "".join(f"[{pipe.label}] {line}\n" for line in lines))

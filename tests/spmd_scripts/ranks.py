@@ -6,7 +6,8 @@ script started) and then does ACTION:
 - ``exit3``: rank 1 exits 3, the others sleep (to be stopped);
 - ``kill9``: rank 1 kills itself with SIGKILL while rank 0 waits in a gloo all_reduce;
 - ``sleep``: every rank sleeps (for timeouts and dying workers);
-- ``ignore_term``: rank 0 ignores SIGTERM and sleeps, rank 1 exits 1.
+- ``ignore_term``: rank 0 ignores SIGTERM and sleeps, rank 1 exits 1;
+- ``sigint``: every rank sleeps; one interrupted writes ``DIR/<RANK>.interrupted`` and exits 0.
 """
 
 import sys
@@ -92,6 +93,11 @@ elif action == "kill9":
     time.sleep(120)
 elif action == "sleep":
     time.sleep(120)
+elif action == "sigint":
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:
+        open(os.path.join(out_dir, f"{rank}.interrupted"), "w").close()
 elif action == "ignore_term":
     if rank == 1:
         wait_for_every_rank()
