@@ -359,6 +359,47 @@ def test_tied_parameters_stay_one_parameter_on_the_mesh(dp2):
         _assert_same(ddp.module, local, dp2)
 
 
+class _Conv(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = norm(4)
+        self.head = nn.Linear(4 * 5 * 5, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_sync_batch_norm_uses_the_whole_batchs_statistics(dp2, momentum):
+    """torch's SyncBatchNorm falls back to a per-rank BatchNorm on a controller without
+    torch.distributed; under md.DDP it normalizes over the batch of every rank, as torch's on
+    GPUs: training matches one process's BatchNorm on the whole batch (parameters, running
+    statistics, and the eval output after)."""
+    torch.manual_seed(0)
+    local = _Conv(lambda c: nn.BatchNorm2d(c, momentum=momentum))
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 3, 5, 5, generator=g) * 3 + 1, torch.randn(8, 2, generator=g))
+               for _ in range(3)]  # fmt: skip
+    probe = torch.randn(4, 3, 5, 5, generator=g)
+    with dp2.activate():
+        synced = md.to_mesh(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(local)), dp2)
+        ddp = md.DistributedDataParallel(synced)
+        assert isinstance(ddp.module.norm, nn.SyncBatchNorm)
+        _train_ddp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches)
+        _train_local(local, torch.optim.SGD(local.parameters(), lr=0.1), batches)
+        _assert_same(ddp.module, local, dp2)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            want = getattr(local.norm, name)
+            for r in range(2):
+                got = md.inspect(getattr(ddp.module.norm, name), dp=r)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        ddp.eval()
+        local.eval()
+        got = md.inspect(ddp(md.to_mesh(probe, dp2)), dp=1)
+        torch.testing.assert_close(got, local(probe), atol=1e-5, rtol=1e-5)
+
+
 def test_state_dict_round_trips_into_a_plain_module(dp2):
     local = _mlp()
     probe, batches = torch.randn(3, 8), _batches(n=2)

@@ -33,6 +33,9 @@ What it does, as torch's reducer does:
   start of a forward that follows one with grad enabled outside ``no_sync()`` (and of the
   first); torch's older ``broadcast_buffers`` does the same, and ``broadcast_buffers=False``
   also leaves each rank's buffers as they are at construction (torch 2.13's rules).
+- ``nn.SyncBatchNorm`` layers (``convert_sync_batchnorm``) normalize with the statistics of
+  the whole batch over ``dim`` (``_MeshSyncBatchNorm``); on the controller torch's own would
+  silently be a per-rank BatchNorm.
 - ``join()`` is accepted and runs its block: ranks cannot have uneven inputs here, since each
   runs every step the controller issues.
 
@@ -184,6 +187,7 @@ class DistributedDataParallel(nn.Module):
             if cpu and p.numel() * p.element_size() >= IN_PLACE_BYTES
         }  # fmt: skip
         _check_on_mesh(named, list(module.named_buffers()), mesh)
+        _sync_batch_norms(module, mesh, dim)
         self._comms = _tensor.Stream("comms")
         if init_sync:
             _verify_shapes(named, mesh, dim)
@@ -526,3 +530,64 @@ def _broadcast(tensors: list, mesh: Any, dim: str, first: Any = None) -> None:
             flat.reduce_(dim, "sum")
             for t, part in zip(ts, flat.split([math.prod(t.shape) for t in ts])):
                 t.detach().copy_(part.view(t.shape).to(dtype))
+
+
+# ---- SyncBatchNorm ---------------------------------------------------------------------------
+
+
+def _sync_batch_norms(module: nn.Module, mesh: Any, dim: str) -> None:
+    """Each ``nn.SyncBatchNorm`` in ``module`` normalizes with the statistics of the batch over
+    ``dim`` (``_MeshSyncBatchNorm``). On the controller torch's own falls back to a per-rank
+    BatchNorm without a word (torch.distributed is not initialized here)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and not isinstance(m, _MeshSyncBatchNorm):
+            if m.process_group is not None:
+                refuse_torch_mesh(f"SyncBatchNorm {name!r}'s process_group", m.process_group)
+            m.__class__ = _MeshSyncBatchNorm
+            m._md_dim = dim  # type: ignore[assignment]
+
+
+class _MeshSyncBatchNorm(nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` over a mesh dim (``md.DistributedDataParallel`` turns each one in
+    its module into this; ``isinstance(m, nn.SyncBatchNorm)`` still holds). In training, the
+    mean and variance are those of every rank's batch together (ranks' batches of different
+    sizes weighed by size), by two sums over the dim that autograd goes through (torch's
+    backward all-reduces the same two sums); the running statistics take the unbiased
+    variance, as torch's. In eval with running statistics: plain batch norm, as torch's."""
+
+    _md_dim: str
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        training = self.training or (self.running_mean is None and self.running_var is None)
+        if not training:
+            return nn.functional.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias,
+                False, 0.0, self.eps,
+            )  # fmt: skip
+        channels = input.shape[1]
+        dims = [0, *range(2, input.dim())]
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        # the count on each rank from its own rows (md.distribute's chunks may be uneven)
+        count = torch.ones_like(input.detach()[:, 0]).sum().reshape(1)
+        sums = _tensor.sum_over(torch.cat([input.sum(dims), count]), self._md_dim)
+        n = sums[channels]
+        mean = sums[:channels] / n
+        centered = input - mean.reshape(shape)
+        var = _tensor.sum_over((centered * centered).sum(dims), self._md_dim) / n
+        out = centered * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.weight is not None:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
+                if self.momentum is None:  # a cumulative average
+                    factor = 1.0 / self.num_batches_tracked.to(mean.dtype)  # type: ignore[union-attr]
+                else:
+                    factor = torch.full_like(n, self.momentum)
+                unbiased = var.detach() * n / (n - 1)
+                # (torch's order: momentum * batch + (1 - momentum) * running)
+                self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+                self.running_var.mul_(1 - factor).add_(unbiased * factor)  # type: ignore[union-attr]
+        return out

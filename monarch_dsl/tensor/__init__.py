@@ -27,6 +27,7 @@ from monarch_dsl.tensor.movement import (
     narrow_per_rank,
     reduce,
     reduce_,
+    sum_over,
     to_mesh,
 )
 from monarch_dsl.tensor.streams import Borrow, Stream, get_active_stream
@@ -51,6 +52,7 @@ __all__ = [
     "reduce",
     "reduce_",
     "show",
+    "sum_over",
     "sync",
     "to_mesh",
 ]

@@ -146,6 +146,27 @@ def reduce(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = Fa
     )
 
 
+class _SumOver(torch.autograd.Function):
+    """``t.reduce(dims, "sum")`` that autograd goes through. Every rank's result is the sum of
+    every rank's ``t``, so each rank's loss depends on each rank's ``t``: the gradient of a
+    rank's ``t`` is the sum over the ranks of the result's gradients (torch's
+    ``torch.distributed.nn.functional.all_reduce``)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, dims: Any, line: str) -> Tensor:  # type: ignore[override]
+        ctx.dims, ctx.line = dims, line
+        return reduce_tensor(t, dims, "sum", False, False, line)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        return reduce_tensor(grad, ctx.dims, "sum", False, False, ctx.line), None, None
+
+
+def sum_over(t: Tensor, dims: Any) -> Tensor:
+    """The sum of ``t`` over the mesh ``dims``, differentiable (see ``_SumOver``)."""
+    return _SumOver.apply(t, dims, user_line())
+
+
 def reduce_(tree: Any, dims: Any = (), reduction: str = "sum", scatter: bool = False) -> Any:
     """``t.reduce_(...)`` for every mesh tensor of a pytree; returns the tree."""
     line = user_line()
