@@ -566,15 +566,18 @@ class _MeshSyncBatchNorm(nn.SyncBatchNorm):
                 input, self.running_mean, self.running_var, self.weight, self.bias,
                 False, 0.0, self.eps,
             )  # fmt: skip
-        channels = input.shape[1]
-        dims = [0, *range(2, input.dim())]
-        shape = [1, channels] + [1] * (input.dim() - 2)
+        # half-precision input: the statistics in float32, as torch's (and exact counts)
+        low = input.dtype in (torch.float16, torch.bfloat16)
+        x = input.float() if low else input
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
         # the count on each rank from its own rows (md.distribute's chunks may be uneven)
-        count = torch.ones_like(input.detach()[:, 0]).sum().reshape(1)
-        sums = _tensor.sum_over(torch.cat([input.sum(dims), count]), self._md_dim)
+        count = torch.ones_like(x.detach()[:, 0]).sum().reshape(1)
+        sums = _tensor.sum_over(torch.cat([x.sum(dims), count]), self._md_dim)
         n = sums[channels]
         mean = sums[:channels] / n
-        centered = input - mean.reshape(shape)
+        centered = x - mean.reshape(shape)
         var = _tensor.sum_over((centered * centered).sum(dims), self._md_dim) / n
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.weight is not None:
@@ -590,4 +593,4 @@ class _MeshSyncBatchNorm(nn.SyncBatchNorm):
                 # (torch's order: momentum * batch + (1 - momentum) * running)
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
                 self.running_var.mul_(1 - factor).add_(unbiased * factor)  # type: ignore[union-attr]
-        return out
+        return out.to(input.dtype) if low else out
