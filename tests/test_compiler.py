@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import re
 import sys
 import warnings
@@ -274,6 +275,50 @@ def test_data_parallel_multihead_attention_matches_one_process():
     batches = [(torch.randint(0, 40, (8, 6), generator=g), torch.randint(0, 10, (8,), generator=g))]
     model, ref, losses, ref_losses, _ = simulate_training(make, batches=batches * 2, steps=2, **DP)
     _assert_parity(model, ref, losses, ref_losses)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self, transposed=False):
+        super().__init__()
+        conv = nn.ConvTranspose2d if transposed else nn.Conv2d
+        self.conv = conv(3, 8, 3, padding=1, groups=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.head = nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x)))
+        return self.head(self.conv2(h).flatten(1))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_data_parallel_convolutions_and_batch_norm_stay_sharded(transposed):
+    """A CNN's convolutions run on each rank's samples (a convolution had no sharding rule:
+    its input batch was gathered onto every rank and its backward all-reduced an
+    activation-sized gradient), and batch norm normalizes with the whole batch's statistics
+    from per-channel sums all-reduced (var_mean as sums), as one process on the whole batch:
+    parameters and running statistics match; the step moves only small all-reduces."""
+
+    def make():
+        torch.manual_seed(0)
+        model = _ConvNet(transposed)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 6, 6, generator=g) * 2 + 1, torch.randn(8, 4, generator=g))
+               for _ in range(3)]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no op falls back to running replicated
+        model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    _assert_parity(model, ref, losses, ref_losses)
+    for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"buffer {name}")
+    plan = plans[0].check()
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}
+    types = plan.types()
+    moved = sum(math.prod(types[o].shape or ()) for i in plan.body if i.is_comm for o in i.outs)
+    params = sum(p.numel() for p in model.parameters())
+    assert moved < params + 64, "an activation was communicated"
 
 
 def test_megatron_mlp_tp2():

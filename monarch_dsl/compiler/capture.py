@@ -81,6 +81,11 @@ _DECOMPOSE = [
     aten.zero,
     aten.select_backward,
     aten.slice_backward,
+    # batch norm: sums over the batch and pointwise ops (with var_mean as sums, below), so a
+    # batch-sharded activation is normalized where it is, with per-channel sums all-reduced,
+    # instead of gathered whole onto every rank
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
 ]
 
 
@@ -96,7 +101,24 @@ def decompositions() -> Decompositions:
     table = cast(Decompositions, get_decompositions(_DECOMPOSE))
     torch_addmm = table[aten.addmm.default]
     table[aten.addmm.default] = functools.partial(_addmm, torch_addmm)
+    table[aten.var_mean.correction] = _var_mean
     return {**table, **_foreach_decompositions()}
+
+
+def _var_mean(
+    x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.var_mean`` as two sums over ``dim`` (the mean's, then the centred squares'),
+    which propagation shards (a sharded reduced dim gives Partial sums); torch's kernel is one
+    op with no rule, run replicated on the whole tensor. The counts are the whole shape's."""
+    nd = x.dim()
+    dims = list(range(nd)) if dim is None or len(dim) == 0 else [d % nd for d in dim]
+    n = math.prod(x.shape[d] for d in dims)
+    c = 1 if correction is None else correction
+    mean = aten.sum.dim_IntList(x, dims, True) / n
+    centered = x - mean
+    var = aten.sum.dim_IntList(centered * centered, dims, keepdim) / max(0, n - c)
+    return var, (mean if keepdim else aten.squeeze.dims(mean, dims))
 
 
 def _addmm(

@@ -83,7 +83,10 @@ class State:
             else:
                 cands = strategies(ins, ctx)
             if cands is None:
-                fallback = True
+                # said when an input is sharded on this dim (gathered whole onto every rank,
+                # the work done on each); a Partial one is summed first, as any op without a
+                # linear rule needs (the gradients' all-reduce before clip_grad_norm_'s norms)
+                fallback = fallback or any(isinstance(p[m], Shard) for p in current)
                 cands = [Strategy((R,) * len(uses), (R,) * len(ins.outs))]
             best, best_cost = None, None
             for s in cands:
@@ -117,7 +120,7 @@ class State:
             gathered = sum(
                 nbytes(t)
                 for t, cur in zip(in_types, current)
-                if any(not p.is_replicate() for p in cur)
+                if any(isinstance(p, Shard) for p in cur)
             )
             warnings.warn(
                 f"no sharding rule for {ins.op} (at {ins.loc or 'unknown'}): it runs "
