@@ -867,3 +867,47 @@ def test_cache_span_reads_the_largest_cache_whatever_order_sysfs_lists_its_entri
     (tmp_path / "index1").mkdir()  # no size file: skipped, not the end of the lookup
     assert calibrate.cache_span(str(tmp_path)) == 2 * 307200 * 1024
     assert calibrate.cache_span(str(tmp_path / "missing")) == 64 << 20
+
+
+def test_a_convolution_costs_its_flops_at_a_matmuls_rate():
+    """A convolution (and its backward: the input's and the weight's gradients) is costed by
+    its multiply-adds at the rate a matmul of as many flops reaches, not only by the bytes it
+    reads and writes (it was costed as a pointwise op: a 3x3 conv of 64 channels, ~600x too
+    little)."""
+    ones = {"matmul": 1.0, "pointwise": 1.0, "reduction": 1.0, "other": 1.0}
+    p = _calibrated(efficiency=ones, matmul_passes=0.0)
+    x, w, y = (
+        ((8, 64, 16, 16), "float32"),
+        ((64, 64, 3, 3), "float32"),
+        ((8, 64, 16, 16), "float32"),
+    )
+    conv = isa.Compute(
+        name="aten.convolution.default",
+        args=(Slot(0), Slot(1), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+        outs=(2,),
+    )
+    flops = 2 * math.prod(y[0]) * 64 * 9
+    want = flops / p.matmul_flops_per_second(flops, "float32") + p.dispatch_overhead
+    assert compute_time(conv, [x, w, y], p) == pytest.approx(want)
+    # the backward, both gradients: twice that; the weight's alone: once
+    for mask, times in (([True, True, False], 2), ([False, True, True], 1)):
+        back = isa.Compute(
+            name="aten.convolution_backward.default",
+            args=(Slot(0), Slot(1), Slot(2), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask),
+            outs=(3, 4, 5),
+        )
+        types = [y, x, w, x, w, ((64,), "float32")]
+        rate = p.matmul_flops_per_second(times * flops, "float32")
+        assert compute_time(back, types, p) == pytest.approx(
+            times * flops / rate + p.dispatch_overhead
+        )
+    # transposed: the input's elements take the weight's slices
+    tconv = isa.Compute(
+        name="aten.convolution.default",
+        args=(Slot(0), Slot(1), None, [1, 1], [1, 1], [1, 1], True, [0, 0], 1),
+        outs=(2,),
+    )
+    small = ((8, 64, 8, 8), "float32")
+    flops = 2 * math.prod(small[0]) * 64 * 9
+    want = flops / p.matmul_flops_per_second(flops, "float32") + p.dispatch_overhead
+    assert compute_time(tconv, [small, w, y], p) == pytest.approx(want)

@@ -232,6 +232,10 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
         arithmetic = profile.elementwise_seconds(base_name(step.name)[0], math.prod(outs[0][0]))
         if arithmetic is not None:  # (the longer of its bytes' time and its elements')
             seconds = max(seconds, arithmetic)
+    conv = _conv_flops(step, ins, outs)
+    if conv:  # (at the rate of a matmul of as many flops: what im2col or oneDNN make of it)
+        eff = profile.efficiency.get("matmul", eff)
+        seconds = max(seconds, conv / (profile.matmul_flops_per_second(conv, outs[-1][1]) * eff))
     if fam == "matmul" and outs and outs[0][0] is not None:
         base, _ = base_name(step.name)
         at = 1 if base in ("addmm", "baddbmm", "addbmm") else 0  # (after the added term)
@@ -249,6 +253,31 @@ def compute_time(step: isa.Compute, types: Sequence[SlotType], profile: DevicePr
         else:
             seconds = max(seconds, arithmetic)
     return seconds + profile.dispatch_overhead
+
+
+def _conv_flops(step: isa.Compute, ins: Sequence[SlotType], outs: Sequence[SlotType]) -> float:
+    """The flops of a ``convolution`` (2 per multiply-add: each element of the output, or of
+    the input when transposed, takes a weight's slice of ``C_in / groups x kernel``) or of
+    its backward (that once for the input's gradient and once for the weight's, as its output
+    mask asks); 0 for other ops or unknown shapes."""
+    base, _ = base_name(step.name)
+    if base not in ("convolution", "convolution_backward") or len(ins) < 2:
+        return 0.0
+    backward = base == "convolution_backward"
+    x, w = (ins[1], ins[2]) if backward and len(ins) > 2 else (ins[0], ins[1])
+    args = step.args
+    transposed = (
+        bool(args[7] if backward else args[6]) if len(args) > (7 if backward else 6) else False
+    )
+    out = ins[0] if backward else (outs[0] if outs else None)
+    big = x if transposed else out
+    if big is None or big[0] is None or w[0] is None or not w[0]:
+        return 0.0
+    once = 2.0 * math.prod(big[0]) * math.prod(w[0]) / w[0][0]
+    if not backward:
+        return once
+    mask = args[-1] if args and isinstance(args[-1], (list, tuple)) else (True, True)
+    return once * (bool(mask[0]) + bool(mask[1] if len(mask) > 1 else True))
 
 
 # A gradient bucket's all-reduce in a block of shared memory every rank maps (cpp/shm.cpp
