@@ -1713,6 +1713,13 @@ def _gpu_profile(
     )
 
 
+def _compute_part(seconds: float, dispatch: float, macs: int, peaks: dict[str, float]) -> float:
+    """A matmul's measured ``seconds`` less the dispatch overhead, and at least its time at
+    the float32 peak (a tiny one on a busy machine can measure under the overhead; 0 would
+    make it free)."""
+    return max(seconds - dispatch, 2 * macs / peaks["float32"])
+
+
 def _profile(
     s: Settings,
     sizes: tuple[int, ...],
@@ -1789,14 +1796,18 @@ def _profile(
         matmul_passes=c.matmul_passes,
         matmul_output_passes=c.matmul_output_passes,
         matmul_shapes=tuple(
-            (m, k, n, max(0.0, per_op[f"mm {m}x{k}x{n}"] - c.dispatch)) for m, k, n in grid
+            (m, k, n, _compute_part(per_op[f"mm {m}x{k}x{n}"], c.dispatch, m * k * n, c.peaks))
+            for m, k, n in grid
         ),
         cache_bytes=cache_span() // 2 if warm else 0,
         warm_bandwidth_curve=(
             bandwidth_curve(warm_add, c.dispatch) if len(warm_add) == len(s.pointwise) else ()
         ),
         warm_matmul_shapes=(
-            tuple((m, k, n, max(0.0, warm[f"mm {m}x{k}x{n}"] - c.dispatch)) for m, k, n in grid)
+            tuple(
+                (m, k, n, _compute_part(warm[f"mm {m}x{k}x{n}"], c.dispatch, m * k * n, c.peaks))
+                for m, k, n in grid
+            )
             if warm and warm_grid and grid
             else ()
         ),
