@@ -918,7 +918,7 @@ class Job:
                 self._await_verdict(r)
                 self.check_alive([r])
                 raise SupervisionError(
-                    f"worker {self.describe(r)} stopped accepting messages: {e}"
+                    f"worker {self.describe(r)} stopped accepting messages: {e}", rank=r
                 ) from None
 
     # ------------------------------------------------------------------ stop

@@ -151,8 +151,12 @@ class Engine:
             self.batches_sent += 1
             try:
                 self.job.post(self.ranks, RunBatch(items, default_dtype))
-            except SupervisionError:
-                raise  # (a dead worker: its pending calls fail with its death)
+            except SupervisionError as e:
+                # A dead worker (one that died since the check above): its pending calls fail
+                # with its death; raised to the program here, it is told (as above)
+                if not controller.is_quiet():
+                    self.job.raised(e)
+                raise
             except Exception as e:
                 # The batch could not be encoded or sent (an internal error): the fetches it
                 # held are never answered; fail them with the cause, not a wait forever.
