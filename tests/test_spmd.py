@@ -420,6 +420,9 @@ def test_cli_killed_during_a_run_leaves_no_rank_behind(tmp_path, sig):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=cli_env(),
+        # as from a terminal: a shell runs a background job (CI's) with SIGINT ignored, and
+        # an ignored signal stays ignored through exec
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         wait_until(lambda: both_started(tmp_path), timeout=60, what="both ranks started")
