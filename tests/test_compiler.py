@@ -291,22 +291,36 @@ class _ConvNet(nn.Module):
         return self.head(self.conv2(h).flatten(1))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_data_parallel_convolutions_and_batch_norm_stay_sharded(transposed):
-    """A CNN's convolutions run on each rank's samples (a convolution had no sharding rule:
-    its input batch was gathered onto every rank and its backward all-reduced an
-    activation-sized gradient), and batch norm normalizes with the whole batch's statistics
-    from per-channel sums all-reduced (var_mean as sums), as one process on the whole batch:
-    parameters and running statistics match; the step moves only small all-reduces."""
+class _PoolNet(nn.Module):
+    """Pools, upsamplings, activations without a rule of their own before, a stack of two
+    branches and a slice of the output (whose backward makes zeros as large as it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 4 * 4 * 2, 6)
+
+    def forward(self, x):
+        h = F.hardswish(self.conv(x))  # [N, 4, 8, 8]
+        a = F.leaky_relu(F.max_pool2d(h, 2), 0.1)  # [N, 4, 4, 4]
+        b = F.adaptive_avg_pool2d(F.avg_pool2d(h, 2, stride=1), (2, 2))
+        b = F.interpolate(b, scale_factor=2, mode="nearest") + F.interpolate(
+            F.adaptive_max_pool2d(h, (2, 2)), size=(4, 4), mode="bilinear"
+        )
+        out = self.head(torch.stack([a, F.elu(b)], dim=1).flatten(1))
+        return torch.cat([out[:, :2], F.softplus(out[:, 2:])], dim=1)[:, :4]
+
+
+def _assert_data_parallel_stays_sharded(module, batches, opt=None):
+    """Training ``module()`` under dp=2 matches one process on the whole batch (parameters,
+    buffers); no op gathers a sharded input (a warning is an error); only small all-reduces
+    (gradients, per-channel statistics) are communicated."""
 
     def make():
         torch.manual_seed(0)
-        model = _ConvNet(transposed)
+        model = module()
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
 
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 3, 6, 6, generator=g) * 2 + 1, torch.randn(8, 4, generator=g))
-               for _ in range(3)]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no op falls back to running replicated
         model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
@@ -319,6 +333,31 @@ def test_data_parallel_convolutions_and_batch_norm_stay_sharded(transposed):
     moved = sum(math.prod(types[o].shape or ()) for i in plan.body if i.is_comm for o in i.outs)
     params = sum(p.numel() for p in model.parameters())
     assert moved < params + 64, "an activation was communicated"
+
+
+def _image_batches(shape, out, n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(*shape, generator=g) * 2 + 1, torch.randn(shape[0], out, generator=g))
+            for _ in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_data_parallel_convolutions_and_batch_norm_stay_sharded(transposed):
+    """A CNN's convolutions run on each rank's samples (a convolution had no sharding rule:
+    its input batch was gathered onto every rank and its backward all-reduced an
+    activation-sized gradient), and batch norm normalizes with the whole batch's statistics
+    from per-channel sums all-reduced (var_mean as sums), as one process on the whole batch:
+    parameters and running statistics match; the step moves only small all-reduces."""
+    _assert_data_parallel_stays_sharded(
+        lambda: _ConvNet(transposed), _image_batches((8, 3, 6, 6), 4)
+    )
+
+
+def test_data_parallel_pools_upsamplings_and_activations_stay_sharded():
+    """Max / average / adaptive pools, nearest and bilinear upsampling, hardswish, leaky_relu,
+    elu, softplus, a stack and a slice of the output: each had no sharding rule (its input
+    gathered onto every rank); a probe of everyday blocks under data parallel found them."""
+    _assert_data_parallel_stays_sharded(_PoolNet, _image_batches((8, 3, 8, 8), 4))
 
 
 def test_megatron_mlp_tp2():

@@ -50,6 +50,14 @@ def _aten_view(name: str) -> bool:
     return False
 
 
+# The upsampling ops (``upsample_<mode>``, each with a ``_backward``): propagation shards
+# them along the batch and channels, and lowering gives a backward's ``input_size`` (its
+# result's whole shape) the local shape.
+UPSAMPLE_MODES = (
+    "nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d", "bicubic2d", "trilinear3d",
+    "_nearest_exact1d", "_nearest_exact2d", "_nearest_exact3d",
+)  # fmt: skip
+
 ALIASING = _Aliasing()
 
 

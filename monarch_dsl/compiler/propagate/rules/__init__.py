@@ -9,6 +9,7 @@ from monarch_dsl.compiler.propagate.rules import (  # noqa: F401
     matmul,
     norm,
     pointwise,
+    pool,
     reduction,
     shape,
 )

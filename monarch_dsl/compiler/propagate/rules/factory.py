@@ -34,6 +34,19 @@ def rule_like(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
     return [Strategy((s.ins[0],), s.outs) if s.ins[0] is not None else s for s in cands]
 
 
+@rule("aten.new_zeros", "aten.new_ones", "aten.new_empty", "aten.new_full")
+def rule_new(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    """``x.new_zeros(size)``: a tensor of its own shape, one value throughout, whatever ``x``
+    is (it gives only its dtype and device): every rank can make its shard of it (slicing's
+    backward makes one as large as an activation)."""
+    cands = [Strategy((None,), (R,))]
+    out = c.outs[0]
+    for d in range(len(out.shape or ())):
+        if divisible(out, d, c.n):
+            cands.append(Strategy((None,), (Shard(d),)))
+    return cands
+
+
 @rule("aten._local_scalar_dense")
 def rule_local_scalar(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
     return [Strategy((R,), (R,))]

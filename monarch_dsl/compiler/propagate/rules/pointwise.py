@@ -13,7 +13,11 @@ POINTWISE = set(
     "copy clone detach alias lift_fresh_copy _to_copy threshold_backward gelu_backward "
     "native_dropout bernoulli rsub sgn floor ceil round trunc "
     "frac isnan logical_and logical_or bitwise_not type_as contiguous "
-    "convert_element_type zero".split()
+    "convert_element_type zero "
+    # activations and their backward ops (grad and input of one shape), and xlogy (KLDiv)
+    "mish mish_backward hardswish hardswish_backward leaky_relu leaky_relu_backward elu "
+    "elu_backward softplus softplus_backward hardtanh hardtanh_backward hardsigmoid "
+    "hardsigmoid_backward xlogy".split()
 )
 # Linear in a Partial(sum/avg) input: op(P) is P when the other tensor inputs are Replicate.
 # (clone is not: a gradient's clone in an optimizer makes it whole, where DDP would have.

@@ -121,15 +121,39 @@ def _map_dim(
     return None
 
 
-@rule("aten.cat")
+@rule("aten.cat", "aten.stack")
 def rule_cat(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    """``cat`` along ``dim``: inputs sharded alike on another dim give that shard; ``stack``
+    alike, its new dim ``dim`` of the output shifting the input dims from there on."""
     k = len(c.ins)
     nd = len(c.outs[0].shape or ())
     dim = norm_dim(ins.args[1] if len(ins.args) > 1 else dict(ins.kwargs).get("dim", 0), nd)
     cands = [Strategy((R,) * k, (R,))]
-    for d in range(nd):
-        if d != dim and all(divisible(t, d, c.n) for t in c.ins):
-            cands.append(Strategy((Shard(d),) * k, (Shard(d),)))
+    stack = name == "stack"
+    for d in range(nd - 1 if stack else nd):
+        od = d + 1 if stack and d >= dim else d
+        if (stack or d != dim) and all(divisible(t, d, c.n) for t in c.ins):
+            cands.append(Strategy((Shard(d),) * k, (Shard(od),)))
     for op in ("sum", "avg"):
         cands.append(Strategy((Partial(op),) * k, (Partial(op),)))
     return first_input_as_is(cands, c)
+
+
+@rule("aten.slice_scatter", "aten.select_scatter")
+def rule_scatter_into(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
+    """``slice_scatter(base, src, dim, ...)`` / ``select_scatter(base, src, dim, index)``
+    (slicing's and indexing's backward): ``src`` written into ``base`` along ``dim``, so a
+    shard of another dim, the same in both, is the output's (``select``'s ``src`` lacks
+    ``dim``: its dims from there on are one lower)."""
+    nd = len(c.outs[0].shape or ())
+    args = list(ins.args[2:])
+    dim = norm_dim(args[0] if args else dict(ins.kwargs).get("dim", 0), nd)
+    cands = [Strategy((R,) * len(c.ins), (R,))]
+    if len(c.ins) != 2:
+        return cands
+    for d in range(nd):
+        if d == dim:
+            continue
+        sd = d - 1 if name == "select_scatter" and d > dim else d
+        cands.append(Strategy((Shard(d), Shard(sd)), (Shard(d),)))
+    return [s for s in first_input_as_is(cands, c) if valid(s, c)]
