@@ -311,7 +311,7 @@ class _PoolNet(nn.Module):
         return torch.cat([out[:, :2], F.softplus(out[:, 2:])], dim=1)[:, :4]
 
 
-def _assert_data_parallel_stays_sharded(module, batches, opt=None):
+def _assert_data_parallel_stays_sharded(module, batches, step_of=mse_step):
     """Training ``module()`` under dp=2 matches one process on the whole batch (parameters,
     buffers); no op gathers a sharded input (a warning is an error); only small all-reduces
     (gradients, per-channel statistics) are communicated."""
@@ -319,11 +319,13 @@ def _assert_data_parallel_stays_sharded(module, batches, opt=None):
     def make():
         torch.manual_seed(0)
         model = module()
-        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mse_step
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step_of
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no op falls back to running replicated
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model, ref, losses, ref_losses, plans = simulate_training(make, batches=batches, **DP)
+    fallbacks = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    assert not fallbacks, fallbacks  # no op falls back to running replicated
     _assert_parity(model, ref, losses, ref_losses)
     for (name, a), b in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"buffer {name}")
@@ -336,8 +338,10 @@ def _assert_data_parallel_stays_sharded(module, batches, opt=None):
 
 
 def _image_batches(shape, out, n=3):
+    """``n`` batches of inputs of ``shape`` and targets of (batch, *``out``)."""
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(*shape, generator=g) * 2 + 1, torch.randn(shape[0], out, generator=g))
+    out = out if isinstance(out, tuple) else (out,)
+    return [(torch.randn(*shape, generator=g) * 2 + 1, torch.randn(shape[0], *out, generator=g))
             for _ in range(n)]  # fmt: skip
 
 
@@ -358,6 +362,60 @@ def test_data_parallel_pools_upsamplings_and_activations_stay_sharded():
     elu, softplus, a stack and a slice of the output: each had no sharding rule (its input
     gathered onto every rank); a probe of everyday blocks under data parallel found them."""
     _assert_data_parallel_stays_sharded(_PoolNet, _image_batches((8, 3, 8, 8), 4))
+
+
+def _losses_step(model, opt):
+    """Binary cross-entropy (with logits and on probabilities), smooth L1 and Huber losses."""
+
+    def step(x, y):
+        opt.zero_grad()
+        out = model(x)
+        target = torch.sigmoid(y)
+        loss = F.binary_cross_entropy_with_logits(out, target) + F.smooth_l1_loss(out, y)
+        loss = loss + F.huber_loss(out, y, delta=0.5)
+        loss = loss + F.binary_cross_entropy(torch.sigmoid(out), target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def test_data_parallel_group_norm_and_elementwise_losses_stay_sharded():
+    """GroupNorm (per sample) and the losses that are pointwise ops and a mean are traced as
+    such (torch's decompositions): each had no sharding rule, and gathered the batch."""
+
+    def module():
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Flatten(),
+            nn.Linear(8 * 4 * 4, 4),
+        )  # fmt: skip
+
+    _assert_data_parallel_stays_sharded(module, _image_batches((8, 3, 4, 4), 4), _losses_step)
+
+
+class _SelfAttention(nn.Module):
+    """A GPT-style block on (B, T, E): heads split from the batch-first projections, fused
+    causal attention, and a residual."""
+
+    def __init__(self, e=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(e, 3 * e)
+        self.proj = nn.Linear(e, e)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, e // self.heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, e))
+
+
+def test_data_parallel_fused_attention_stays_sharded():
+    """``F.scaled_dot_product_attention`` (the fused CPU kernel and its backward) had no
+    sharding rule: q, k and v were gathered onto every rank."""
+    _assert_data_parallel_stays_sharded(_SelfAttention, _image_batches((8, 5, 8), (5, 8)))
 
 
 def test_megatron_mlp_tp2():

@@ -86,6 +86,17 @@ _DECOMPOSE = [
     # instead of gathered whole onto every rank
     aten.native_batch_norm,
     aten.native_batch_norm_backward,
+    # group norm (per sample: its statistics are sums over the sample's dims) and the losses
+    # that are pointwise ops and a reduction: a batch shard stays where it is
+    aten.native_group_norm,
+    aten.native_group_norm_backward,
+    aten.binary_cross_entropy,
+    aten.binary_cross_entropy_backward,
+    aten.binary_cross_entropy_with_logits,
+    aten.smooth_l1_loss,
+    aten.smooth_l1_loss_backward,
+    aten.huber_loss,
+    aten.huber_loss_backward,
 ]
 
 
@@ -102,7 +113,32 @@ def decompositions() -> Decompositions:
     torch_addmm = table[aten.addmm.default]
     table[aten.addmm.default] = functools.partial(_addmm, torch_addmm)
     table[aten.var_mean.correction] = _var_mean
+    table[aten.as_strided.default] = _as_strided
     return {**table, **_foreach_decompositions()}
+
+
+def _as_strided(x: torch.Tensor, size: Any, stride: Any, storage_offset: Any = None) -> Any:
+    """``aten.as_strided`` that is a plain ``view`` (a contiguous tensor taken whole, with the
+    new size's contiguous strides: group norm's decomposition reshapes so) as that view, which
+    propagation shards; any other as it is (NotImplemented: make_fx traces it unchanged)."""
+    size, stride = list(size), list(stride)
+    if (
+        not storage_offset
+        and x.storage_offset() == 0
+        and x.is_contiguous()
+        and math.prod(size) == x.numel()
+        and stride == _contiguous_strides(size)
+    ):
+        return aten.view.default(x, size)
+    return NotImplemented  # (make_fx then traces the op as it is)
+
+
+def _contiguous_strides(size: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
 
 
 def _var_mean(

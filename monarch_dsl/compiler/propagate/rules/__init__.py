@@ -2,6 +2,7 @@
 (see ``propagate.registry``)."""
 
 from monarch_dsl.compiler.propagate.rules import (  # noqa: F401
+    attention,
     conv,
     embedding,
     factory,

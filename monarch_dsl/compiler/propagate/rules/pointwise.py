@@ -17,7 +17,7 @@ POINTWISE = set(
     # activations and their backward ops (grad and input of one shape), and xlogy (KLDiv)
     "mish mish_backward hardswish hardswish_backward leaky_relu leaky_relu_backward elu "
     "elu_backward softplus softplus_backward hardtanh hardtanh_backward hardsigmoid "
-    "hardsigmoid_backward xlogy".split()
+    "hardsigmoid_backward xlogy log_sigmoid_forward log_sigmoid_backward".split()
 )
 # Linear in a Partial(sum/avg) input: op(P) is P when the other tensor inputs are Replicate.
 # (clone is not: a gradient's clone in an optimizer makes it whole, where DDP would have.

@@ -18,7 +18,7 @@ from monarch_dsl.compiler.propagate.registry import (
 
 VIEWS = set(
     "view _unsafe_view reshape t transpose permute expand broadcast_to broadcast_in_dim "
-    "unsqueeze squeeze split split_with_sizes chunk slice narrow select _softmax "
+    "unsqueeze squeeze split split_with_sizes chunk slice narrow select unbind _softmax "
     "_log_softmax".split()
 )
 
@@ -114,6 +114,9 @@ def _map_dim(
         return None if dim == d else d
     if name == "select":
         dim = norm_dim(args[1], nd)
+        return None if dim == d else (d - 1 if d > dim else d)
+    if name == "unbind":  # (x, dim): selects along dim, every one
+        dim = norm_dim(args[1] if len(args) > 1 else dict(ins.kwargs).get("dim", 0), nd)
         return None if dim == d else (d - 1 if d > dim else d)
     if name in ("_softmax", "_log_softmax"):
         dim = norm_dim(args[1], nd)
