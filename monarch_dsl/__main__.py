@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.path.insert(0, args.script)
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    forkserver.run_main(args.script, args.module)
+    forkserver.run_main(args.script, args.module)  # (its module stays __main__ until exit)
     return 0
 
 

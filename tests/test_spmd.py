@@ -122,6 +122,11 @@ def test_a_rank_runs_its_script_as_python_does(pm, tmp_path, capfd):
     assert "[gpu=1] builtins: module" in out
     assert "[gpu=1] progress 2/2\n" in out and "progress 1/2" not in out
     assert "[gpu=1] form\ffeed\n" in out
+    for line in (
+        "annotations: {'x': <class 'int'>, 'return': None}",
+        "atexit pickled Config",
+    ):
+        assert line in here.stdout and f"[gpu=1] {line}" in out, (line, here.stdout, out)
     # the name prints where python prints it (it depends on the locale's error handler)
     assert ("[gpu=1] name: data_" in out) == ("name: data_" in here.stdout)
 

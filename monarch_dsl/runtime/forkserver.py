@@ -47,6 +47,7 @@ import itertools
 import logging
 import os
 import pickle
+import pkgutil
 import runpy
 import selectors
 import signal
@@ -58,6 +59,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -664,8 +666,8 @@ def run_script(
     """In a process just forked from the fork server: run ``script`` as ``__main__`` as a fresh
     ``python script ARGS`` would (``module``: as ``python -m script ARGS``: the working
     directory first on sys.path, argv[0] the module's file), with exactly ``env`` as its
-    environment; returns its exit code (SystemExit's, 1 for an uncaught exception, whose
-    traceback goes to stderr)."""
+    environment; returns its exit code (SystemExit's, 1 for an uncaught exception, reported
+    through ``sys.excepthook``: the traceback on stderr unless the script set its own)."""
     os.environ.clear()
     os.environ.update(env)
     _as_if_fresh(env)
@@ -676,9 +678,9 @@ def run_script(
     if not module and runs_as_package(script):
         sys.path[0] = script  # (python DIR: the directory itself first, then its __main__.py)
     code = 0
-    main = types.ModuleType("__main__")
+    old_main = sys.modules.get("__main__")
     try:
-        run_main(script, module, main)
+        run_main(script, module)
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException as e:  # noqa: BLE001 - as the interpreter would: report it, exit 1
@@ -686,15 +688,17 @@ def run_script(
         code = 1
         if isinstance(e, KeyboardInterrupt):
             code = 128 + signal.SIGINT
-    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit,
-    # then tear the main module down (what the script's globals held is freed: a file it
-    # opened and never closed is flushed and closed, as at a real exit).
+    # What the interpreter does at exit, in its order: join non-daemon threads, run atexit
+    # (the script's module still __main__: a handler may pickle its classes), then drop the
+    # main module (what its globals held is freed: a file it opened and never closed is
+    # flushed and closed, as at a real exit).
     try:
         threading._shutdown()  # type: ignore[attr-defined] # as multiprocessing's children do
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     atexit._run_exitfuncs()
-    _clear_module(main)
+    atexit._clear()  # (they ran; what they refer to of the script goes with the rest)
+    _drop_main(old_main)
     return code
 
 
@@ -703,48 +707,64 @@ def runs_as_package(script: str) -> bool:
     return os.path.isdir(script) or zipfile.is_zipfile(script)
 
 
-def run_main(script: str, module: bool, main: types.ModuleType | None = None) -> None:
-    """Run ``script`` (a file, a directory or zip with a ``__main__.py``, or with ``module`` a
-    module name) as ``python [-m] script`` runs it: in a module that is ``sys.modules
-    ["__main__"]`` while it runs (``main``, or a new one), whose ``__builtins__`` is the
-    builtins module, with CPython's own ``runpy`` steps for ``-m`` and packages. The caller
-    has set ``sys.argv`` and ``sys.path``."""
-    main = main if main is not None else types.ModuleType("__main__")
+def run_main(script: str, module: bool) -> None:
+    """Run ``script`` (a file, source or compiled, a directory or zip with a ``__main__.py``,
+    or with ``module`` a module name) as ``python [-m] script`` runs it: in a new module that
+    is ``sys.modules["__main__"]`` from then on, whose ``__builtins__`` is the builtins module
+    and ``__file__`` absolute, compiled without this file's ``from __future__`` flags, with
+    CPython's own ``runpy`` steps for ``-m`` and packages. The caller has set ``sys.argv``
+    and ``sys.path``."""
+    main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
-    old = sys.modules.get("__main__")
     sys.modules["__main__"] = main
-    try:
-        if module:
-            runpy._run_module_as_main(script, alter_argv=True)  # type: ignore[attr-defined]
-        elif runs_as_package(script):
-            runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
-        else:
-            with open(script, "rb") as f:
-                source = f.read()
-            main.__dict__.update(
-                __file__=script,
-                __cached__=None,
-                __package__=None,
-                __spec__=None,
-                __loader__=importlib.machinery.SourceFileLoader("__main__", script),
-            )
-            exec(compile(source, script, "exec"), main.__dict__)  # noqa: S102 - the user's script
-    finally:
-        if old is not None:
-            sys.modules["__main__"] = old
+    if module:
+        runpy._run_module_as_main(script, alter_argv=True)  # type: ignore[attr-defined]
+        return
+    if runs_as_package(script):
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+        return
+    path = os.path.abspath(script)
+    with open(path, "rb") as f:
+        code = pkgutil.read_code(f)  # a .pyc (None: not one)
+    if code is None:
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    loader._md_globals = main.__dict__  # type: ignore[attr-defined] # (see _drop_main)
+    main.__dict__.update(
+        __file__=path, __cached__=None, __package__=None, __spec__=None, __loader__=loader
+    )
+    exec(code, main.__dict__)  # noqa: S102 - the user's script
 
 
-def _clear_module(main: types.ModuleType) -> None:
-    """The interpreter's teardown of a module at exit (``_PyModule_ClearDict``): names with one
-    leading underscore set to None first, then all but ``__builtins__``; then the cycles the
-    script's functions make with its globals are collected."""
-    names = main.__dict__
+def _drop_main(old: types.ModuleType | None) -> None:
+    """As the interpreter's exit drops ``__main__``: the script's module leaves
+    ``sys.modules`` and its garbage is collected, each finalizer seeing the globals it needs
+    (the script's functions and its globals make a cycle, freed only so); then, as the
+    interpreter clears a module that outlived that (``_PyModule_ClearDict``: referred to from
+    ``sys.excepthook``, a signal handler, a thread), the script's globals are set to None,
+    names with one leading underscore first, and what they held is freed. (The globals are
+    found through the module's loader, which holds them: a weak reference to it says whether
+    they outlived the collection without keeping them alive.)"""
+    main = sys.modules.get("__main__")
+    loader = getattr(main, "__loader__", None)
+    survivor = weakref.ref(loader) if hasattr(loader, "_md_globals") else None
+    del main, loader
+    if old is not None:
+        sys.modules["__main__"] = old
+    else:
+        sys.modules.pop("__main__", None)
+    gc.collect()
+    alive = survivor() if survivor is not None else None
+    if alive is None:
+        return
+    names = alive._md_globals
+    del alive
     for pass_ in (0, 1):
         for name in list(names):
-            if name == "__builtins__":
-                continue
-            if pass_ == 1 or (name[:1] == "_" and name[1:2] != "_"):
+            if name != "__builtins__" and (pass_ == 1 or (name[:1] == "_" and name[1:2] != "_")):
                 names[name] = None
+    del names
     gc.collect()
 
 
@@ -820,7 +840,8 @@ def _script_frames(exc: BaseException, script: str) -> Any:
     """``exc``'s traceback from the script's own frames on (not runpy's or ours)."""
     tb = exc.__traceback__
     main = sys.argv[0] if sys.argv else script  # (a module's file, once runpy set it)
-    while tb is not None and tb.tb_frame.f_code.co_filename not in (script, main):
+    names = (script, main, os.path.abspath(script))
+    while tb is not None and tb.tb_frame.f_code.co_filename not in names:
         tb = tb.tb_next
     return tb or exc.__traceback__
 

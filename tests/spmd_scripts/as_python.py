@@ -1,10 +1,14 @@
 """``as_python.py DIR``: what tests/test_spmd.py compares between ``python as_python.py DIR``
 and a rank of ``run_spmd``: ``__builtins__`` (the builtins module in a real ``__main__``), a
 file opened at module level and never closed (flushed when the interpreter tears ``__main__``
-down), lines with carriage returns and form feeds, a file name that is not UTF-8, and an
-uncaught exception reported through the script's own ``sys.excepthook``."""
+down), lines with carriage returns and form feeds, a file name that is not UTF-8, an
+uncaught exception reported through the script's own ``sys.excepthook``, annotations as
+objects (no ``from __future__`` of the runner's), and an atexit handler pickling a class of
+the script (still ``__main__``'s)."""
 
+import atexit
 import os
+import pickle
 import sys
 
 out_dir = sys.argv[1]
@@ -22,6 +26,22 @@ print("progress 1/2\rprogress 2/2")
 print("form\ffeed")
 sys.stdout.flush()
 print("name:", os.fsdecode(b"data_\xff.bin"))
+
+
+def annotated(x: int) -> None:
+    pass
+
+
+print("annotations:", annotated.__annotations__)
+
+
+class Config:
+    pass
+
+
+@atexit.register
+def pickled():
+    print("atexit pickled", type(pickle.loads(pickle.dumps(Config()))).__name__)
 
 
 def hook(kind, value, tb):
