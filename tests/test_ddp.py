@@ -325,7 +325,10 @@ def test_only_a_backward_through_a_forward_of_the_wrapper_is_averaged(dp2):
                 torch.testing.assert_close(md.inspect(p.grad, dp=r), o)
         ddp.zero_grad()
         with ddp.join():  # torch's context for uneven inputs: here it just runs
-            F.mse_loss(ddp(xb), yb).backward()
+            loss = F.mse_loss(ddp(xb), yb)
+            with torch.no_grad():  # an evaluation between the forward and its backward
+                ddp(xb)
+            loss.backward()  # still averaged, as torch's (its reducer stays armed)
         for r in range(2):
             for p, m in zip(ddp.parameters(), mean):
                 torch.testing.assert_close(md.inspect(p.grad, dp=r), m)

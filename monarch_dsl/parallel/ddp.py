@@ -7,7 +7,8 @@ the import and the process setup: the model and the data are made under ``pm.act
 
 What it does, as torch's reducer does:
 
-- At construction, every parameter and buffer is broadcast from the first rank along ``dim``
+- At construction, every parameter and buffer (not the buffers with
+  ``broadcast_buffers=False``) is broadcast from the first rank along ``dim``
   (one flat all-reduce per dtype, the other ranks contributing zeros), after checking that every
   rank holds the same parameter shapes (an error names the parameter and the ranks' shapes).
 - Gradients are averaged over ``dim`` in buckets of ``bucket_cap_mb`` (the first one 1 MiB, as
@@ -24,11 +25,13 @@ What it does, as torch's reducer does:
   ``backward()`` naming the parameters (torch says only that some exist, at the next forward),
   unless ``find_unused_parameters=True``: then its bucket is reduced without it, and its
   ``.grad`` is left as it was.
-- ``no_sync()`` accumulates gradients locally; the first backward outside it reduces the sums.
-  As in torch, what decides is the forward: a backward counts (its gradients are averaged)
-  when the forward it goes through was this wrapper's, with grad enabled, outside
-  ``no_sync()``, and no backward has counted since. A second backward through the same graph
-  (``retain_graph=True``) or one through ``ddp.module(x)`` accumulates locally.
+- ``no_sync()`` accumulates gradients locally; the next forward and backward outside it
+  reduce the sums. As in torch's reducer, what decides is the wrapper's forwards: a backward
+  counts (its gradients are averaged) if a forward of this wrapper with grad enabled outside
+  ``no_sync()`` ran since the last backward that counted. So a second backward through the
+  same graph (``retain_graph=True``), or one through ``ddp.module(x)`` alone, accumulates
+  locally; an evaluation forward under ``no_grad()`` between a forward and its backward
+  changes nothing.
 - ``forward_sync_buffers`` (default True) re-broadcasts buffers from the first rank at the
   start of a forward that follows one with grad enabled outside ``no_sync()`` (and of the
   first); torch's older ``broadcast_buffers`` does the same, and ``broadcast_buffers=False``
@@ -235,7 +238,9 @@ class DistributedDataParallel(nn.Module):
                 _broadcast(buffers, self.mesh, self.dim, self._first)
         out = self.module(*args, **kwargs)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self.require_forward_param_sync = self._expect_hooks = synced
+        self.require_forward_param_sync = synced
+        if synced:  # (only a counted backward disarms: an eval forward between keeps it)
+            self._expect_hooks = True
         return out
 
     @property
@@ -540,7 +545,7 @@ def _sync_batch_norms(module: nn.Module, mesh: Any, dim: str) -> None:
     ``dim`` (``_MeshSyncBatchNorm``). On the controller torch's own falls back to a per-rank
     BatchNorm without a word (torch.distributed is not initialized here)."""
     for name, m in module.named_modules():
-        if isinstance(m, nn.SyncBatchNorm) and not isinstance(m, _MeshSyncBatchNorm):
+        if type(m) is nn.SyncBatchNorm:  # (a subclass keeps its own forward)
             if m.process_group is not None:
                 refuse_torch_mesh(f"SyncBatchNorm {name!r}'s process_group", m.process_group)
             m.__class__ = _MeshSyncBatchNorm
@@ -560,12 +565,8 @@ class _MeshSyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
-        training = self.training or (self.running_mean is None and self.running_var is None)
-        if not training:
-            return nn.functional.batch_norm(
-                input, self.running_mean, self.running_var, self.weight, self.bias,
-                False, 0.0, self.eps,
-            )  # fmt: skip
+        if not self.training:  # (torch's syncs in training only: eval uses each rank's own)
+            return super().forward(input)
         # half-precision input: the statistics in float32, as torch's (and exact counts)
         low = input.dtype in (torch.float16, torch.bfloat16)
         x = input.float() if low else input
