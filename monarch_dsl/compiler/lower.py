@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypedDict
 import torch
 
 from monarch_dsl import isa
-from monarch_dsl.compiler.ops import ALIASING, UPSAMPLE_MODES, base_name
+from monarch_dsl.compiler.ops import ALIASING, UPSAMPLES, base_name
 from monarch_dsl.compiler.plan import COMM_OPS, LOCAL_OPS, Instr, Plan, PlanError, Shard, Var
 from monarch_dsl.isa import Compute, On, Program, Slot, Step
 from monarch_dsl.isa.opnames import resolve_op
@@ -45,7 +45,7 @@ _SIZE_ARG = {
     "rand": 0,
     "randn": 0,
     # an upsampling's backward: ``input_size``, the whole (N, C, *spatial) of its result
-    **{f"upsample_{mode}_backward": 2 for mode in UPSAMPLE_MODES},
+    **{f"{op}_backward": 2 for op in UPSAMPLES},
 }
 
 

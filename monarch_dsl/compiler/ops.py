@@ -50,13 +50,13 @@ def _aten_view(name: str) -> bool:
     return False
 
 
-# The upsampling ops (``upsample_<mode>``, each with a ``_backward``): propagation shards
-# them along the batch and channels, and lowering gives a backward's ``input_size`` (its
-# result's whole shape) the local shape.
-UPSAMPLE_MODES = (
-    "nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d", "bicubic2d", "trilinear3d",
-    "_nearest_exact1d", "_nearest_exact2d", "_nearest_exact3d",
-)  # fmt: skip
+# The upsampling ops (each with a ``_backward``): propagation shards them along the batch and
+# channels, and lowering gives a backward's ``input_size`` (its result's whole shape) the local
+# shape. (torch names the nearest-exact ones with a leading underscore.)
+UPSAMPLES = tuple(
+    f"upsample_{m}" for m in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d",
+                              "bicubic2d", "trilinear3d")
+) + tuple(f"_upsample_nearest_exact{n}d" for n in (1, 2, 3))  # fmt: skip
 
 ALIASING = _Aliasing()
 

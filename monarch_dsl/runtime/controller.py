@@ -851,8 +851,8 @@ class Job:
         """A call's future raised ``exc`` to its caller (``Future.get``): a worker's death
         it names has been told (see ``told``)."""
         rank = getattr(exc, "rank", None)
-        if isinstance(exc, SupervisionError) and rank in self.dead:
-            self.told.add(rank)
+        if isinstance(exc, SupervisionError) and rank is not None:
+            self.told.add(rank)  # (its death may be recorded later: told already)
 
     def request(
         self,

@@ -5,7 +5,7 @@ backward ops are linear in the incoming gradient, so a Partial one passes too.""
 
 from __future__ import annotations
 
-from monarch_dsl.compiler.ops import UPSAMPLE_MODES
+from monarch_dsl.compiler.ops import UPSAMPLES
 from monarch_dsl.compiler.plan import Instr, Partial, Placement, Shard
 from monarch_dsl.compiler.propagate.registry import (
     Ctx,
@@ -23,10 +23,10 @@ _POOLS = [
     for n in (1, 2, 3)
     for suffix in ("", "_with_indices", "_backward", "_with_indices_backward")
 ]
-_UPSAMPLES = [f"upsample_{mode}{suffix}" for mode in UPSAMPLE_MODES for suffix in ("", "_backward")]
+_UPSAMPLES = [f"{op}{suffix}" for op in UPSAMPLES for suffix in ("", "_backward")]
 _SHUFFLES = ["pixel_shuffle", "pixel_unshuffle", "channel_shuffle"]
 # linear in the incoming gradient (the max pools' backward too, but its indices are per rank)
-_LINEAR = ("avg_pool", "upsample_")
+_LINEAR = ("avg_pool", "upsample_", "_upsample_")
 
 
 @rule(*(f"aten.{n}" for n in _POOLS + _UPSAMPLES + _SHUFFLES))
