@@ -48,8 +48,8 @@ with ``timed_out``), a poll every ``POLL`` s that notices a worker of the mesh d
 stopped and its ``md.SupervisionError`` raised, as for any call on the mesh) or the mesh being
 stopped, bounded waits for exit reports after the signals. Ctrl-C in the controller is passed
 on to the ranks as torchrun does (SIGINT: a script's ``except KeyboardInterrupt:`` runs), and
-what still runs ``STOP_GRACE`` s later is stopped as above, before the KeyboardInterrupt
-propagates. The mesh stays usable after any of these.
+what still runs ``INTERRUPT_GRACE`` s later (or at a second Ctrl-C) is stopped as above,
+before the KeyboardInterrupt propagates. The mesh stays usable after any of these.
 
 ``module=True`` (``monarch-dsl run --spmd -m pkg.train``) runs a module as ``python -m`` (and
 ``torchrun -m``) do: the working directory first on ``sys.path``, ``argv[0]`` the module's file;
@@ -115,6 +115,9 @@ from monarch_dsl.runtime import controller, forkserver, logs, memory
 from monarch_dsl.runtime.messages import ForkScripts
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping ranks
+# seconds a Ctrl-C'd rank has to finish its `except KeyboardInterrupt:` (a checkpoint) before
+# SIGTERM: torchrun's agent waits 30 s too; a second Ctrl-C stops the ranks at once
+INTERRUPT_GRACE = 30.0
 KILL_WAIT = 10.0  # after SIGKILL: the longest wait for the fork server to report the exits
 FORK_TIMEOUT = 60.0
 POLL = 0.05  # how often a waiting run looks at the mesh's workers
@@ -401,13 +404,13 @@ class _Run:
 
     def interrupt(self) -> None:
         """SIGINT every rank still running (a script's ``except KeyboardInterrupt:`` runs, as
-        under torchrun's Ctrl-C), and wait up to STOP_GRACE s for them to exit."""
+        under torchrun's Ctrl-C), and wait up to INTERRUPT_GRACE s for them to exit."""
         running = self._running()
         with self._cond:
             self.signalled.update(running)
         if running:
             self._signal(running, signal.SIGINT)
-            self._wait_exits(STOP_GRACE)
+            self._wait_exits(INTERRUPT_GRACE)
 
     def stop(self) -> None:
         """SIGTERM every rank still running, SIGKILL after STOP_GRACE s."""
