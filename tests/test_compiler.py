@@ -418,6 +418,37 @@ def test_data_parallel_fused_attention_stays_sharded():
     _assert_data_parallel_stays_sharded(_SelfAttention, _image_batches((8, 5, 8), (5, 8)))
 
 
+class _Recurrent(nn.Module):
+    """A GRU (its traced step unbinds a gate dim) and an unbind of a dim of size 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(6, 4, batch_first=True)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        (first,) = x[:, :1].unbind(1)  # one tensor from a list of one
+        return self.gru(x)[0][:, -1] + self.head(first)
+
+
+def test_a_gru_and_an_unbind_of_one_train_as_one_process():
+    """An op that returns a list of one tensor (unbind of a dim of size 1, a GRU's traced
+    step) bound the list itself to its one output: the next op failed ('expected Tensor ...
+    found list'), on one rank or two."""
+
+    def make():
+        torch.manual_seed(0)
+        model = _Recurrent()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), mse_step
+
+    batches = _image_batches((8, 3, 6), 4, n=2)
+    for mesh in ((("dp", 1),), (("dp", 2),)):
+        model, ref, losses, ref_losses, _ = simulate_training(
+            make, mesh, batches, steps=2, data_parallel="dp"
+        )
+        _assert_parity(model, ref, losses, ref_losses)
+
+
 def test_megatron_mlp_tp2():
     model, ref, losses, ref_losses, plans = simulate_training(
         _mlp(), (("tp", 2),), mse_batches(), placements=MEGATRON_MLP

@@ -305,7 +305,8 @@ def run_step(step: Compute, env: Env, device: Any = None) -> None:
     if not step.outs:  # (an op that only writes its arguments)
         return
     if len(step.outs) == 1:
-        env[step.outs[0]] = result
+        # (an op that returns a list returns one of one here: unbind of a dim of size 1)
+        env[step.outs[0]] = result[0] if isinstance(result, (list, tuple)) else result
     else:
         for slot, value in zip(step.outs, result):
             env[slot] = value
