@@ -65,12 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     from monarch_dsl.runtime import forkserver
 
     sys.argv = [args.script, *args.args]
-    if args.module:  # as python -m: the working directory first
-        sys.path.insert(0, os.getcwd())
-    elif forkserver.runs_as_package(args.script):  # a directory or zip: itself first
-        sys.path.insert(0, args.script)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    sys.path.insert(0, forkserver.first_path(args.script, args.module, os.getcwd()))
     forkserver.run_main(args.script, args.module)  # (its module stays __main__ until exit)
     return 0
 

@@ -672,11 +672,9 @@ def run_script(
     os.environ.update(env)
     _as_if_fresh(env)
     sys.argv[:] = [script, *args]
-    first = cwd if module else os.path.dirname(script)
+    first = first_path(script, module, cwd)
     sys.path[:] = [first, *(p for p in sys_path if p and p != first)]
     os.chdir(cwd)
-    if not module and runs_as_package(script):
-        sys.path[0] = script  # (python DIR: the directory itself first, then its __main__.py)
     code = 0
     old_main = sys.modules.get("__main__")
     try:
@@ -702,9 +700,19 @@ def run_script(
     return code
 
 
-def runs_as_package(script: str) -> bool:
+def _runs_as_package(script: str) -> bool:
     """``python script`` runs a directory's or a zip file's ``__main__.py``."""
     return os.path.isdir(script) or zipfile.is_zipfile(script)
+
+
+def first_path(script: str, module: bool, cwd: str) -> str:
+    """What ``python [-m] script`` puts first on ``sys.path``: the working directory ``cwd``
+    for a module, a directory or zip file itself, else the script's directory."""
+    if module:
+        return cwd
+    if _runs_as_package(script):
+        return script
+    return os.path.dirname(os.path.abspath(script))
 
 
 def run_main(script: str, module: bool) -> None:
@@ -720,7 +728,7 @@ def run_main(script: str, module: bool) -> None:
     if module:
         runpy._run_module_as_main(script, alter_argv=True)  # type: ignore[attr-defined]
         return
-    if runs_as_package(script):
+    if _runs_as_package(script):
         runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
         return
     path = os.path.abspath(script)
