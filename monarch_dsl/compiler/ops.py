@@ -50,6 +50,19 @@ def _aten_view(name: str) -> bool:
     return False
 
 
+def convolution_flags(name: str, args: Any) -> tuple[bool, tuple[bool, ...]]:
+    """``transposed`` and the output mask of ``aten.convolution`` (base ``name``; its one
+    output) or ``convolution_backward`` (the input's, weight's and bias's gradients), from
+    their positional ``args``."""
+    backward = name == "convolution_backward"
+    at = 7 if backward else 6  # (where `transposed` is)
+    transposed = bool(args[at]) if len(args) > at else False
+    if not backward:
+        return transposed, (True,)
+    mask = args[-1] if args and isinstance(args[-1], (list, tuple)) else ()
+    return transposed, tuple(bool(mask[i]) if i < len(mask) else True for i in range(3))
+
+
 # The upsampling ops (each with a ``_backward``): propagation shards them along the batch and
 # channels, and lowering gives a backward's ``input_size`` (its result's whole shape) the local
 # shape. (torch names the nearest-exact ones with a leading underscore.)

@@ -61,7 +61,7 @@ from monarch_dsl import isa
 from monarch_dsl.compiler import timeline
 from monarch_dsl.compiler.interpret import groups, sent_rows
 from monarch_dsl.compiler.lower import lower, slot_numbers
-from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name
+from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name, convolution_flags
 from monarch_dsl.compiler.plan import IMPLEMENTATIONS, Plan, PlanError, itemsize
 from monarch_dsl.compiler.profile import DeviceProfile, ProfileLike
 from monarch_dsl.isa import Program, Slot
@@ -265,19 +265,13 @@ def _conv_flops(step: isa.Compute, ins: Sequence[SlotType], outs: Sequence[SlotT
         return 0.0
     backward = base == "convolution_backward"
     x, w = (ins[1], ins[2]) if backward and len(ins) > 2 else (ins[0], ins[1])
-    args = step.args
-    transposed = (
-        bool(args[7] if backward else args[6]) if len(args) > (7 if backward else 6) else False
-    )
+    transposed, mask = convolution_flags(base, step.args)
     out = ins[0] if backward else (outs[0] if outs else None)
     big = x if transposed else out
     if big is None or big[0] is None or w[0] is None or not w[0]:
         return 0.0
     once = 2.0 * math.prod(big[0]) * math.prod(w[0]) / w[0][0]
-    if not backward:
-        return once
-    mask = args[-1] if args and isinstance(args[-1], (list, tuple)) else (True, True)
-    return once * (bool(mask[0]) + bool(mask[1] if len(mask) > 1 else True))
+    return once * (mask[0] + mask[1]) if backward else once
 
 
 # A gradient bucket's all-reduce in a block of shared memory every rank maps (cpp/shm.cpp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from monarch_dsl.compiler.ops import convolution_flags
 from monarch_dsl.compiler.plan import Instr, Partial, Placement, Shard
 from monarch_dsl.compiler.propagate.registry import (
     Ctx,
@@ -26,8 +27,7 @@ def rule_convolution(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strat
         cands.append(Strategy((Shard(0),) + (R,) * (k - 1), (Shard(0),)))
     else:  # grad and x sharded alike, the weight whole
         # (an output the mask leaves out is a placeholder: replicated)
-        mask = ins.args[-1] if ins.args and isinstance(ins.args[-1], (list, tuple)) else ()
-        made = [bool(mask[i]) if i < len(mask) else True for i in range(len(c.outs))]
+        _, made = convolution_flags(name, ins.args)
 
         def outs(*ps: Placement) -> tuple[Placement, ...]:
             return tuple(p if m else R for p, m in zip(ps, made))
