@@ -33,6 +33,7 @@ from typing import Any, TypedDict, cast
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._prims_common import make_contiguous_strides_for
 
 from monarch_dsl.compiler.ops import ALIASING, FOREACH, base_name, schema_writes
 from monarch_dsl.compiler.plan import (
@@ -121,24 +122,16 @@ def _as_strided(x: torch.Tensor, size: Any, stride: Any, storage_offset: Any = N
     """``aten.as_strided`` that is a plain ``view`` (a contiguous tensor taken whole, with the
     new size's contiguous strides: group norm's decomposition reshapes so) as that view, which
     propagation shards; any other as it is (NotImplemented: make_fx traces it unchanged)."""
-    size, stride = list(size), list(stride)
+    size = list(size)
     if (
         not storage_offset
         and x.storage_offset() == 0
         and x.is_contiguous()
         and math.prod(size) == x.numel()
-        and stride == _contiguous_strides(size)
+        and tuple(stride) == make_contiguous_strides_for(size)
     ):
         return aten.view.default(x, size)
     return NotImplemented  # (make_fx then traces the op as it is)
-
-
-def _contiguous_strides(size: list[int]) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]
 
 
 def _var_mean(

@@ -37,15 +37,9 @@ def rule_like(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
 @rule("aten.new_zeros", "aten.new_ones", "aten.new_empty", "aten.new_full")
 def rule_new(ins: Instr, c: Ctx, name: str, inplace: bool) -> list[Strategy]:
     """``x.new_zeros(size)``: a tensor of its own shape, one value throughout, whatever ``x``
-    is (it gives only its dtype and device), so any placement of it is right. Replicated is
-    first, and wins ties: slicing's backward then makes its zeros whole on every rank (no
-    communication; the scatter into it takes each rank's part)."""
-    cands = [Strategy((None,), (R,))]
-    out = c.outs[0]
-    for d in range(len(out.shape or ())):
-        if divisible(out, d, c.n):
-            cands.append(Strategy((None,), (Shard(d),)))
-    return cands
+    is (it gives only its dtype and device): made whole on every rank, ``x`` as it is, no
+    communication (slicing's backward then scatters each rank's part into its zeros)."""
+    return [Strategy((None,), (R,))]
 
 
 @rule("aten._local_scalar_dense")
