@@ -223,8 +223,9 @@ class SimJob:
                     # (the default dtype the batch was issued under, as workers take it;
                     # the program's may have changed since. Process-wide: an op issued on
                     # another thread meanwhile sees it, where the two differ)
-                    if default_dtype:
-                        torch.set_default_dtype(getattr(torch, default_dtype))
+                    want = getattr(torch, default_dtype) if default_dtype else mine
+                    if want is not mine:
+                        torch.set_default_dtype(want)
                     self.sim.run(ranks, items, issued)
                 except Exception as e:
                     # The simulator's own failure (a program the workers would run that it
@@ -236,7 +237,8 @@ class SimJob:
                     self._break(e)
                     raise SupervisionError(self.broken) from e
                 finally:
-                    torch.set_default_dtype(mine)
+                    if torch.get_default_dtype() is not mine:
+                        torch.set_default_dtype(mine)
 
     def replayed(self, run: Any, body: list[Any]) -> None:
         """``run`` (a replay's ``RunPlan``, about to be posted) stands for the instructions

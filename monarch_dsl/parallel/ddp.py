@@ -558,7 +558,8 @@ class _MeshSyncBatchNorm(nn.SyncBatchNorm):
     mean and variance are those of every rank's batch together (ranks' batches of different
     sizes weighed by size), by two sums over the dim that autograd goes through (torch's
     backward all-reduces the same two sums); the running statistics take the unbiased
-    variance, as torch's. In eval with running statistics: plain batch norm, as torch's."""
+    variance, as torch's. In eval: torch's own forward (each rank's statistics or the running
+    ones, no sync), as torch's."""
 
     _md_dim: str
 
